@@ -1,0 +1,104 @@
+"""``serve-rft``: the command line (typer + rich).
+
+Every command that takes a config accepts ``--config FILE`` (YAML) and any number of
+``--set section.field=value`` overrides, e.g. ``--set explorer.num_replicas=3
+--set trainer.lr=5e-4``. See ``configs/default.yaml`` for every field.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+
+from serve_rft.config import Config, load_config
+
+cli = typer.Typer(add_completion=False, no_args_is_help=True,
+                  help="Serve an LLM with vLLM on Ray Serve and improve it online with RL.")
+console = Console(stderr=True)
+
+ConfigOpt = typer.Option(None, "--config", "-c", help="YAML run config (configs/*.yaml).")
+SetOpt = typer.Option([], "--set", "-s", help="Override a config field: section.field=value (repeatable).")
+ModelOpt = typer.Option(None, "--model", "-m", help="A Hugging Face model directory (default: embedded).")
+PortOpt = typer.Option(None, "--port", "-p", help="HTTP port (0: pick a free one).")
+
+
+def _config(config: Optional[Path], sets: list[str], model: Optional[str] = None,
+            port: Optional[int] = None) -> Config:
+    overrides = list(sets)
+    if model:
+        overrides.append(f"model.path={model}")
+    if port is not None:
+        overrides.append(f"service.port={port}")
+    try:
+        return load_config(config, overrides)
+    except Exception as e:  # a config error is the user's: say it plainly, no traceback
+        console.print(f"[red]config error:[/red] {e}")
+        raise typer.Exit(2) from None
+
+
+@cli.command("init-model")
+def init_model(config: Optional[Path] = ConfigOpt, sets: list[str] = SetOpt) -> None:
+    """Build (once) and cache the embedded default model; print its directory."""
+    from serve_rft.model.embedded import ensure_embedded_model
+
+    cfg = _config(config, sets)
+    print(ensure_embedded_model(cfg.model.cache_dir))
+
+
+@cli.command()
+def up(config: Optional[Path] = ConfigOpt, sets: list[str] = SetOpt, model: Optional[str] = ModelOpt,
+       port: Optional[int] = PortOpt) -> None:
+    """Run the service in the foreground until SIGINT/SIGTERM."""
+    from serve_rft.service.launcher import ServiceStack, quiet_env, wait_for_signal
+
+    quiet_env()
+    cfg = _config(config, sets, model, port)
+    with ServiceStack(cfg) as stack:
+        console.print(f"[green]serve_rft up[/green] at {stack.url} "
+                      f"(model {stack.model_path}, started in {stack.startup_seconds:.1f} s)")
+        print(json.dumps({"url": stack.url, "startup_seconds": stack.startup_seconds}), flush=True)
+        wait_for_signal()
+        console.print("shutting down")
+
+
+@cli.command()
+def demo(config: Optional[Path] = ConfigOpt, sets: list[str] = SetOpt, model: Optional[str] = ModelOpt,
+         port: Optional[int] = PortOpt,
+         duration: float = typer.Option(300.0, help="Seconds of simulated traffic."),
+         users: int = typer.Option(8, help="Concurrent simulated users."),
+         report: Optional[Path] = typer.Option(None, help="Write a JSON summary here."),
+         url: Optional[str] = typer.Option(None, help="Drive an already running service instead."),
+         live: bool = typer.Option(True, help="Show the live terminal view.")) -> None:
+    """Start the service on the embedded model and drive it like real users, with rewards."""
+    from serve_rft.demo.driver import run_demo
+    from serve_rft.service.launcher import ServiceStack, quiet_env
+
+    quiet_env()
+    cfg = _config(config, sets, model, port if port is not None else 0)
+    if url:
+        summary = run_demo(url, duration, users, live=live)
+    else:
+        with ServiceStack(cfg) as stack:
+            console.print(f"service up at {stack.url} in {stack.startup_seconds:.1f} s")
+            summary = run_demo(stack.url, duration, users, live=live)
+            summary["startup_seconds"] = stack.startup_seconds
+    text = json.dumps(summary, indent=2)
+    if report:
+        report.parent.mkdir(parents=True, exist_ok=True)
+        report.write_text(text)
+    print(text)
+    if summary["requests"]["failed"]:
+        raise typer.Exit(1)
+
+
+def main() -> None:
+    cli(sys.argv[1:])
+
+
+if __name__ == "__main__":
+    main()

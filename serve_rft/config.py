@@ -1,0 +1,196 @@
+"""Typed run configuration.
+
+One pydantic model per runtime role (explorer, buffer, trainer, synchronizer, service),
+loaded from YAML plus ``--set a.b=value`` overrides. This module imports neither torch nor
+vLLM so that ``serve-rft --help`` and config validation are instant.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class SyncMethod(str, enum.Enum):
+    """How weights travel from trainer to explorer (seed 000, "Synchronization Methods")."""
+
+    CHECKPOINT = "checkpoint"
+    MEMORY = "memory"
+    NCCL = "nccl"
+
+
+class SyncStyle(str, enum.Enum):
+    """When a sync happens (seed 000, "Synchronization Styles")."""
+
+    FIXED = "fixed"
+    EXPLORER_DRIVEN = "explorer_driven"
+    TRAINER_DRIVEN = "trainer_driven"
+
+
+class ModelConfig(_Strict):
+    path: str | None = Field(
+        None,
+        description="A Hugging Face model directory. None: build (once) and use the embedded "
+        "default model under `cache_dir`.",
+    )
+    cache_dir: str = Field(
+        default_factory=lambda: os.environ.get(
+            "SERVE_RFT_CACHE", str(Path.home() / ".cache" / "serve_rft")
+        ),
+        description="Where the embedded default model is built and cached.",
+    )
+    served_name: str = Field("serve-rft", description="Model name shown by /v1/models.")
+
+
+class ExplorerConfig(_Strict):
+    num_replicas: int = Field(2, ge=1, description="vLLM explorer replicas behind Ray Serve.")
+    num_cpus_per_replica: float = Field(1.0, gt=0, description="Ray logical CPUs per replica.")
+    max_model_len: int = Field(1024, ge=16, description="Context length (prompt + response), tokens.")
+    kv_cache_gib: int = Field(1, ge=1, description="VLLM_CPU_KVCACHE_SPACE per replica, GiB.")
+    max_num_seqs: int = Field(64, ge=1, description="vLLM scheduler: concurrent sequences per replica.")
+    max_ongoing_requests: int = Field(64, ge=1, description="Ray Serve: in-flight requests per replica.")
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    max_n: int = Field(16, ge=1, description="Largest accepted `n` (choices per request).")
+    default_max_tokens: int = Field(64, ge=1, description="max_tokens when a request gives none.")
+    routing_stats_period_s: float = Field(
+        0.25, gt=0, description="How often Ray Serve polls replica routing stats (drain flag), s."
+    )
+
+
+class BufferConfig(_Strict):
+    redis_url: str | None = Field(
+        None, description="Existing Redis to use. None: start an embedded redis-server."
+    )
+    key_prefix: str = Field("srft", description="Prefix of every Redis key of this service.")
+    reward_timeout_s: float = Field(
+        3600.0, gt=0, description="An experience with no reward after this long expires, s."
+    )
+    trained_ttl_s: float = Field(
+        86400.0, gt=0, description="How long a trained experience stays readable, s."
+    )
+
+
+class TrainerConfig(_Strict):
+    enabled: bool = Field(True, description="Run the background trainer.")
+    algorithm: Literal["grpo"] = Field(
+        "grpo",
+        description="grpo: group-normalised advantages when a group has >= 2 rewarded choices, "
+        "else reward minus a running baseline; PPO clipped ratio vs behaviour logprobs.",
+    )
+    batch_size: int = Field(32, ge=1, description="Experiences per training step (upper bound).")
+    min_batch_size: int = Field(8, ge=1, description="Wait for at least this many ready experiences.")
+    batch_wait_s: float = Field(
+        2.0, ge=0, description="Wait this long for a full batch before training on >= min_batch_size."
+    )
+    lr: float = Field(1e-3, gt=0, description="AdamW learning rate.")
+    weight_decay: float = Field(0.0, ge=0)
+    clip_low: float = Field(0.2, ge=0, description="PPO ratio clip: 1 - clip_low.")
+    clip_high: float = Field(0.28, ge=0, description="PPO ratio clip: 1 + clip_high.")
+    grad_clip: float = Field(1.0, gt=0, description="Max global gradient norm.")
+    baseline_momentum: float = Field(
+        0.9, ge=0, lt=1, description="EMA momentum of the running reward baseline."
+    )
+    num_threads: int = Field(1, ge=1, description="torch threads of the trainer process.")
+    keep_checkpoints: int = Field(5, ge=1, description="Published versions kept on disk.")
+    seed: int = 0
+
+
+class SynchronizerConfig(_Strict):
+    sync_method: SyncMethod = SyncMethod.CHECKPOINT
+    sync_style: SyncStyle = SyncStyle.FIXED
+    sync_interval: int = Field(1, ge=1, description="FIXED: trainer steps per published version.")
+    sync_offset: int = Field(0, ge=0, description="FIXED: trainer steps before the first sync.")
+    max_unavailable: int = Field(1, ge=1, description="Replicas that may sync at the same time.")
+    drain_mode: Literal["wait", "keep"] = Field(
+        "wait",
+        description="wait: finish in-flight requests on the old weights before loading; "
+        "keep: pause them, load, and continue them on the new weights.",
+    )
+    replica_timeout_s: float = Field(
+        30.0, gt=0, description="A replica not heard from for this long is STOPPED."
+    )
+
+    @model_validator(mode="after")
+    def _only_checkpoint_yet(self) -> "SynchronizerConfig":
+        if self.sync_method is not SyncMethod.CHECKPOINT:
+            raise ValueError(
+                f"sync_method={self.sync_method.value} is not implemented yet; use checkpoint"
+            )
+        if self.sync_style is not SyncStyle.FIXED:
+            raise ValueError(f"sync_style={self.sync_style.value} is not implemented yet; use fixed")
+        return self
+
+
+class ServiceConfig(_Strict):
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535, description="HTTP port; 0 picks a free one.")
+    run_dir: str = Field("runs/default", description="Checkpoints, redis data and logs live here.")
+    ray_address: str | None = Field(None, description="Existing Ray cluster. None: start one.")
+    ray_num_cpus: int = Field(8, ge=1, description="Logical CPUs of a locally started Ray.")
+
+
+class Config(_Strict):
+    """The whole run: one section per runtime role."""
+
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    explorer: ExplorerConfig = Field(default_factory=ExplorerConfig)
+    buffer: BufferConfig = Field(default_factory=BufferConfig)
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    synchronizer: SynchronizerConfig = Field(default_factory=SynchronizerConfig)
+    service: ServiceConfig = Field(default_factory=ServiceConfig)
+
+    @model_validator(mode="after")
+    def _always_one_serving(self) -> "Config":
+        n = self.explorer.num_replicas
+        if n > 1 and self.synchronizer.max_unavailable >= n:
+            raise ValueError(
+                f"synchronizer.max_unavailable={self.synchronizer.max_unavailable} would let all "
+                f"{n} replicas sync at once; it must be < explorer.num_replicas"
+            )
+        return self
+
+
+def _parse_value(raw: str) -> Any:
+    """Parse an override value with YAML rules (``1`` -> int, ``true`` -> bool, ``a`` -> str)."""
+    return yaml.safe_load(raw)
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply ``section.field=value`` overrides to a raw config dict (in place, returned).
+
+    Raises:
+        ValueError: an override without ``=``.
+    """
+    for item in overrides:
+        if "=" not in item:
+            raise ValueError(f"override {item!r} is not of the form section.field=value")
+        dotted, raw = item.split("=", 1)
+        node = data
+        parts = dotted.strip().split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+        node[parts[-1]] = _parse_value(raw)
+    return data
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Load a YAML config file (optional) and apply overrides.
+
+    Raises:
+        pydantic.ValidationError: a field of the wrong type or out of bounds.
+        FileNotFoundError: ``path`` does not exist.
+    """
+    data: dict[str, Any] = {}
+    if path is not None:
+        data = yaml.safe_load(Path(path).read_text()) or {}
+    apply_overrides(data, overrides or [])
+    return Config.model_validate(data)

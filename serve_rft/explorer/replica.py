@@ -1,0 +1,325 @@
+"""An explorer replica: the OpenAI HTTP API over one vLLM engine, logging every experience.
+
+One Ray Serve replica = one `ExplorerEngine`. Requests arrive through Ray Serve's proxy (routed
+around draining replicas by `serve_rft.explorer.router.DrainAwareRouter`). Each completion's
+choices are written to the `ExperienceStore` before the response ends. A background task
+long-polls the `Synchronizer`; when granted a sync it announces a drain (routing stats), pauses
+vLLM, reloads the weights of the new policy version, resumes and reports back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from typing import Any, AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import ValidationError
+
+from serve_rft.buffer.store import ExperienceStore, RewardError
+from serve_rft.config import Config
+from serve_rft.explorer import openai_format as fmt
+from serve_rft.explorer.protocol import ApiError, ChatCompletionRequest, parse_reward_body
+from serve_rft.types import SamplingInfo, SyncOrder
+
+log = logging.getLogger("serve_rft.explorer")
+
+REPLICA_HEADER = "x-serve-rft-replica"
+VERSION_HEADER = "x-serve-rft-policy-version"
+MAX_BODY_BYTES = 8 * 1024 * 1024
+
+app = FastAPI(title="serve_rft", version="0.1.0")
+
+
+def _validation_message(e: ValidationError) -> tuple[str, str | None]:
+    err = e.errors()[0]
+    param = ".".join(str(p) for p in err.get("loc", ())) or None
+    return f"{param}: {err.get('msg')}" if param else str(err.get("msg")), param
+
+
+async def _json_body(request: Request) -> Any:
+    raw = await request.body()
+    if len(raw) > MAX_BODY_BYTES:
+        raise ApiError(413, f"request body is larger than {MAX_BODY_BYTES} bytes")
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ApiError(400, f"request body is not valid JSON: {e}") from None
+
+
+def _error(e: ApiError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status)
+
+
+class ExplorerReplica:
+    """The Serve deployment class (decorated in `serve_rft.service.app`)."""
+
+    async def __init__(self, config_json: str, model_path: str):
+        from ray import serve
+        from transformers import AutoTokenizer
+
+        from serve_rft.explorer.engine import ExplorerEngine
+        from serve_rft.synchronizer.actor import get_synchronizer
+
+        self.cfg = Config.model_validate_json(config_json)
+        self.model_path = model_path
+        self.replica_id = serve.get_replica_context().replica_id.unique_id
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        self.store = ExperienceStore(self.cfg.buffer.redis_url, self.cfg.buffer.key_prefix,
+                                     self.cfg.buffer.reward_timeout_s, self.cfg.buffer.trained_ttl_s)
+        self.sync = get_synchronizer()
+        self.engine = await ExplorerEngine.create(model_path, self.cfg.explorer)
+        self.draining = False
+        self.loaded_path = model_path
+        self.requests_while_draining = 0
+        latest = await self.sync.latest.remote()
+        if latest:  # a restarted or new replica loads the latest version before taking traffic
+            await self.engine.load_checkpoint(latest["path"], latest["version"])
+            self.loaded_path = latest["path"]
+        await self.sync.register.remote(self.replica_id, self.engine.policy_version)
+        self._sync_task = asyncio.create_task(self._sync_loop())
+
+    # -- Ray Serve hooks ---------------------------------------------------------------
+    def record_routing_stats(self) -> dict[str, Any]:
+        """Read by `DrainAwareRouter`: a draining replica gets no new requests."""
+        return {"draining": self.draining, "policy_version": self.engine.policy_version}
+
+    async def check_health(self) -> None:
+        if self._sync_task.done():
+            exc = self._sync_task.exception()
+            raise RuntimeError(f"sync loop ended: {exc!r}")
+
+    def __del__(self):
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.shutdown()
+
+    # -- weight sync ---------------------------------------------------------------------
+    async def _sync_loop(self) -> None:
+        while True:
+            order = await self.sync.poll.remote(self.replica_id, self.engine.policy_version, 1.0)
+            if order is not None:
+                await self._apply(SyncOrder.model_validate(order))
+
+    async def _apply(self, order: SyncOrder) -> None:
+        """Drain, pause, load, resume; report the outcome to the synchronizer.
+
+        A failed load restores the previous version's weights (never half old, half new) and is
+        reported as a failure; it is not swallowed.
+        """
+        self.draining = True
+        previous = (self.loaded_path, self.engine.policy_version)
+        try:
+            # Routers read routing stats every `routing_stats_period_s`: announce, then wait.
+            await asyncio.sleep(2 * self.cfg.explorer.routing_stats_period_s + 0.1)
+            await self.engine.pause(order.drain_mode)
+            try:
+                await self.engine.load_checkpoint(order.path, order.version)
+                self.loaded_path = order.path
+            except Exception as e:  # restore a consistent model, then report
+                log.exception("replica %s failed to load version %s", self.replica_id, order.version)
+                await self.engine.load_checkpoint(previous[0], previous[1])
+                await self.engine.resume()
+                await self.sync.failed.remote(self.replica_id, order.version, repr(e))
+                return
+            await self.engine.resume()
+        finally:
+            self.draining = False
+        await self.sync.synced.remote(self.replica_id, order.version)
+
+    # -- HTTP ----------------------------------------------------------------------------
+    def _headers(self, version: int) -> dict[str, str]:
+        return {REPLICA_HEADER: self.replica_id, VERSION_HEADER: str(version)}
+
+    @app.get("/health")
+    async def health(self) -> JSONResponse:
+        return JSONResponse({"status": "ok", "replica": self.replica_id,
+                             "policy_version": self.engine.policy_version},
+                            headers=self._headers(self.engine.policy_version))
+
+    @app.get("/v1/models")
+    async def models(self) -> JSONResponse:
+        name = self.cfg.model.served_name
+        return JSONResponse({"object": "list", "data": [
+            {"id": name, "object": "model", "created": 0, "owned_by": "serve_rft",
+             "root": self.model_path, "max_model_len": self.cfg.explorer.max_model_len}]})
+
+    @app.get("/v1/status")
+    async def status(self) -> JSONResponse:
+        sync_status = await self.sync.status.remote()
+        counts = await self.store.counts()
+        sync_status["experiences"] = counts.__dict__
+        return JSONResponse(sync_status)
+
+    @app.get("/v1/sync/events")
+    async def sync_events(self, since: float = 0.0) -> JSONResponse:
+        return JSONResponse({"events": await self.sync.events.remote(since)})
+
+    @app.post("/v1/rewards")
+    async def rewards(self, request: Request) -> JSONResponse:
+        try:
+            body = await _json_body(request)
+            try:
+                items = parse_reward_body(body)
+            except ValidationError as e:
+                msg, param = _validation_message(e)
+                raise ApiError(422, msg, param) from None
+            results = []
+            for item in items:
+                try:
+                    recorded = await self.store.post_reward(item.completion_id, item.choice_index, item.reward)
+                except RewardError as e:
+                    code = {404: "not_found", 409: "conflict", 410: "expired", 422: "invalid_reward"}
+                    raise ApiError(e.status, e.message, "reward" if e.status == 422 else "completion_id",
+                                   code=code.get(e.status)) from None
+                results.append({"completion_id": item.completion_id, "choice_index": item.choice_index,
+                                "status": "recorded" if recorded else "duplicate"})
+        except ApiError as e:
+            return _error(e)
+        return JSONResponse({"object": "list", "data": results})
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(self, request: Request):
+        if self.draining:
+            self.requests_while_draining += 1
+        try:
+            body = await _json_body(request)
+            try:
+                req = ChatCompletionRequest.model_validate(body)
+            except ValidationError as e:
+                msg, param = _validation_message(e)
+                raise ApiError(400, msg, param) from None
+            prompt_ids, params, sampling = self._prepare(req)
+        except ApiError as e:
+            return _error(e)
+        cid = f"chatcmpl-{uuid.uuid4().hex}"
+        if req.stream:
+            return StreamingResponse(self._stream(req, cid, prompt_ids, params, sampling),
+                                     media_type="text/event-stream",
+                                     headers=self._headers(self.engine.policy_version))
+        return await self._complete(req, cid, prompt_ids, params, sampling)
+
+    def _prepare(self, req: ChatCompletionRequest):
+        """Tokenize with the chat template and build vLLM `SamplingParams`.
+
+        Raises:
+            ApiError: 400 for ``n`` too large or a prompt that does not fit the context.
+        """
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        ecfg = self.cfg.explorer
+        if req.n > ecfg.max_n:
+            raise ApiError(400, f"n must be <= {ecfg.max_n}", "n")
+        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        try:
+            prompt_ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                            tokenize=True, return_dict=False)
+        except Exception as e:  # a template that cannot render these messages
+            raise ApiError(400, f"messages cannot be rendered by the chat template: {e}", "messages") from None
+        if hasattr(prompt_ids, "keys"):
+            prompt_ids = prompt_ids["input_ids"]
+        prompt_ids = list(prompt_ids)
+        room = ecfg.max_model_len - len(prompt_ids)
+        asked = req.max_completion_tokens or req.max_tokens
+        if room < 1 or (asked is not None and asked > room):
+            raise ApiError(400, f"this model's maximum context length is {ecfg.max_model_len} tokens; "
+                           f"the messages take {len(prompt_ids)} and max_tokens asks {asked or 1}",
+                           "messages", code="context_length_exceeded")
+        max_tokens = asked or min(ecfg.default_max_tokens, room)
+        params = SamplingParams(
+            n=req.n, temperature=req.temperature, top_p=req.top_p, max_tokens=max_tokens,
+            stop=req.stop_list() or None, seed=req.seed,
+            logprobs=(req.top_logprobs or 0) if req.logprobs else 0,
+            output_kind=RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY,
+        )
+        sampling = SamplingInfo(temperature=req.temperature, top_p=req.top_p, max_tokens=max_tokens,
+                                seed=req.seed, stop=req.stop_list())
+        return prompt_ids, params, sampling
+
+    async def _log(self, cid, prompt_ids, accs, sampling, created_at, version) -> None:
+        exps = fmt.build_experiences(cid, self.replica_id, prompt_ids, accs, sampling, created_at, version)
+        await self.store.log_experiences(exps, num_choices=len(accs))
+
+    async def _complete(self, req, cid, prompt_ids, params, sampling) -> JSONResponse:
+        created_at = time.time()
+        version = self.engine.policy_version
+        accs = {i: fmt.ChoiceAccumulator(i) for i in range(req.n)}
+        async for ro in self.engine.generate(prompt_ids, params, cid):
+            for out in ro.outputs:
+                accs[out.index].add(out, req.top_logprobs)
+        choices = list(accs.values())
+        version = min((v for c in choices for v, _, _ in c.spans(version)), default=version)
+        await self._log(cid, prompt_ids, choices, sampling, created_at, version)
+        body = fmt.chat_response(cid, req.model or self.cfg.model.served_name, int(created_at), version,
+                                 choices, len(prompt_ids), req.logprobs)
+        return JSONResponse(body, headers=self._headers(version))
+
+    async def _stream(self, req, cid, prompt_ids, params, sampling) -> AsyncIterator[str]:
+        created_at = time.time()
+        created = int(created_at)
+        version = self.engine.policy_version
+        model = req.model or self.cfg.model.served_name
+        accs = {i: fmt.ChoiceAccumulator(i) for i in range(req.n)}
+
+        def sse(obj: dict) -> str:
+            return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+
+        for i in range(req.n):
+            yield sse(fmt.chunk(cid, model, created, version, [
+                {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                 "finish_reason": None}]))
+        try:
+            async for ro in self.engine.generate(prompt_ids, params, cid):
+                for out in ro.outputs:
+                    entries = accs[out.index].add(out, req.top_logprobs)
+                    if out.text or entries:
+                        yield sse(fmt.chunk(cid, model, created, version, [{
+                            "index": out.index, "delta": {"content": out.text},
+                            "logprobs": {"content": entries} if req.logprobs else None,
+                            "finish_reason": None}]))
+            choices = list(accs.values())
+            await self._log(cid, prompt_ids, choices, sampling, created_at, version)
+        except Exception as e:  # engine failure mid-stream: tell the client, in-band
+            log.exception("stream %s failed", cid)
+            yield sse(ApiError(500, f"generation failed: {e!r}", type_="server_error").body())
+            yield "data: [DONE]\n\n"
+            return
+        for c in choices:  # finish reasons only after the experiences are stored
+            yield sse(fmt.chunk(cid, model, created, version, [
+                {"index": c.index, "delta": {}, "logprobs": None,
+                 "finish_reason": fmt.finish_reason(c.finish_reason)}]))
+        if req.stream_options and req.stream_options.include_usage:
+            done = sum(len(c.token_ids) for c in choices)
+            yield sse(fmt.chunk(cid, model, created, version, [], usage={
+                "prompt_tokens": len(prompt_ids), "completion_tokens": done,
+                "total_tokens": len(prompt_ids) + done}))
+        yield "data: [DONE]\n\n"
+
+
+@app.exception_handler(ApiError)
+async def _api_error(_request: Request, e: ApiError) -> JSONResponse:
+    return _error(e)
+
+
+def _install_error_handlers() -> None:
+    """Turn FastAPI's own 404/405/422 answers into OpenAI error JSON."""
+    from fastapi.exceptions import RequestValidationError
+    from starlette.exceptions import HTTPException
+
+    @app.exception_handler(HTTPException)
+    async def _http(_request: Request, e: HTTPException) -> JSONResponse:
+        return _error(ApiError(e.status_code, str(e.detail)))
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_request: Request, e: RequestValidationError) -> JSONResponse:
+        err = e.errors()[0] if e.errors() else {}
+        param = ".".join(str(p) for p in err.get("loc", ())) or None
+        return _error(ApiError(400, f"{param}: {err.get('msg')}", param))
+
+
+_install_error_handlers()

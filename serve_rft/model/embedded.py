@@ -1,0 +1,151 @@
+"""The embedded default model: a tiny Qwen2 built locally, once, and cached.
+
+Nothing is downloaded. The tokenizer is a byte-level BPE trained with `tokenizers` on a fixed,
+sorted list of Python standard-library sources (the same text on every machine with the same
+Python), the weights are a seeded random init, and the chat template is ChatML. The result is an
+ordinary Hugging Face directory (``config.json``, ``model.safetensors``, tokenizer files) that
+vLLM and transformers load like any other model.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sysconfig
+import tempfile
+from pathlib import Path
+
+EMBEDDED_NAME = "embedded-qwen2-v1"
+"""Cache folder name; bump the suffix whenever the recipe below changes."""
+
+VOCAB_SIZE = 1024
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+# Architecture: head_dim 32 (head_dim 16 is unsupported by vLLM's CPU attention, NOTES.md).
+ARCH = dict(
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=2048,
+    rope_theta=10000.0,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=True,
+)
+_CORPUS_DIRS = ["json", "email", "http", "logging", "unittest", "asyncio", "xml"]
+
+
+def _corpus_files() -> list[str]:
+    """Sorted stdlib source files used to train the tokenizer (deterministic per Python)."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files: list[str] = []
+    for name in _CORPUS_DIRS:
+        files.extend(sorted(str(p) for p in (root / name).rglob("*.py")))
+    if not files:
+        raise FileNotFoundError(f"no standard-library sources under {root}")
+    return files
+
+
+def _train_tokenizer(out_dir: Path) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train(_corpus_files(), trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token=None,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        unk_token=None,
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(str(out_dir))
+
+
+def _build_weights(out_dir: Path, vocab_size: int, seed: int) -> None:
+    import torch
+    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(out_dir))
+    eos_id = tok.convert_tokens_to_ids("<|im_end|>")
+    pad_id = tok.convert_tokens_to_ids("<|endoftext|>")
+    cfg = Qwen2Config(
+        vocab_size=vocab_size,
+        bos_token_id=pad_id,
+        eos_token_id=eos_id,
+        pad_token_id=pad_id,
+        torch_dtype="float32",
+        **ARCH,
+    )
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(cfg).to(torch.float32)
+    model.save_pretrained(str(out_dir), safe_serialization=True)
+    GenerationConfig(eos_token_id=eos_id, pad_token_id=pad_id).save_pretrained(str(out_dir))
+
+
+def embedded_model_dir(cache_dir: str | Path) -> Path:
+    """Where the embedded model lives (built or not)."""
+    return Path(cache_dir) / EMBEDDED_NAME
+
+
+def ensure_embedded_model(cache_dir: str | Path, seed: int = 0) -> Path:
+    """Build the embedded model under ``cache_dir`` unless it is there already.
+
+    The build goes to a temporary sibling folder that is renamed into place, so a crashed
+    build never leaves a half model behind and concurrent builders do not clash.
+
+    Returns:
+        The model directory (``config.json``, ``model.safetensors``, tokenizer, chat template).
+    """
+    target = embedded_model_dir(cache_dir)
+    if (target / "model.safetensors").exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{EMBEDDED_NAME}.", dir=str(target.parent)))
+    os.chmod(tmp, 0o755)
+    try:
+        _train_tokenizer(tmp)
+        vocab_size = len(json.loads((tmp / "tokenizer.json").read_text())["model"]["vocab"])
+        _build_weights(tmp, vocab_size=vocab_size, seed=seed)
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            if not (target / "model.safetensors").exists():
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def resolve_model_path(path: str | None, cache_dir: str | Path) -> Path:
+    """The model directory to serve and train: ``path`` if given, else the embedded model.
+
+    Raises:
+        FileNotFoundError: ``path`` is given but has no ``config.json``.
+    """
+    if path:
+        p = Path(path).expanduser().resolve()
+        if not (p / "config.json").exists():
+            raise FileNotFoundError(f"{p} is not a Hugging Face model directory (no config.json)")
+        return p
+    return ensure_embedded_model(cache_dir)

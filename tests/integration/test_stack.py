@@ -1,0 +1,194 @@
+"""The whole loop on real parts: serve -> log -> reward -> train -> rolling sync."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import httpx
+import openai
+import pytest
+
+from serve_rft.buffer.store import ExperienceStore
+
+pytestmark = pytest.mark.integration
+
+
+def _store(stack) -> ExperienceStore:
+    return ExperienceStore(stack.redis_url, stack.prefix)
+
+
+async def _experience(stack, cid: str, i: int):
+    s = _store(stack)
+    try:
+        return await s.get_experience(cid, i)
+    finally:
+        await s.close()
+
+
+def test_health_models_status(stack):
+    assert httpx.get(f"{stack.url}/health").status_code == 200
+    models = openai.OpenAI(base_url=f"{stack.url}/v1", api_key="x").models.list()
+    assert [m.id for m in models.data] == ["serve-rft"]
+    st = httpx.get(f"{stack.url}/v1/status").json()
+    assert len(st["replicas"]) == 2
+    assert {r["state"] for r in st["replicas"]} <= {"RUNNING", "REQUIRE_SYNC"}
+    assert set(st["experiences"]) >= {"pending", "ready", "trained"}
+
+
+def test_non_streaming_response_matches_logged_experience(stack):
+    from transformers import AutoTokenizer
+
+    client = openai.OpenAI(base_url=f"{stack.url}/v1", api_key="x")
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello there"}]
+    raw = client.chat.completions.with_raw_response.create(
+        model="serve-rft", messages=messages, max_tokens=12, n=2, logprobs=True, top_logprobs=2,
+        temperature=0.9, seed=7)
+    comp = raw.parse()
+    replica = raw.headers["x-serve-rft-replica"]
+    version = int(raw.headers["x-serve-rft-policy-version"])
+    assert comp.system_fingerprint == f"policy-v{version}"
+    assert len(comp.choices) == 2
+    tok = AutoTokenizer.from_pretrained(str(stack.model_path))
+    prompt_ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                         return_dict=False)
+    for choice in comp.choices:
+        exp = asyncio.run(_experience(stack, comp.id, choice.index))
+        assert exp is not None, "experience must be logged before the response returns"
+        assert exp.replica_id == replica and exp.group_id == comp.id
+        assert exp.prompt_token_ids == list(prompt_ids)
+        assert len(exp.response_token_ids) == len(choice.logprobs.content)
+        assert exp.behaviour_logprobs == pytest.approx([c.logprob for c in choice.logprobs.content])
+        assert all(len(c.top_logprobs) == 2 for c in choice.logprobs.content)
+        assert tok.decode(exp.response_token_ids) == choice.message.content
+        assert exp.min_version == version
+        assert exp.sampling.temperature == 0.9 and exp.sampling.seed == 7
+        assert exp.finish_reason == choice.finish_reason
+    assert comp.usage.completion_tokens == sum(len(c.logprobs.content) for c in comp.choices)
+
+
+def test_streaming_with_async_client_is_logged(stack):
+    async def go():
+        client = openai.AsyncOpenAI(base_url=f"{stack.url}/v1", api_key="x")
+        stream = await client.chat.completions.create(
+            model="serve-rft", messages=[{"role": "user", "content": "stream please"}], max_tokens=10,
+            n=2, stream=True, stream_options={"include_usage": True}, logprobs=True)
+        texts, cid, usage, finishes = ["", ""], None, None, {}
+        async for chunk in stream:
+            cid = chunk.id
+            usage = chunk.usage or usage
+            for ch in chunk.choices:
+                texts[ch.index] += ch.delta.content or ""
+                if ch.finish_reason:
+                    finishes[ch.index] = ch.finish_reason
+        await client.close()
+        return cid, texts, usage, finishes
+
+    cid, texts, usage, finishes = asyncio.run(go())
+    assert cid.startswith("chatcmpl-") and set(finishes) == {0, 1}
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(stack.model_path))
+    n_tokens = 0
+    for i in (0, 1):
+        exp = asyncio.run(_experience(stack, cid, i))
+        assert tok.decode(exp.response_token_ids) == texts[i]
+        assert len(exp.behaviour_logprobs) == len(exp.response_token_ids)
+        n_tokens += len(exp.response_token_ids)
+    assert usage.completion_tokens == n_tokens
+
+    # the sync client streams too
+    client = openai.OpenAI(base_url=f"{stack.url}/v1", api_key="x")
+    chunks = list(client.chat.completions.create(
+        model="serve-rft", messages=[{"role": "user", "content": "x"}], max_tokens=4, stream=True))
+    assert chunks[-1].choices[0].finish_reason in ("length", "stop")
+
+
+def test_bad_input_gets_openai_errors(stack):
+    u = stack.url
+    r = httpx.post(f"{u}/v1/chat/completions", content=b"{not json")
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    r = httpx.post(f"{u}/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}], "n": 1000})
+    assert r.status_code == 400 and "n" in r.json()["error"]["message"]
+    r = httpx.post(f"{u}/v1/chat/completions", json={"messages": []})
+    assert r.status_code == 400
+    r = httpx.post(f"{u}/v1/chat/completions",
+                   json={"messages": [{"role": "user", "content": "word " * 3000}], "max_tokens": 5})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    client = openai.OpenAI(base_url=f"{u}/v1", api_key="x", max_retries=0)
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model="serve-rft", messages=[{"role": "user", "content": "x"}],
+                                       temperature=5)
+    comp = client.chat.completions.create(model="serve-rft", messages=[{"role": "user", "content": "x"}],
+                                          max_tokens=3)
+    post = lambda body: httpx.post(f"{u}/v1/rewards", json=body)  # noqa: E731
+    assert post({"completion_id": "chatcmpl-nope", "reward": 1}).status_code == 404
+    assert post({"completion_id": comp.id, "choice_index": 3, "reward": 1}).status_code == 404
+    assert post({"completion_id": comp.id, "reward": "high"}).status_code == 422
+    r = httpx.post(f"{u}/v1/rewards", content=json.dumps({"completion_id": comp.id, "reward": float("nan")}))
+    assert r.status_code == 422 and r.json()["error"]["param"] == "reward"
+    assert post({"completion_id": comp.id, "reward": 0.25}).status_code == 200
+    assert post({"completion_id": comp.id, "reward": 0.25}).json()["data"][0]["status"] == "duplicate"
+    r = post({"completion_id": comp.id, "reward": 0.5})
+    assert r.status_code == 409 and r.json()["error"]["code"] == "conflict"
+    # the service still serves after all of that
+    assert httpx.get(f"{u}/health").status_code == 200
+
+
+def test_training_rolls_new_versions_across_replicas_without_failures(stack):
+    """Load + rewards until two trainer versions reached every replica; no request fails and
+    at least one replica is RUNNING at every recorded state change."""
+    t_start = time.time()
+    outcomes: list[tuple[bool, str, int]] = []
+
+    async def user(client, http, stop):
+        while not stop.is_set():
+            try:
+                raw = await client.chat.completions.with_raw_response.create(
+                    model="serve-rft", messages=[{"role": "user", "content": "go"}], max_tokens=8, n=4)
+                comp = raw.parse()
+                outcomes.append((True, raw.headers["x-serve-rft-replica"],
+                                 int(raw.headers["x-serve-rft-policy-version"])))
+                rewards = [{"completion_id": comp.id, "choice_index": c.index,
+                            "reward": sum(ch in "aeiou" for ch in c.message.content or "")}
+                           for c in comp.choices]
+                r = await http.post("/v1/rewards", json={"rewards": rewards})
+                assert r.status_code == 200, r.text
+            except openai.APIError as e:
+                outcomes.append((False, repr(e), -1))
+
+    async def go():
+        client = openai.AsyncOpenAI(base_url=f"{stack.url}/v1", api_key="x", max_retries=0, timeout=120)
+        stop = asyncio.Event()
+        async with httpx.AsyncClient(base_url=stack.url, timeout=60) as http:
+            users = [asyncio.create_task(user(client, http, stop)) for _ in range(6)]
+            deadline = time.monotonic() + 300
+            target = None
+            while time.monotonic() < deadline:
+                await asyncio.sleep(1)
+                st = (await http.get("/v1/status")).json()
+                if target is None and st["policy_version"] >= 1:
+                    target = st["policy_version"] + 1  # two versions: the first and a later one
+                if target and all(r["policy_version"] >= target for r in st["replicas"]):
+                    break
+            stop.set()
+            await asyncio.gather(*users)
+            st = (await http.get("/v1/status")).json()
+            events = (await http.get("/v1/sync/events", params={"since": t_start})).json()["events"]
+        await client.close()
+        return target, st, events
+
+    target, st, events = asyncio.run(go())
+    failed = [o for o in outcomes if not o[0]]
+    assert not failed, failed[:5]
+    assert target is not None, "the trainer never published a version"
+    assert all(r["policy_version"] >= target for r in st["replicas"]), st
+    assert st["experiences"]["trained"] > 0
+    syncs = [e for e in events if e["state"] == "REQUIRE_SYNC"]
+    assert len(syncs) >= 4, events  # two versions x two replicas, at least
+    assert all(e["serving"] >= 1 for e in events if e["component"] != "trainer"), events
+    served = {o[1] for o in outcomes}
+    assert len(served) == 2, "both replicas served traffic"
+    assert max(o[2] for o in outcomes) >= 1, "responses came from trained policy versions"
+    assert st["version_lag_s"], "version lag is measured"

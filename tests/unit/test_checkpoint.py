@@ -1,0 +1,44 @@
+import torch
+from safetensors.torch import load_file
+
+from serve_rft.trainer.checkpoint import MARKER, committed_versions, save_version, version_dir
+
+
+class _Tiny(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.arange(6, dtype=torch.float32).reshape(2, 3))
+
+    def save_pretrained(self, path, safe_serialization=True):
+        from pathlib import Path
+
+        from safetensors.torch import save_file
+
+        save_file({"w": self.w.detach()}, str(Path(path) / "model.safetensors"))
+        (Path(path) / "config.json").write_text("{}")
+
+
+def test_versions_are_committed_in_new_folders_and_pruned(tmp_path):
+    m = _Tiny()
+    for v in range(1, 6):
+        with torch.no_grad():
+            m.w += 1
+        p = save_version(m, tmp_path, v, keep=3)
+        assert p == version_dir(tmp_path, v) and (p / MARKER).exists()
+    assert committed_versions(tmp_path) == [3, 4, 5]
+    assert torch.equal(load_file(str(version_dir(tmp_path, 5) / "model.safetensors"))["w"], m.w.detach())
+    assert not [d for d in tmp_path.iterdir() if d.name.startswith(".")]
+
+
+def test_uncommitted_folder_is_not_a_version(tmp_path):
+    (tmp_path / "v000009").mkdir()
+    assert committed_versions(tmp_path) == []
+    save_version(_Tiny(), tmp_path, 9)
+    assert committed_versions(tmp_path) == [9]
+
+
+def test_versions_in_use_by_a_replica_are_never_pruned(tmp_path):
+    m = _Tiny()
+    for v in range(1, 7):
+        save_version(m, tmp_path, v, keep=2, in_use_floor=2)
+    assert committed_versions(tmp_path) == [2, 3, 4, 5, 6]

@@ -1,0 +1,52 @@
+import pytest
+from pydantic import ValidationError
+
+from serve_rft.config import Config, apply_overrides, load_config
+
+
+def test_defaults_are_two_replicas_checkpoint_fixed():
+    cfg = Config()
+    assert cfg.explorer.num_replicas == 2
+    assert cfg.synchronizer.sync_method.value == "checkpoint"
+    assert cfg.synchronizer.sync_style.value == "fixed"
+    assert cfg.synchronizer.max_unavailable == 1
+
+
+def test_overrides_parse_yaml_scalars(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("trainer:\n  lr: 0.01\n")
+    cfg = load_config(f, ["explorer.num_replicas=3", "trainer.enabled=false", "model.path=/x"])
+    assert cfg.explorer.num_replicas == 3
+    assert cfg.trainer.enabled is False
+    assert cfg.trainer.lr == 0.01
+    assert cfg.model.path == "/x"
+
+
+def test_rejects_config_that_lets_every_replica_sync_at_once():
+    with pytest.raises(ValidationError, match="max_unavailable"):
+        load_config(None, ["explorer.num_replicas=2", "synchronizer.max_unavailable=2"])
+
+
+def test_rejects_unknown_fields_and_bad_bounds():
+    with pytest.raises(ValidationError):
+        load_config(None, ["trainer.nope=1"])
+    with pytest.raises(ValidationError):
+        load_config(None, ["explorer.num_replicas=0"])
+
+
+def test_override_without_equals_is_an_error():
+    with pytest.raises(ValueError):
+        apply_overrides({}, ["trainer.lr"])
+
+
+def test_unimplemented_sync_methods_are_config_errors():
+    with pytest.raises(ValidationError, match="not implemented"):
+        load_config(None, ["synchronizer.sync_method=nccl"])
+
+
+def test_shipped_default_config_equals_the_code_defaults():
+    from pathlib import Path
+
+    shipped = load_config(Path(__file__).parents[2] / "configs" / "default.yaml")
+    skip = {"model": {"cache_dir"}}
+    assert shipped.model_dump(exclude=skip) == Config().model_dump(exclude=skip)

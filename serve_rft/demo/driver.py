@@ -119,7 +119,7 @@ async def _user(uid: int, client: openai.AsyncOpenAI, http: httpx.AsyncClient, s
                     model="serve-rft", messages=messages, n=n, max_tokens=max_tokens, stream=True)
                 texts = [""] * n
                 cid = None
-                async for chunk in await raw.parse():
+                async for chunk in raw.parse():
                     cid = chunk.id
                     for ch in chunk.choices:
                         texts[ch.index] += ch.delta.content or ""

@@ -28,6 +28,7 @@ class Stack:
     redis_url: str
     prefix: str
     model_path: Path
+    run_dir: Path
     proc: subprocess.Popen
     startup_seconds: float
 
@@ -66,7 +67,7 @@ def stack(redis_server, embedded_model, tmp_path_factory):
                 info = json.loads(line)
         time.sleep(0.5)
     yield Stack(url=info["url"], redis_url=redis_server.url, prefix="srft", model_path=embedded_model,
-                proc=proc, startup_seconds=info["startup_seconds"])
+                run_dir=Path(run_dir), proc=proc, startup_seconds=info["startup_seconds"])
     proc.send_signal(signal.SIGINT)
     try:
         proc.wait(timeout=120)

@@ -192,3 +192,34 @@ def test_training_rolls_new_versions_across_replicas_without_failures(stack):
     assert len(served) == 2, "both replicas served traffic"
     assert max(o[2] for o in outcomes) >= 1, "responses came from trained policy versions"
     assert st["version_lag_s"], "version lag is measured"
+
+
+def test_behaviour_logprobs_match_the_trainer_on_the_served_version(stack):
+    """After rolling syncs, the logged behaviour logprobs of a response equal the trainer's
+    recomputation with that policy version's checkpoint (what makes the PPO ratio mean something)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from serve_rft.trainer.algorithm import response_logprobs
+    from serve_rft.trainer.checkpoint import version_dir
+
+    client = openai.OpenAI(base_url=f"{stack.url}/v1", api_key="x")
+    for _ in range(10):  # pick a response whose tokens all come from one trained version
+        raw = client.chat.completions.with_raw_response.create(
+            model="serve-rft", messages=[{"role": "user", "content": "check"}], max_tokens=16,
+            temperature=0.8)
+        comp = raw.parse()
+        exp = asyncio.run(_experience(stack, comp.id, 0))
+        versions = {v for v, _, _ in exp.token_versions}
+        if len(versions) == 1 and exp.min_version >= 1:
+            break
+    else:
+        pytest.fail(f"no single-version trained response: {exp.token_versions}")
+    ckpt = version_dir(stack.run_dir / "checkpoints", exp.min_version)
+    if not ckpt.exists():
+        pytest.fail(f"checkpoint of a served version was pruned: {ckpt}")
+    model = AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=torch.float32)
+    with torch.no_grad():
+        lp, mask = response_logprobs(model, [exp.prompt_token_ids], [exp.response_token_ids], [0.8])
+    diff = (lp[0, : len(exp.response_token_ids)] - torch.tensor(exp.behaviour_logprobs)).abs().max()
+    assert float(diff) < 1e-3, f"max |logprob diff| {float(diff)}"

@@ -65,7 +65,8 @@ class ServiceStack:
             if cfg.service.ray_address:
                 ray.init(address=cfg.service.ray_address, log_to_driver=False)
             else:
-                ray.init(num_cpus=cfg.service.ray_num_cpus, include_dashboard=False,
+                # address="local": always a new cluster, never one another process started
+                ray.init(address="local", num_cpus=cfg.service.ray_num_cpus, include_dashboard=False,
                          log_to_driver=False, runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
                 self.started_ray = True
         serve.start(http_options={"host": cfg.service.host, "port": cfg.service.port})

@@ -118,13 +118,14 @@ class SynchronizerConfig(_Strict):
     replica_timeout_s: float = Field(
         30.0, gt=0, description="A replica not heard from for this long is STOPPED."
     )
+    bucket_bytes: int = Field(
+        32 << 20, ge=1 << 16, description="MEMORY: largest bucket of tensors sent at once, bytes."
+    )
 
     @model_validator(mode="after")
-    def _only_checkpoint_yet(self) -> "SynchronizerConfig":
-        if self.sync_method is not SyncMethod.CHECKPOINT:
-            raise ValueError(
-                f"sync_method={self.sync_method.value} is not implemented yet; use checkpoint"
-            )
+    def _implemented(self) -> "SynchronizerConfig":
+        if self.sync_method is SyncMethod.NCCL:
+            raise ValueError("sync_method=nccl is not implemented yet; use checkpoint or memory")
         if self.sync_style is not SyncStyle.FIXED:
             raise ValueError(f"sync_style={self.sync_style.value} is not implemented yet; use fixed")
         return self

@@ -1,13 +1,15 @@
 """Every wire type that crosses a process boundary, with who produces and who consumes it.
 
 Serialized as JSON (pydantic), never pickle, across Redis and HTTP. Ray actor calls pass these
-models or plain dicts.
+models, plain dicts, or the dataclasses below (which may hold Ray ObjectRefs).
 """
 
 from __future__ import annotations
 
 import enum
 import time
+from dataclasses import dataclass, field
+from typing import Any
 
 from pydantic import BaseModel, Field
 
@@ -70,19 +72,26 @@ class RewardedExperience(BaseModel):
     stream_id: str = Field(description="Redis stream entry id, acknowledged after publish.")
 
 
-class PublishedVersion(BaseModel):
-    """A policy version the trainer published (trainer -> synchronizer -> replicas)."""
+@dataclass
+class PublishedVersion:
+    """A policy version the trainer published (trainer -> synchronizer -> replicas).
 
-    version: int = Field(ge=0)
-    path: str = Field(description="CHECKPOINT: the committed version folder.")
-    published_at: float = Field(default_factory=time.time)
+    ``handle`` is what the sync method's ``receive`` needs to load it (a dataclass, not JSON:
+    it travels only through Ray calls and may hold Ray ObjectRefs): CHECKPOINT
+    ``{"method": "checkpoint", "path": ...}``, MEMORY ``{"method": "memory", "buckets": [...]}``.
+    """
+
+    version: int
+    handle: dict[str, Any]
+    published_at: float = field(default_factory=time.time)
 
 
-class SyncOrder(BaseModel):
+@dataclass
+class SyncOrder:
     """The synchronizer's answer to a replica's poll: load this version now (synchronizer -> replica)."""
 
     version: int
-    path: str
+    handle: dict[str, Any]
     drain_mode: str
 
 

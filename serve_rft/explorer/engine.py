@@ -100,6 +100,27 @@ class ExplorerEngine:
         self.policy_version = version
         return time.perf_counter() - t0
 
+    async def begin_update(self) -> None:
+        """Start a bucketed update (vLLM layer-wise reload); the engine must be paused."""
+        await self.llm.collective_rpc("begin_policy_update")
+
+    async def load_bucket(self, named_tensors: list) -> None:
+        """Load one bucket of ``(checkpoint name, CPU tensor)`` pairs into the worker.
+
+        vLLM's utility-call decoder does not rebuild tensors, so each travels as raw bytes plus
+        dtype and shape (`serve_rft.explorer.worker_ext.decode_tensor`).
+        """
+        from serve_rft.explorer.worker_ext import encode_tensor
+
+        weights = [(name, *encode_tensor(t)) for name, t in named_tensors]
+        await self.llm.collective_rpc("load_policy_bucket", kwargs={"weights": weights})
+
+    async def finish_update(self, version: int) -> None:
+        """Finish a bucketed update and label subsequent tokens with ``version``."""
+        await self.llm.collective_rpc("finish_policy_update")
+        await self.llm.update_weight_version(str(version))
+        self.policy_version = version
+
     async def resume(self) -> None:
         await self.llm.resume_generation()
 

@@ -24,6 +24,7 @@ from serve_rft.buffer.store import ExperienceStore, RewardError
 from serve_rft.config import Config
 from serve_rft.explorer import openai_format as fmt
 from serve_rft.explorer.protocol import ApiError, ChatCompletionRequest, parse_reward_body
+from serve_rft.synchronizer.methods import receiver_for
 from serve_rft.types import SamplingInfo, SyncOrder
 
 log = logging.getLogger("serve_rft.explorer")
@@ -74,12 +75,13 @@ class ExplorerReplica:
         self.sync = get_synchronizer()
         self.engine = await ExplorerEngine.create(model_path, self.cfg.explorer)
         self.draining = False
-        self.loaded_path = model_path
+        self.loaded = {"method": "checkpoint", "path": model_path}  # handle of the served version
         self.requests_while_draining = 0
+        self.last_sync: dict[str, float] = {}
         latest = await self.sync.latest.remote()
-        if latest:  # a restarted or new replica loads the latest version before taking traffic
-            await self.engine.load_checkpoint(latest["path"], latest["version"])
-            self.loaded_path = latest["path"]
+        if latest is not None:  # a restarted or new replica loads the latest version first
+            await receiver_for(latest.handle).receive(self.engine, latest.handle, latest.version)
+            self.loaded = latest.handle
         await self.sync.register.remote(self.replica_id, self.engine.policy_version)
         self._sync_task = asyncio.create_task(self._sync_loop())
 
@@ -103,33 +105,41 @@ class ExplorerReplica:
         while True:
             order = await self.sync.poll.remote(self.replica_id, self.engine.policy_version, 1.0)
             if order is not None:
-                await self._apply(SyncOrder.model_validate(order))
+                await self._apply(order)
 
     async def _apply(self, order: SyncOrder) -> None:
         """Drain, pause, load, resume; report the outcome to the synchronizer.
 
         A failed load restores the previous version's weights (never half old, half new) and is
-        reported as a failure; it is not swallowed.
+        reported as a failure; if even the restore fails the exception propagates, the sync loop
+        ends and the health check makes Ray Serve replace this replica (which loads the latest
+        version before it takes traffic).
         """
         self.draining = True
-        previous = (self.loaded_path, self.engine.policy_version)
+        previous_handle, previous_version = self.loaded, self.engine.policy_version
+        t0 = time.perf_counter()
         try:
             # Routers read routing stats every `routing_stats_period_s`: announce, then wait.
             await asyncio.sleep(2 * self.cfg.explorer.routing_stats_period_s + 0.1)
+            t_pause = time.perf_counter()
             await self.engine.pause(order.drain_mode)
+            t_load = time.perf_counter()
             try:
-                await self.engine.load_checkpoint(order.path, order.version)
-                self.loaded_path = order.path
-            except Exception as e:  # restore a consistent model, then report
+                info = await receiver_for(order.handle).receive(self.engine, order.handle, order.version)
+                self.loaded = order.handle
+            except Exception as e:  # restore a consistent model, then report (not swallowed)
                 log.exception("replica %s failed to load version %s", self.replica_id, order.version)
-                await self.engine.load_checkpoint(previous[0], previous[1])
+                await receiver_for(previous_handle).receive(self.engine, previous_handle, previous_version)
                 await self.engine.resume()
                 await self.sync.failed.remote(self.replica_id, order.version, repr(e))
                 return
             await self.engine.resume()
         finally:
             self.draining = False
-        await self.sync.synced.remote(self.replica_id, order.version)
+        t_end = time.perf_counter()
+        self.last_sync = {"drain_s": t_pause - t0, "pause_s": t_load - t_pause,
+                          "load_s": info["seconds"], "bytes": info["bytes"], "total_s": t_end - t0}
+        await self.sync.synced.remote(self.replica_id, order.version, self.last_sync)
 
     # -- HTTP ----------------------------------------------------------------------------
     def _headers(self, version: int) -> dict[str, str]:

@@ -13,6 +13,20 @@ the OLD output matrix: neither policy (measured: max |logprob diff| 0.34 against
 
 from __future__ import annotations
 
+import torch
+
+
+def encode_tensor(t) -> tuple[str, list[int], memoryview]:
+    """A CPU tensor as (dtype name, shape, raw bytes) for vLLM's msgpack RPC."""
+    t = t.detach().contiguous()
+    return str(t.dtype).removeprefix("torch."), list(t.shape), memoryview(t.view(-1).view(torch.uint8).numpy())
+
+
+def decode_tensor(dtype: str, shape: list[int], data) -> "torch.Tensor":
+    """Inverse of `encode_tensor` (copies the bytes into a new tensor)."""
+    raw = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    return raw.view(getattr(torch, dtype)).reshape(shape)
+
 
 class PolicyWeightsExtension:
     """Methods run in every vLLM worker of an explorer replica."""
@@ -25,6 +39,45 @@ class PolicyWeightsExtension:
         """
         self.reload_weights(weights_path=weights_path, is_checkpoint_format=True)
         self._refresh_tied_lm_head()
+
+    def begin_policy_update(self) -> None:
+        """Start a bucketed load: vLLM's layer-wise reload re-processes (repacks) each layer as
+        soon as all of its tensors have arrived."""
+        from vllm.model_executor.model_loader.reload.layerwise import initialize_layerwise_reload
+
+        model = self.model_runner.get_model()
+        self._policy_update_expected = {name for name, _ in model.named_parameters()}
+        initialize_layerwise_reload(model)
+        self._policy_update_loaded = set()
+
+    def load_policy_bucket(self, weights: list) -> int:
+        """Load one bucket of ``[name, dtype, shape, bytes]`` (checkpoint names, `encode_tensor`).
+
+        Returns:
+            The number of tensors in the bucket.
+        """
+        tensors = ((name, decode_tensor(dtype, shape, data)) for name, dtype, shape, data in weights)
+        loaded = self.model_runner.get_model().load_weights(tensors)
+        if loaded:
+            self._policy_update_loaded |= set(loaded)
+        return len(weights)
+
+    def finish_policy_update(self) -> None:
+        """Finalize the layer-wise reload, then re-pack a tied LM head.
+
+        Raises:
+            RuntimeError: some parameters received no tensor (the model would be half old).
+        """
+        from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload
+
+        model = self.model_runner.get_model()
+        finalize_layerwise_reload(model, self.model_runner.model_config)
+        self._refresh_tied_lm_head()
+        self.model_runner.reset_lora_state()
+        self.model_runner.reset_encoder_cache()
+        missing = self._policy_update_expected - self._policy_update_loaded
+        if missing:
+            raise RuntimeError(f"policy update left {len(missing)} parameters unloaded: {sorted(missing)[:5]}")
 
     def _refresh_tied_lm_head(self) -> None:
         model = self.model_runner.get_model()

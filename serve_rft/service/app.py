@@ -55,9 +55,8 @@ def build_app(cfg: Config, model_path: str | Path):
     if not cfg.buffer.redis_url:
         raise ValueError("buffer.redis_url must be set to build the application")
     model_path = str(model_path)
-    get_or_create_synchronizer(cfg.synchronizer, model_path, cfg.explorer.num_replicas)
+    get_or_create_synchronizer(cfg.synchronizer, cfg.explorer.num_replicas)
     if cfg.trainer.enabled:
-        ckpt_root = str(Path(cfg.service.run_dir).resolve() / "checkpoints")
-        trainer = get_or_create_trainer(cfg, model_path, ckpt_root)
+        trainer = get_or_create_trainer(cfg, model_path)
         ray.get(trainer.start.remote())
     return explorer_deployment(cfg).bind(cfg.model_dump_json(), model_path)

@@ -25,12 +25,11 @@ SYNCHRONIZER_NAME = "serve_rft_synchronizer"
 class Synchronizer:
     """Named actor ``serve_rft_synchronizer`` in namespace ``serve_rft``."""
 
-    def __init__(self, cfg_json: str, initial_path: str, num_replicas: int):
+    def __init__(self, cfg_json: str, num_replicas: int):
         cfg = SynchronizerConfig.model_validate_json(cfg_json)
         self.cfg = cfg
         self.state = SyncState(max_unavailable=cfg.max_unavailable, drain_mode=cfg.drain_mode,
                                replica_timeout_s=cfg.replica_timeout_s, num_replicas=num_replicas)
-        self.initial_path = initial_path
         self._changed = asyncio.Condition()
 
     async def _notify(self) -> None:
@@ -42,11 +41,11 @@ class Synchronizer:
         self.state.register(replica_id, version)
         await self._notify()
 
-    def latest(self) -> dict | None:
+    def latest(self) -> PublishedVersion | None:
         """The latest published version (a new replica loads it before taking traffic)."""
-        return self.state.latest.model_dump() if self.state.latest else None
+        return self.state.latest
 
-    async def poll(self, replica_id: str, version: int, timeout_s: float = 1.0) -> dict | None:
+    async def poll(self, replica_id: str, version: int, timeout_s: float = 1.0) -> SyncOrder | None:
         """Heartbeat + long-poll: returns a `SyncOrder` dict when this replica may sync now."""
         deadline = time.monotonic() + timeout_s
         while True:
@@ -55,7 +54,7 @@ class Synchronizer:
             order: SyncOrder | None = self.state.grant(replica_id)
             if order is not None:
                 await self._notify()
-                return order.model_dump()
+                return order
             left = deadline - time.monotonic()
             if left <= 0:
                 return None
@@ -65,8 +64,8 @@ class Synchronizer:
                 except asyncio.TimeoutError:
                     pass
 
-    async def synced(self, replica_id: str, version: int) -> None:
-        self.state.synced(replica_id, version)
+    async def synced(self, replica_id: str, version: int, timings: dict | None = None) -> None:
+        self.state.synced(replica_id, version, timings=timings)
         await self._notify()
 
     async def failed(self, replica_id: str, version: int, error: str) -> None:
@@ -74,8 +73,9 @@ class Synchronizer:
         await self._notify()
 
     # -- trainer -------------------------------------------------------------------
-    async def publish(self, version: int, path: str) -> None:
-        self.state.publish(PublishedVersion(version=version, path=path))
+    async def publish(self, version: int, handle: dict) -> None:
+        """The trainer published ``version``; ``handle`` is its sync method's handle."""
+        self.state.publish(PublishedVersion(version=version, handle=handle))
         await self._notify()
 
     def in_use_floor(self) -> int:
@@ -93,11 +93,10 @@ class Synchronizer:
         return [e.model_dump() for e in self.state.events if e.t >= since]
 
 
-def get_or_create_synchronizer(cfg: SynchronizerConfig, initial_path: str, num_replicas: int):
+def get_or_create_synchronizer(cfg: SynchronizerConfig, num_replicas: int):
     """The named synchronizer actor, created (detached) if it does not exist yet."""
     return Synchronizer.options(name=SYNCHRONIZER_NAME, namespace=NAMESPACE, get_if_exists=True,
-                                lifetime="detached").remote(cfg.model_dump_json(), initial_path,
-                                                            num_replicas)
+                                lifetime="detached").remote(cfg.model_dump_json(), num_replicas)
 
 
 def get_synchronizer(timeout_s: float = 60.0):

@@ -35,6 +35,7 @@ class ReplicaInfo:
     failures: int = 0
     last_error: str | None = None
     sync_seconds: list[float] = field(default_factory=list)
+    last_sync: dict[str, float] | None = None
 
 
 class SyncState:
@@ -140,12 +141,15 @@ class SyncState:
             return None
         r.sync_started = now
         self._set(r, ComponentState.REQUIRE_SYNC, now)
-        return SyncOrder(version=self.latest.version, path=self.latest.path, drain_mode=self.drain_mode)
+        return SyncOrder(version=self.latest.version, handle=self.latest.handle, drain_mode=self.drain_mode)
 
-    def synced(self, replica_id: str, version: int, now: float | None = None) -> None:
-        """The replica loaded ``version`` and serves again."""
+    def synced(self, replica_id: str, version: int, now: float | None = None,
+               timings: dict[str, float] | None = None) -> None:
+        """The replica loaded ``version`` and serves again (``timings``: its drain/pause/load
+        seconds and bytes, shown in `status`)."""
         now = now or time.time()
         r = self.replicas[replica_id]
+        r.last_sync = timings
         if r.sync_started is not None:
             r.sync_seconds.append(now - r.sync_started)
         r.policy_version, r.last_seen, r.sync_started, r.last_error = version, now, None, None
@@ -200,7 +204,8 @@ class SyncState:
             "replicas": [
                 {"id": r.replica_id, "state": r.state.value, "policy_version": r.policy_version,
                  "failures": r.failures, "last_error": r.last_error,
-                 "last_sync_s": r.sync_seconds[-1] if r.sync_seconds else None}
+                 "last_sync_s": r.sync_seconds[-1] if r.sync_seconds else None,
+                 "last_sync": r.last_sync}
                 for r in sorted(self.replicas.values(), key=lambda r: r.replica_id)
             ],
             "version_lag_s": {str(k): round(v, 3) for k, v in sorted(self.version_lag().items())},

@@ -77,10 +77,9 @@ class PolicyTrainer:
 class Trainer:
     """Named actor ``serve_rft_trainer``: runs `PolicyTrainer` in the background."""
 
-    def __init__(self, cfg_json: str, model_path: str, checkpoint_root: str):
+    def __init__(self, cfg_json: str, model_path: str):
         self.cfg = Config.model_validate_json(cfg_json)
         self.model_path = model_path
-        self.checkpoint_root = checkpoint_root
         self.step_num = 0
         self.version = 0
         self.history: list[dict] = []
@@ -96,13 +95,15 @@ class Trainer:
 
     async def _run(self) -> None:
         from serve_rft.synchronizer.actor import get_synchronizer
-        from serve_rft.trainer.checkpoint import save_version
+        from serve_rft.synchronizer.methods import make_method
 
         cfg = self.cfg
         sync = get_synchronizer()
         store = ExperienceStore(cfg.buffer.redis_url, cfg.buffer.key_prefix,
                                 cfg.buffer.reward_timeout_s, cfg.buffer.trained_ttl_s)
         policy = await asyncio.to_thread(PolicyTrainer, cfg, self.model_path)
+        method = make_method(cfg)
+        method.prepare()
         await store.ensure_group()
         await sync.set_trainer.remote(ComponentState.RUNNING.value, self.step_num)
         backlog = await store.read_ready(TRAINER_NAME, cfg.trainer.batch_size, 0, redeliver=True)
@@ -123,9 +124,10 @@ class Trainer:
                 due = self.step_num >= scfg.sync_offset and (self.step_num - scfg.sync_offset) % scfg.sync_interval == 0
                 if due:
                     floor = await sync.in_use_floor.remote()
-                    path = await asyncio.to_thread(save_version, policy.model, self.checkpoint_root,
-                                                   self.step_num, cfg.trainer.keep_checkpoints, floor)
-                    await sync.publish.remote(self.step_num, str(path))
+                    t_pub = time.perf_counter()
+                    handle = await asyncio.to_thread(method.send, policy.model, self.step_num, floor)
+                    stats["publish_seconds"] = time.perf_counter() - t_pub
+                    await sync.publish.remote(self.step_num, handle)
                     self.version = self.step_num
                     await store.ack(self.unacked)
                     self.unacked = []
@@ -169,9 +171,9 @@ class Trainer:
         return self.history
 
 
-def get_or_create_trainer(cfg: Config, model_path: str, checkpoint_root: str):
+def get_or_create_trainer(cfg: Config, model_path: str):
     """The named trainer actor (detached), created if it does not exist yet."""
     from serve_rft.synchronizer.actor import NAMESPACE
 
     return Trainer.options(name=TRAINER_NAME, namespace=NAMESPACE, get_if_exists=True,
-                           lifetime="detached").remote(cfg.model_dump_json(), model_path, checkpoint_root)
+                           lifetime="detached").remote(cfg.model_dump_json(), model_path)

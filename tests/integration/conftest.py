@@ -41,15 +41,17 @@ def _pump(stream, sink: list[str], log_path: Path) -> None:
             f.flush()
 
 
-@pytest.fixture(scope="session")
-def stack(redis_server, embedded_model, tmp_path_factory):
-    run_dir = tmp_path_factory.mktemp("run")
+def start_stack(redis_url: str, model_path: Path, run_dir: Path, overrides: list[str]):
+    """Run `serve-rft up` with ``overrides``; a generator yielding a `Stack`, then ending it."""
     log_path = run_dir / "serve-rft-up.log"
     cmd = [sys.executable, "-m", "serve_rft.cli", "up", "--port", "0",
-           "--set", f"buffer.redis_url={redis_server.url}",
+           "--set", f"buffer.redis_url={redis_url}",
+           "--set", f"buffer.key_prefix={run_dir.name}",
            "--set", f"service.run_dir={run_dir}",
            "--set", "trainer.min_batch_size=8", "--set", "trainer.batch_size=32",
            "--set", "trainer.batch_wait_s=1.0"]
+    for o in overrides:
+        cmd += ["--set", o]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     lines: list[str] = []
@@ -60,14 +62,14 @@ def stack(redis_server, embedded_model, tmp_path_factory):
         if proc.poll() is not None:
             raise RuntimeError(f"serve-rft up exited with {proc.returncode}:\n{''.join(lines[-80:])}")
         if time.monotonic() > deadline:
-            proc.kill()
+            os.killpg(proc.pid, signal.SIGKILL)
             raise TimeoutError(f"serve-rft up not ready after {STARTUP_TIMEOUT_S} s:\n{''.join(lines[-80:])}")
         for line in list(lines):
             if line.startswith('{"url"'):
                 info = json.loads(line)
         time.sleep(0.5)
-    yield Stack(url=info["url"], redis_url=redis_server.url, prefix="srft", model_path=embedded_model,
-                run_dir=Path(run_dir), proc=proc, startup_seconds=info["startup_seconds"])
+    yield Stack(url=info["url"], redis_url=redis_url, prefix=run_dir.name, model_path=model_path,
+                run_dir=run_dir, proc=proc, startup_seconds=info["startup_seconds"])
     proc.send_signal(signal.SIGINT)
     try:
         proc.wait(timeout=120)
@@ -75,3 +77,9 @@ def stack(redis_server, embedded_model, tmp_path_factory):
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
     assert proc.returncode == 0, "".join(lines[-80:])
+
+
+@pytest.fixture(scope="module")
+def stack(redis_server, embedded_model, tmp_path_factory):
+    """The default stack (CHECKPOINT, FIXED, wait drain); one per test module that uses it."""
+    yield from start_stack(redis_server.url, embedded_model, tmp_path_factory.mktemp("run"), [])

@@ -12,15 +12,15 @@ def _state(n=2, max_unavailable=1):
 def test_no_grant_without_a_newer_version():
     s = _state()
     assert s.grant("r0", now=101) is None
-    s.publish(PublishedVersion(version=1, path="/v1", published_at=101), now=101)
+    s.publish(PublishedVersion(version=1, handle={"method": "checkpoint", "path": "/v1"}, published_at=101), now=101)
     order = s.grant("r0", now=102)
-    assert order is not None and order.version == 1 and order.path == "/v1"
+    assert order is not None and order.version == 1 and order.handle["path"] == "/v1"
     assert s.replicas["r0"].state is ComponentState.REQUIRE_SYNC
 
 
 def test_rolls_one_replica_at_a_time_and_keeps_one_serving():
     s = _state(n=2)
-    s.publish(PublishedVersion(version=1, path="/v1", published_at=100), now=100)
+    s.publish(PublishedVersion(version=1, handle={"method": "checkpoint", "path": "/v1"}, published_at=100), now=100)
     assert s.grant("r0", now=101) is not None
     assert s.grant("r1", now=101) is None  # r0 is syncing: r1 must keep serving
     assert s.serving() == 1
@@ -34,7 +34,7 @@ def test_rolls_one_replica_at_a_time_and_keeps_one_serving():
 
 def test_max_unavailable_two_of_three():
     s = _state(n=3, max_unavailable=2)
-    s.publish(PublishedVersion(version=1, path="/v1"))
+    s.publish(PublishedVersion(version=1, handle={"method": "checkpoint", "path": "/v1"}))
     assert s.grant("r0") and s.grant("r1")
     assert s.grant("r2") is None
     assert s.serving() == 1
@@ -42,20 +42,20 @@ def test_max_unavailable_two_of_three():
 
 def test_never_zero_serving_even_with_high_max_unavailable():
     s = _state(n=2, max_unavailable=5)
-    s.publish(PublishedVersion(version=1, path="/v1"))
+    s.publish(PublishedVersion(version=1, handle={"method": "checkpoint", "path": "/v1"}))
     assert s.grant("r0") is not None
     assert s.grant("r1") is None
 
 
 def test_single_replica_may_sync():
     s = _state(n=1)
-    s.publish(PublishedVersion(version=1, path="/v1"))
+    s.publish(PublishedVersion(version=1, handle={"method": "checkpoint", "path": "/v1"}))
     assert s.grant("r0") is not None
 
 
 def test_failed_load_returns_replica_to_running_and_counts():
     s = _state()
-    s.publish(PublishedVersion(version=1, path="/v1"))
+    s.publish(PublishedVersion(version=1, handle={"method": "checkpoint", "path": "/v1"}))
     s.grant("r0")
     s.failed("r0", 1, "boom")
     r = s.replicas["r0"]
@@ -65,7 +65,7 @@ def test_failed_load_returns_replica_to_running_and_counts():
 
 def test_silent_replica_is_stopped_and_frees_its_slot():
     s = _state()
-    s.publish(PublishedVersion(version=1, path="/v1"), now=100)
+    s.publish(PublishedVersion(version=1, handle={"method": "checkpoint", "path": "/v1"}), now=100)
     s.grant("r0", now=100)
     s.heartbeat("r1", 0, now=120)
     assert s.expire(now=120) == ["r0"]
@@ -79,17 +79,17 @@ def test_silent_replica_is_stopped_and_frees_its_slot():
 
 def test_publish_must_increase():
     s = _state()
-    s.publish(PublishedVersion(version=2, path="/v2"))
+    s.publish(PublishedVersion(version=2, handle={"method": "checkpoint", "path": "/v2"}))
     import pytest
 
     with pytest.raises(ValueError):
-        s.publish(PublishedVersion(version=2, path="/v2b"))
+        s.publish(PublishedVersion(version=2, handle={"method": "checkpoint", "path": "/v2b"}))
 
 
 def test_lag_counts_skipped_versions_once_everyone_is_past_them():
     s = _state()
-    s.publish(PublishedVersion(version=1, path="/v1", published_at=100), now=100)
-    s.publish(PublishedVersion(version=2, path="/v2", published_at=101), now=101)
+    s.publish(PublishedVersion(version=1, handle={"method": "checkpoint", "path": "/v1"}, published_at=100), now=100)
+    s.publish(PublishedVersion(version=2, handle={"method": "checkpoint", "path": "/v2"}, published_at=101), now=101)
     s.grant("r0", now=102)
     s.synced("r0", 2, now=103)
     s.grant("r1", now=103)

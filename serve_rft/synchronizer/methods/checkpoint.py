@@ -1,0 +1,39 @@
+"""CHECKPOINT: versions as committed safetensors folders on a (shared) filesystem.
+
+The trainer writes ``v{version:06d}/`` atomically (temp folder, fsync, rename, ``COMMITTED``
+marker; `serve_rft.trainer.checkpoint`), keeps the newest ``keep`` and every version a replica
+still serves; each replica's vLLM worker reloads from the folder. Works across machines that
+share the folder.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from serve_rft.synchronizer.methods.base import WeightSyncMethod
+
+
+def _folder_bytes(path: str) -> int:
+    return sum(f.stat().st_size for f in Path(path).glob("*.safetensors"))
+
+
+class CheckpointMethod(WeightSyncMethod):
+    name = "checkpoint"
+
+    def __init__(self, root: str | Path, keep: int = 5):
+        self.root = Path(root)
+        self.keep = keep
+
+    def prepare(self) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+
+    def send(self, model, version: int, in_use_floor: int | None = None) -> dict[str, Any]:
+        from serve_rft.trainer.checkpoint import save_version
+
+        path = save_version(model, self.root, version, self.keep, in_use_floor)
+        return {"method": self.name, "path": str(path)}
+
+    async def receive(self, engine, handle: dict[str, Any], version: int) -> dict[str, float]:
+        seconds = await engine.load_checkpoint(handle["path"], version)
+        return {"seconds": seconds, "bytes": float(_folder_bytes(handle["path"]))}

@@ -1,0 +1,65 @@
+"""MEMORY: versions as buckets in Ray's object store (shared memory on a node, network across).
+
+The trainer snapshots its parameters into buckets of at most ``bucket_bytes`` (a tensor larger
+than a bucket travels alone) and ``ray.put``s each; the handle lists the ObjectRefs. A replica
+fetches one bucket at a time and streams it into its vLLM worker, which loads it with vLLM's
+layer-wise reload (each layer is re-processed as soon as all its tensors arrived), so the
+replica's extra memory is about one bucket, not a second model. The object store holds one
+copy per version that some replica still references; Ray frees it once no handle refers to it.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Iterator
+
+from serve_rft.synchronizer.methods.base import WeightSyncMethod
+
+
+def iter_buckets(named_tensors: Iterator[tuple[str, Any]], bucket_bytes: int) -> Iterator[list[tuple[str, Any]]]:
+    """Group ``(name, tensor)`` pairs into lists of at most ``bucket_bytes`` bytes each
+    (a single larger tensor forms its own bucket). Order is preserved."""
+    bucket: list[tuple[str, Any]] = []
+    size = 0
+    for name, t in named_tensors:
+        n = t.numel() * t.element_size()
+        if bucket and size + n > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, t))
+        size += n
+    if bucket:
+        yield bucket
+
+
+def checkpoint_tensors(model) -> Iterator[tuple[str, Any]]:
+    """The model's parameters under their checkpoint names, tied weights once (as
+    ``save_pretrained`` writes them), detached, contiguous, on CPU."""
+    for name, p in model.named_parameters():  # remove_duplicate=True drops a tied lm_head
+        yield name, p.detach().to("cpu", copy=True).contiguous()
+
+
+class MemoryMethod(WeightSyncMethod):
+    name = "memory"
+
+    def __init__(self, bucket_bytes: int = 32 << 20):
+        self.bucket_bytes = bucket_bytes
+
+    def send(self, model, version: int, in_use_floor: int | None = None) -> dict[str, Any]:
+        import ray
+
+        refs, total = [], 0
+        for bucket in iter_buckets(checkpoint_tensors(model), self.bucket_bytes):
+            total += sum(t.numel() * t.element_size() for _, t in bucket)
+            refs.append(ray.put(bucket))
+        return {"method": self.name, "buckets": refs, "bytes": total}
+
+    async def receive(self, engine, handle: dict[str, Any], version: int) -> dict[str, float]:
+        t0 = time.perf_counter()
+        await engine.begin_update()
+        for ref in handle["buckets"]:
+            bucket = await ref
+            await engine.load_bucket(bucket)
+            del bucket
+        await engine.finish_update(version)
+        return {"seconds": time.perf_counter() - t0, "bytes": float(handle["bytes"])}

@@ -107,8 +107,14 @@ class TrainerConfig(_Strict):
 class SynchronizerConfig(_Strict):
     sync_method: SyncMethod = SyncMethod.CHECKPOINT
     sync_style: SyncStyle = SyncStyle.FIXED
-    sync_interval: int = Field(1, ge=1, description="FIXED: trainer steps per published version.")
-    sync_offset: int = Field(0, ge=0, description="FIXED: trainer steps before the first sync.")
+    sync_interval: int = Field(
+        1, ge=1, description="FIXED/TRAINER_DRIVEN: trainer steps per published version; FIXED/"
+        "EXPLORER_DRIVEN: explorer steps between a replica's syncs (serve_rft.synchronizer.styles).")
+    sync_offset: int = Field(0, ge=0, description="FIXED: explorer steps before a replica's first sync.")
+    explorer_step_experiences: int = Field(
+        16, ge=1, description="One explorer step = this many experiences logged by a replica.")
+    sync_timeout_s: float = Field(
+        30.0, gt=0, description="EXPLORER_DRIVEN: a request unanswered this long lapses (retried next cycle).")
     max_unavailable: int = Field(1, ge=1, description="Replicas that may sync at the same time.")
     drain_mode: Literal["wait", "keep"] = Field(
         "wait",
@@ -126,8 +132,6 @@ class SynchronizerConfig(_Strict):
     def _implemented(self) -> "SynchronizerConfig":
         if self.sync_method is SyncMethod.NCCL:
             raise ValueError("sync_method=nccl is not implemented yet; use checkpoint or memory")
-        if self.sync_style is not SyncStyle.FIXED:
-            raise ValueError(f"sync_style={self.sync_style.value} is not implemented yet; use fixed")
         return self
 
 

@@ -77,6 +77,7 @@ class ExplorerReplica:
         self.draining = False
         self.loaded = {"method": "checkpoint", "path": model_path}  # handle of the served version
         self.requests_while_draining = 0
+        self.experiences_logged = 0  # explorer step = this // synchronizer.explorer_step_experiences
         self.last_sync: dict[str, float] = {}
         latest = await self.sync.latest.remote()
         if latest is not None:  # a restarted or new replica loads the latest version first
@@ -103,7 +104,8 @@ class ExplorerReplica:
     # -- weight sync ---------------------------------------------------------------------
     async def _sync_loop(self) -> None:
         while True:
-            order = await self.sync.poll.remote(self.replica_id, self.engine.policy_version, 1.0)
+            step = self.experiences_logged // self.cfg.synchronizer.explorer_step_experiences
+            order = await self.sync.poll.remote(self.replica_id, self.engine.policy_version, step, 1.0)
             if order is not None:
                 await self._apply(order)
 
@@ -254,6 +256,7 @@ class ExplorerReplica:
     async def _log(self, cid, prompt_ids, accs, sampling, created_at, version) -> None:
         exps = fmt.build_experiences(cid, self.replica_id, prompt_ids, accs, sampling, created_at, version)
         await self.store.log_experiences(exps, num_choices=len(accs))
+        self.experiences_logged += len(exps)
 
     async def _complete(self, req, cid, prompt_ids, params, sampling) -> JSONResponse:
         created_at = time.time()
@@ -268,6 +271,13 @@ class ExplorerReplica:
         body = fmt.chat_response(cid, req.model or self.cfg.model.served_name, int(created_at), version,
                                  choices, len(prompt_ids), req.logprobs)
         return JSONResponse(body, headers=self._headers(version))
+
+    def _unflushed_tail(self, c: fmt.ChoiceAccumulator, req: ChatCompletionRequest) -> str:
+        """Text the streamed deltas lack at the end compared with the non-streaming text."""
+        if req.stop:
+            return ""
+        full = self.tokenizer.decode(c.token_ids, skip_special_tokens=True)
+        return full[len(c.text):] if full.startswith(c.text) else ""
 
     async def _stream(self, req, cid, prompt_ids, params, sampling) -> AsyncIterator[str]:
         created_at = time.time()
@@ -293,6 +303,13 @@ class ExplorerReplica:
                             "logprobs": {"content": entries} if req.logprobs else None,
                             "finish_reason": None}]))
             choices = list(accs.values())
+            for c in choices:  # vLLM's incremental detokenizer holds back a trailing partial
+                tail = self._unflushed_tail(c, req)  # UTF-8 sequence: send what the full text has
+                if tail:
+                    c.text += tail
+                    yield sse(fmt.chunk(cid, model, created, version, [{
+                        "index": c.index, "delta": {"content": tail}, "logprobs": None,
+                        "finish_reason": None}]))
             await self._log(cid, prompt_ids, choices, sampling, created_at, version)
         except Exception as e:  # engine failure mid-stream: tell the client, in-band
             log.exception("stream %s failed", cid)

@@ -29,7 +29,9 @@ class Synchronizer:
         cfg = SynchronizerConfig.model_validate_json(cfg_json)
         self.cfg = cfg
         self.state = SyncState(max_unavailable=cfg.max_unavailable, drain_mode=cfg.drain_mode,
-                               replica_timeout_s=cfg.replica_timeout_s, num_replicas=num_replicas)
+                               replica_timeout_s=cfg.replica_timeout_s, num_replicas=num_replicas,
+                               style=cfg.sync_style, interval=cfg.sync_interval,
+                               offset=cfg.sync_offset, sync_timeout_s=cfg.sync_timeout_s)
         self._changed = asyncio.Condition()
 
     async def _notify(self) -> None:
@@ -45,11 +47,12 @@ class Synchronizer:
         """The latest published version (a new replica loads it before taking traffic)."""
         return self.state.latest
 
-    async def poll(self, replica_id: str, version: int, timeout_s: float = 1.0) -> SyncOrder | None:
-        """Heartbeat + long-poll: returns a `SyncOrder` dict when this replica may sync now."""
+    async def poll(self, replica_id: str, version: int, explorer_step: int = 0,
+                   timeout_s: float = 1.0) -> SyncOrder | None:
+        """Heartbeat + long-poll: returns a `SyncOrder` when this replica may sync now."""
         deadline = time.monotonic() + timeout_s
         while True:
-            self.state.heartbeat(replica_id, version)
+            self.state.heartbeat(replica_id, version, explorer_step)
             self.state.expire()
             order: SyncOrder | None = self.state.grant(replica_id)
             if order is not None:
@@ -77,6 +80,10 @@ class Synchronizer:
         """The trainer published ``version``; ``handle`` is its sync method's handle."""
         self.state.publish(PublishedVersion(version=version, handle=handle))
         await self._notify()
+
+    def sync_requested(self) -> bool:
+        """EXPLORER_DRIVEN: a replica waits for weights newer than the latest version."""
+        return self.state.sync_requested()
 
     def in_use_floor(self) -> int:
         return self.state.in_use_floor()

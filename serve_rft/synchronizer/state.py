@@ -18,6 +18,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from serve_rft.config import SyncStyle
+from serve_rft.synchronizer.styles import ReplicaSchedule
 from serve_rft.types import ComponentState, PublishedVersion, SyncEvent, SyncOrder
 
 TRAINER = "trainer"
@@ -36,6 +38,7 @@ class ReplicaInfo:
     last_error: str | None = None
     sync_seconds: list[float] = field(default_factory=list)
     last_sync: dict[str, float] | None = None
+    schedule: ReplicaSchedule = field(default_factory=ReplicaSchedule)
 
 
 class SyncState:
@@ -47,10 +50,14 @@ class SyncState:
         replica_timeout_s: a replica unheard for this long is STOPPED.
         max_events: how many state-change events are kept for audits.
         num_replicas: replicas the deployment is configured with.
+        style, interval, offset, sync_timeout_s: the sync style and its schedule
+            (`serve_rft.synchronizer.styles`).
     """
 
     def __init__(self, max_unavailable: int = 1, drain_mode: str = "wait",
-                 replica_timeout_s: float = 30.0, max_events: int = 10_000, num_replicas: int = 2):
+                 replica_timeout_s: float = 30.0, max_events: int = 10_000, num_replicas: int = 2,
+                 style: SyncStyle = SyncStyle.TRAINER_DRIVEN, interval: int = 1, offset: int = 0,
+                 sync_timeout_s: float = 30.0):
         if max_unavailable < 1:
             raise ValueError("max_unavailable must be >= 1")
         self.max_unavailable = max_unavailable
@@ -58,6 +65,8 @@ class SyncState:
         self.replica_timeout_s = replica_timeout_s
         self.max_events = max_events
         self.num_replicas = num_replicas
+        self.style, self.interval, self.offset = style, interval, offset
+        self.sync_timeout_s = sync_timeout_s
         self.replicas: dict[str, ReplicaInfo] = {}
         self.latest: PublishedVersion | None = None
         self.trainer_state = ComponentState.STOPPED
@@ -99,17 +108,29 @@ class SyncState:
             r = self.replicas[replica_id] = ReplicaInfo(replica_id, ComponentState.STOPPED, version, now)
         r.policy_version, r.last_seen, r.sync_started = version, now, None
         self._set(r, ComponentState.RUNNING, now)
+        r.schedule.observe(self.style, r.schedule.explorer_step, version, self.interval, self.offset,
+                           self.sync_timeout_s, now)
 
-    def heartbeat(self, replica_id: str, version: int, now: float | None = None) -> None:
+    def heartbeat(self, replica_id: str, version: int, explorer_step: int = 0,
+                  now: float | None = None) -> None:
+        """A replica's poll: it is alive, serves ``version`` and reached ``explorer_step``."""
         now = now or time.time()
         r = self.replicas.get(replica_id)
         if r is None:
             self.register(replica_id, version, now)
-            return
+            r = self.replicas[replica_id]
         r.last_seen = now
         if r.state is ComponentState.STOPPED:  # came back
             r.policy_version = version
             self._set(r, ComponentState.RUNNING, now)
+        r.schedule.observe(self.style, explorer_step, r.policy_version, self.interval, self.offset,
+                           self.sync_timeout_s, now)
+
+    def sync_requested(self) -> bool:
+        """EXPLORER_DRIVEN: some live replica asked for weights newer than the latest version."""
+        latest = self.latest_version()
+        return any(r.state is not ComponentState.STOPPED and r.schedule.open_request()
+                   and r.schedule.request_base_version >= latest for r in self.replicas.values())
 
     def expire(self, now: float | None = None) -> list[str]:
         """Mark replicas unheard for ``replica_timeout_s`` as STOPPED; returns their ids."""
@@ -132,7 +153,7 @@ class SyncState:
         r = self.replicas.get(replica_id)
         if r is None or self.latest is None or r.state is not ComponentState.RUNNING:
             return None
-        if r.policy_version >= self.latest.version:
+        if r.policy_version >= self.latest.version or not r.schedule.due:
             return None
         syncing = sum(x.state is ComponentState.REQUIRE_SYNC for x in self.replicas.values())
         if syncing >= self.max_unavailable:
@@ -153,6 +174,7 @@ class SyncState:
         if r.sync_started is not None:
             r.sync_seconds.append(now - r.sync_started)
         r.policy_version, r.last_seen, r.sync_started, r.last_error = version, now, None, None
+        r.schedule.synced()
         self._set(r, ComponentState.RUNNING, now)
         live = [x for x in self.replicas.values() if x.state is not ComponentState.STOPPED]
         if live:  # every published version <= the slowest live replica's is now everywhere
@@ -200,12 +222,15 @@ class SyncState:
     def status(self) -> dict:
         return {
             "policy_version": self.latest_version(),
+            "sync_style": self.style.value,
             "trainer": {"state": self.trainer_state.value, "step": self.trainer_step},
             "replicas": [
                 {"id": r.replica_id, "state": r.state.value, "policy_version": r.policy_version,
                  "failures": r.failures, "last_error": r.last_error,
                  "last_sync_s": r.sync_seconds[-1] if r.sync_seconds else None,
-                 "last_sync": r.last_sync}
+                 "last_sync": r.last_sync, "explorer_step": r.schedule.explorer_step,
+                 "sync_due": r.schedule.due, "sync_requested": r.schedule.open_request(),
+                 "sync_timeouts": r.schedule.timeouts}
                 for r in sorted(self.replicas.values(), key=lambda r: r.replica_id)
             ],
             "version_lag_s": {str(k): round(v, 3) for k, v in sorted(self.version_lag().items())},

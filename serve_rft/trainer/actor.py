@@ -2,8 +2,8 @@
 
 Loop (seed 000, "Inside the Trainer"): sample a batch of rewarded experiences from the store's
 ready stream, compute advantages and the PPO-clip loss against the logged behaviour logprobs,
-step AdamW, and every ``sync_interval`` steps (after ``sync_offset``) publish a new policy
-version (CHECKPOINT) and tell the synchronizer. Stream entries are acknowledged only after the
+step AdamW, and publish a new policy version when the sync style says so
+(`serve_rft.synchronizer.styles.trainer_publishes`) through the configured sync method. Stream entries are acknowledged only after the
 version that trained on them is published, so a trainer that dies mid-step gets them again.
 """
 
@@ -96,6 +96,7 @@ class Trainer:
     async def _run(self) -> None:
         from serve_rft.synchronizer.actor import get_synchronizer
         from serve_rft.synchronizer.methods import make_method
+        from serve_rft.synchronizer.styles import trainer_publishes
 
         cfg = self.cfg
         sync = get_synchronizer()
@@ -110,7 +111,7 @@ class Trainer:
         scfg = cfg.synchronizer
         try:
             while True:
-                batch = backlog or await self._collect(store)
+                batch = backlog or await self._collect(store, policy, method, sync)
                 backlog = []
                 if not batch:
                     continue
@@ -121,16 +122,9 @@ class Trainer:
                     self.reward_by_version[b.experience.min_version].append(b.reward)
                 stats["step"] = self.step_num
                 stats["t"] = time.time()
-                due = self.step_num >= scfg.sync_offset and (self.step_num - scfg.sync_offset) % scfg.sync_interval == 0
-                if due:
-                    floor = await sync.in_use_floor.remote()
-                    t_pub = time.perf_counter()
-                    handle = await asyncio.to_thread(method.send, policy.model, self.step_num, floor)
-                    stats["publish_seconds"] = time.perf_counter() - t_pub
-                    await sync.publish.remote(self.step_num, handle)
-                    self.version = self.step_num
-                    await store.ack(self.unacked)
-                    self.unacked = []
+                requested = await sync.sync_requested.remote()
+                if trainer_publishes(scfg.sync_style, self.step_num, scfg.sync_interval, requested):
+                    stats["publish_seconds"] = await self._publish(policy, method, sync, store)
                 stats["policy_version"] = self.version
                 self.history.append(stats)
                 await sync.set_trainer.remote(ComponentState.RUNNING.value, self.step_num)
@@ -140,9 +134,27 @@ class Trainer:
             await sync.set_trainer.remote(ComponentState.STOPPED.value, self.step_num)
             raise
 
-    async def _collect(self, store: ExperienceStore) -> list[RewardedExperience]:
+    async def _publish(self, policy, method, sync, store: ExperienceStore) -> float:
+        """Publish the current weights as version ``step_num``, then ack what trained them.
+
+        Returns:
+            Seconds the method's ``send`` took.
+        """
+        floor = await sync.in_use_floor.remote()
+        t0 = time.perf_counter()
+        handle = await asyncio.to_thread(method.send, policy.model, self.step_num, floor)
+        seconds = time.perf_counter() - t0
+        await sync.publish.remote(self.step_num, handle)
+        self.version = self.step_num
+        await store.ack(self.unacked)
+        self.unacked = []
+        return seconds
+
+    async def _collect(self, store: ExperienceStore, policy, method, sync) -> list[RewardedExperience]:
         """Up to ``batch_size`` ready experiences: waits ``batch_wait_s`` for a full batch,
-        trains on fewer only if at least ``min_batch_size`` arrived."""
+        trains on fewer only if at least ``min_batch_size`` arrived. While it waits it answers
+        explorer sync requests (seed 000: the trainer syncs during sampling so the explorer can
+        keep producing data)."""
         tcfg = self.cfg.trainer
         batch: list[RewardedExperience] = []
         deadline = time.monotonic() + tcfg.batch_wait_s
@@ -151,6 +163,8 @@ class Trainer:
             if left <= 0:
                 if len(batch) >= tcfg.min_batch_size:
                     break
+                if self.step_num > self.version and await sync.sync_requested.remote():
+                    await self._publish(policy, method, sync, store)
                 deadline = time.monotonic() + tcfg.batch_wait_s
                 continue
             got = await store.read_ready(TRAINER_NAME, tcfg.batch_size - len(batch),

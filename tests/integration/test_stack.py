@@ -61,7 +61,7 @@ def test_non_streaming_response_matches_logged_experience(stack):
         assert len(exp.response_token_ids) == len(choice.logprobs.content)
         assert exp.behaviour_logprobs == pytest.approx([c.logprob for c in choice.logprobs.content])
         assert all(len(c.top_logprobs) == 2 for c in choice.logprobs.content)
-        assert tok.decode(exp.response_token_ids) == choice.message.content
+        assert tok.decode(exp.response_token_ids, skip_special_tokens=True) == choice.message.content
         assert exp.min_version == version
         assert exp.sampling.temperature == 0.9 and exp.sampling.seed == 7
         assert exp.finish_reason == choice.finish_reason
@@ -93,7 +93,7 @@ def test_streaming_with_async_client_is_logged(stack):
     n_tokens = 0
     for i in (0, 1):
         exp = asyncio.run(_experience(stack, cid, i))
-        assert tok.decode(exp.response_token_ids) == texts[i]
+        assert tok.decode(exp.response_token_ids, skip_special_tokens=True) == texts[i]
         assert len(exp.behaviour_logprobs) == len(exp.response_token_ids)
         n_tokens += len(exp.response_token_ids)
     assert usage.completion_tokens == n_tokens

@@ -33,6 +33,23 @@ class Synchronizer:
                                style=cfg.sync_style, interval=cfg.sync_interval,
                                offset=cfg.sync_offset, sync_timeout_s=cfg.sync_timeout_s)
         self._changed = asyncio.Condition()
+        self._rebuilt = False
+
+    async def _rebuild(self) -> None:
+        """After a restart (Ray restarts this actor with fresh state), recover the latest
+        version from the trainer; replicas re-register themselves on their next poll."""
+        if self._rebuilt:
+            return
+        self._rebuilt = True
+        from serve_rft.trainer.actor import TRAINER_NAME
+
+        try:
+            trainer = ray.get_actor(TRAINER_NAME, namespace=NAMESPACE)
+        except ValueError:  # no trainer (serve-only mode, or not created yet)
+            return
+        published = await trainer.latest_published.remote()
+        if published is not None and published.version > self.state.latest_version():
+            self.state.publish(published)
 
     async def _notify(self) -> None:
         async with self._changed:
@@ -40,16 +57,19 @@ class Synchronizer:
 
     # -- replicas ------------------------------------------------------------------
     async def register(self, replica_id: str, version: int) -> None:
+        await self._rebuild()
         self.state.register(replica_id, version)
         await self._notify()
 
-    def latest(self) -> PublishedVersion | None:
+    async def latest(self) -> PublishedVersion | None:
         """The latest published version (a new replica loads it before taking traffic)."""
+        await self._rebuild()
         return self.state.latest
 
     async def poll(self, replica_id: str, version: int, explorer_step: int = 0,
                    timeout_s: float = 1.0) -> SyncOrder | None:
         """Heartbeat + long-poll: returns a `SyncOrder` when this replica may sync now."""
+        await self._rebuild()
         deadline = time.monotonic() + timeout_s
         while True:
             self.state.heartbeat(replica_id, version, explorer_step)
@@ -77,7 +97,11 @@ class Synchronizer:
 
     # -- trainer -------------------------------------------------------------------
     async def publish(self, version: int, handle: dict) -> None:
-        """The trainer published ``version``; ``handle`` is its sync method's handle."""
+        """The trainer published ``version``; ``handle`` is its sync method's handle.
+        Idempotent for the latest version (a call retried across a restart)."""
+        await self._rebuild()
+        if version == self.state.latest_version() and self.state.latest is not None:
+            return
         self.state.publish(PublishedVersion(version=version, handle=handle))
         await self._notify()
 
@@ -101,9 +125,15 @@ class Synchronizer:
 
 
 def get_or_create_synchronizer(cfg: SynchronizerConfig, num_replicas: int):
-    """The named synchronizer actor, created (detached) if it does not exist yet."""
+    """The named synchronizer actor, created (detached) if it does not exist yet.
+
+    Ray restarts it if it dies (``max_restarts=-1``) and retries calls that were in flight
+    (``max_task_retries``), so replicas and the trainer ride through a restart; the new
+    instance rebuilds its state from the trainer and the replicas' polls.
+    """
     return Synchronizer.options(name=SYNCHRONIZER_NAME, namespace=NAMESPACE, get_if_exists=True,
-                                lifetime="detached").remote(cfg.model_dump_json(), num_replicas)
+                                lifetime="detached", max_restarts=-1, max_task_retries=10,
+                                ).remote(cfg.model_dump_json(), num_replicas)
 
 
 def get_synchronizer(timeout_s: float = 60.0):

@@ -169,6 +169,8 @@ class SyncState:
         """The replica loaded ``version`` and serves again (``timings``: its drain/pause/load
         seconds and bytes, shown in `status`)."""
         now = now or time.time()
+        if replica_id not in self.replicas:  # reported to a restarted synchronizer
+            self.register(replica_id, version, now)
         r = self.replicas[replica_id]
         r.last_sync = timings
         if r.sync_started is not None:
@@ -186,6 +188,8 @@ class SyncState:
     def failed(self, replica_id: str, version: int, error: str, now: float | None = None) -> None:
         """The replica could not load ``version``; it restored its previous weights and serves."""
         now = now or time.time()
+        if replica_id not in self.replicas:
+            self.register(replica_id, version, now)
         r = self.replicas[replica_id]
         r.failures += 1
         r.last_error = error

@@ -18,7 +18,7 @@ import ray
 
 from serve_rft.buffer.store import ExperienceStore
 from serve_rft.config import Config
-from serve_rft.types import ComponentState, RewardedExperience
+from serve_rft.types import ComponentState, PublishedVersion, RewardedExperience
 
 log = logging.getLogger("serve_rft.trainer")
 TRAINER_NAME = "serve_rft_trainer"
@@ -87,6 +87,7 @@ class Trainer:
         self.reward_by_version: dict[int, list[float]] = defaultdict(list)
         self._task: asyncio.Task | None = None
         self.error: str | None = None
+        self.published: PublishedVersion | None = None
 
     async def start(self) -> None:
         """Start the training loop (idempotent). Errors end the loop and show in `status`."""
@@ -145,6 +146,7 @@ class Trainer:
         handle = await asyncio.to_thread(method.send, policy.model, self.step_num, floor)
         seconds = time.perf_counter() - t0
         await sync.publish.remote(self.step_num, handle)
+        self.published = PublishedVersion(version=self.step_num, handle=handle)
         self.version = self.step_num
         await store.ack(self.unacked)
         self.unacked = []
@@ -180,6 +182,10 @@ class Trainer:
             "last": self.history[-1] if self.history else None,
             "reward_by_version": {str(v): sum(r) / len(r) for v, r in sorted(self.reward_by_version.items())},
         }
+
+    def latest_published(self) -> PublishedVersion | None:
+        """The last version this trainer published (a restarted synchronizer rebuilds from it)."""
+        return self.published
 
     def get_history(self) -> list[dict]:
         return self.history

@@ -7,6 +7,11 @@ Headless smoke run (30 s, 4 users) against a running service:
 
 Each chat response's rewards are posted by the same user after a random delay (0.2-2 s); a
 share of them (``REWARD_SKIP``) is never rewarded, as with real users.
+
+Options (environment): ``SERVE_RFT_RATE`` requests/s per user (constant throughput; default:
+as fast as the server answers, with 0-0.5 s think time), ``SERVE_RFT_REQUEST_LOG`` a JSONL file
+that gets one line per request (start, seconds, name, ok, status), ``SERVE_RFT_MAX_FAIL_RATIO``
+and ``SERVE_RFT_MAX_P99_S``: pass/fail thresholds checked at the end (exit code 1 on a breach).
 """
 
 from __future__ import annotations
@@ -16,9 +21,34 @@ import os
 import random
 import time
 
-from locust import HttpUser, between, task
+from locust import HttpUser, between, constant_throughput, events, task
 
 REWARD_SKIP = float(os.environ.get("SERVE_RFT_REWARD_SKIP", "0.1"))
+RATE = float(os.environ.get("SERVE_RFT_RATE", "0"))
+REQUEST_LOG = os.environ.get("SERVE_RFT_REQUEST_LOG")
+_log_file = open(REQUEST_LOG, "a", buffering=1) if REQUEST_LOG else None
+
+
+@events.request.add_listener
+def _log_request(request_type, name, response_time, response_length, response=None, exception=None,
+                 start_time=None, **_kw):
+    if _log_file is None:
+        return
+    status = getattr(response, "status_code", None)
+    _log_file.write(json.dumps({"start": start_time, "seconds": response_time / 1000.0, "name": name,
+                                "ok": exception is None, "status": status,
+                                "error": str(exception)[:200] if exception else None}) + "\n")
+
+
+@events.quitting.add_listener
+def _thresholds(environment, **_kw):
+    stats = environment.stats.total
+    max_fail = os.environ.get("SERVE_RFT_MAX_FAIL_RATIO")
+    max_p99 = os.environ.get("SERVE_RFT_MAX_P99_S")
+    if max_fail is not None and stats.num_requests and stats.fail_ratio > float(max_fail):
+        environment.process_exit_code = 1
+    if max_p99 is not None and stats.get_response_time_percentile(0.99) / 1000.0 > float(max_p99):
+        environment.process_exit_code = 1
 PROMPTS = ["Say something nice.", "Tell me a story.", "Describe the sea.", "Name an animal."]
 
 
@@ -27,7 +57,7 @@ def vowel_share(text: str) -> float:
 
 
 class ChatUser(HttpUser):
-    wait_time = between(0.0, 0.5)
+    wait_time = constant_throughput(RATE) if RATE > 0 else between(0.0, 0.5)
 
     def on_start(self) -> None:
         self.due: list[tuple[float, dict]] = []

@@ -1,0 +1,184 @@
+"""Sync cost per method: trainer-side send and replica-side load, per replica and for a roll.
+
+For each model (the embedded one, and a random-init Qwen2 of about 0.5 B parameters built
+locally) and each CPU method (CHECKPOINT, MEMORY): publish a new version from a transformers
+model (``send``), then load it into two real vLLM-CPU engines one after the other (a roll over
+two replicas: pause, ``receive``, resume), and check the engines now compute the new weights'
+logprobs. Next to it, the copy bound measured in the same run: model bytes / memory-copy
+bandwidth (a torch tensor clone) and / page-cache read bandwidth (reading the safetensors file).
+
+    .venv/bin/python benchmarks/sync_cost.py --out benchmarks/results/sync_cost.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+HALF_B_ARCH = dict(hidden_size=1024, intermediate_size=5632, num_hidden_layers=24,
+                   num_attention_heads=16, num_key_value_heads=2, max_position_embeddings=2048,
+                   rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=True)
+
+
+def build_half_b(tokenizer_dir: Path, out: Path) -> Path:
+    """A ~0.47 B-parameter Qwen2 (random init, fp32) sharing the embedded model's tokenizer."""
+    if (out / "model.safetensors").exists():
+        return out
+    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+
+    tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    cfg = Qwen2Config(vocab_size=len(tok), bos_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+                      pad_token_id=tok.pad_token_id, torch_dtype="float32", **HALF_B_ARCH)
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(cfg)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(out), safe_serialization=True)
+    tok.save_pretrained(str(out))
+    return out
+
+
+def memcpy_gbps(nbytes: int = 1 << 30, reps: int = 3) -> float:
+    src = torch.empty(nbytes // 4, dtype=torch.float32).fill_(1.0)
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        dst = src.clone()
+        best = min(best, time.perf_counter() - t0)
+        del dst
+    return nbytes / best / 1e9
+
+
+def file_read_gbps(path: Path, reps: int = 3) -> float:
+    size = path.stat().st_size
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        with open(path, "rb") as f:
+            while f.read(64 << 20):
+                pass
+        best = min(best, time.perf_counter() - t0)
+    return size / best / 1e9
+
+
+def _perturb(model, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.01)
+
+
+async def _logprob_check(engine, model) -> float:
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    from serve_rft.trainer.algorithm import response_logprobs
+
+    prompt = [1, 87, 306, 201, 343, 78, 316, 308, 275, 691, 2, 201, 1, 347, 829, 935, 201]
+    sp = SamplingParams(temperature=1.0, max_tokens=8, logprobs=0, seed=1,
+                        output_kind=RequestOutputKind.FINAL_ONLY)
+    async for ro in engine.generate(prompt, sp, f"check-{time.time_ns()}"):
+        pass
+    out = ro.outputs[0]
+    ids = list(out.token_ids)
+    lp_vllm = torch.tensor([out.logprobs[i][t].logprob for i, t in enumerate(ids)])
+    with torch.no_grad():
+        lp_hf, _ = response_logprobs(model, [prompt], [ids], [1.0])
+    return float((lp_vllm - lp_hf[0, : len(ids)]).abs().max())
+
+
+async def bench_model(name: str, model_dir: Path, work: Path, bucket_bytes: int) -> list[dict]:
+    from transformers import AutoModelForCausalLM
+
+    from serve_rft.config import ExplorerConfig
+    from serve_rft.explorer.engine import ExplorerEngine
+    from serve_rft.synchronizer.methods import CheckpointMethod, MemoryMethod
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    n_params = sum(p.numel() for p in model.parameters())
+    ecfg = ExplorerConfig(max_model_len=256, max_num_seqs=8)
+    engines = [await ExplorerEngine.create(str(model_dir), ecfg) for _ in range(2)]
+    mem_bw = memcpy_gbps()
+    rows = []
+    try:
+        for i, method in enumerate([CheckpointMethod(work / f"{name}-ckpt", keep=2), MemoryMethod(bucket_bytes)]):
+            _perturb(model, seed=i + 1)
+            method.prepare()
+            version = i + 1
+            t0 = time.perf_counter()
+            handle = method.send(model, version)
+            send_s = time.perf_counter() - t0
+            per_replica = []
+            t_roll = time.perf_counter()
+            for engine in engines:  # a roll: one replica after the other
+                t1 = time.perf_counter()
+                pause_s = await engine.pause("wait")
+                info = await method.receive(engine, handle, version)
+                await engine.resume()
+                per_replica.append({"load_s": info["seconds"], "pause_s": pause_s,
+                                    "total_s": time.perf_counter() - t1})
+            roll_s = time.perf_counter() - t_roll
+            nbytes = info["bytes"]
+            bound_bw = mem_bw
+            read_bw = None
+            if method.name == "checkpoint":
+                read_bw = file_read_gbps(Path(handle["path"]) / "model.safetensors")
+                bound_bw = read_bw
+            diff = max([await _logprob_check(e, model) for e in engines])
+            load_mean = sum(r["load_s"] for r in per_replica) / len(per_replica)
+            bound_s = nbytes / (bound_bw * 1e9)
+            rows.append({
+                "model": name, "params": n_params, "method": method.name, "bytes": nbytes,
+                "send_s": round(send_s, 4), "per_replica": per_replica, "roll_s_2_replicas": round(roll_s, 4),
+                "load_gbps": round(nbytes / load_mean / 1e9, 3),
+                "bound": ("page-cache read" if method.name == "checkpoint" else "memory copy"),
+                "bound_gbps": round(bound_bw, 3), "bound_s": round(bound_s, 4),
+                "load_s_over_bound_s": round(load_mean / bound_s, 2),
+                "memcpy_gbps": round(mem_bw, 3), "file_read_gbps": round(read_bw, 3) if read_bw else None,
+                "max_abs_logprob_diff_after": diff,
+            })
+            print(json.dumps(rows[-1]), flush=True)
+    finally:
+        for e in engines:
+            e.shutdown()
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="benchmarks/results/sync_cost.json")
+    ap.add_argument("--models", default="embedded,half_b")
+    ap.add_argument("--bucket-bytes", type=int, default=64 << 20)
+    a = ap.parse_args()
+    import ray
+
+    from serve_rft.config import ModelConfig
+    from serve_rft.model.embedded import ensure_embedded_model
+
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
+             object_store_memory=4 << 30)
+    embedded = ensure_embedded_model(ModelConfig().cache_dir)
+    work = Path(tempfile.mkdtemp(prefix="srft-sync-bench-"))
+    models = {"embedded": embedded}
+    if "half_b" in a.models:
+        models["half_b"] = build_half_b(embedded, Path(ModelConfig().cache_dir) / "bench-qwen2-0.5b")
+    rows = []
+    for name in a.models.split(","):
+        rows.extend(asyncio.run(bench_model(name, models[name], work, a.bucket_bytes)))
+    ray.shutdown()
+    out = {"command": " ".join([Path(sys.executable).name, *sys.argv]), "machine": f"{os.cpu_count()} cores",
+           "results": rows}
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text(json.dumps(out, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -24,7 +24,7 @@ from serve_rft.buffer.store import ExperienceStore, RewardError
 from serve_rft.config import Config
 from serve_rft.explorer import openai_format as fmt
 from serve_rft.explorer.protocol import ApiError, ChatCompletionRequest, parse_reward_body
-from serve_rft.synchronizer.methods import receiver_for
+from serve_rft.synchronizer.methods import LoadFailed, load_or_restore, receiver_for
 from serve_rft.types import SamplingInfo, SyncOrder
 
 log = logging.getLogger("serve_rft.explorer")
@@ -127,13 +127,13 @@ class ExplorerReplica:
             await self.engine.pause(order.drain_mode)
             t_load = time.perf_counter()
             try:
-                info = await receiver_for(order.handle).receive(self.engine, order.handle, order.version)
+                info = await load_or_restore(self.engine, order.handle, order.version,
+                                             previous_handle, previous_version)
                 self.loaded = order.handle
-            except Exception as e:  # restore a consistent model, then report (not swallowed)
+            except LoadFailed as e:  # previous version restored: serve it, report the failure
                 log.exception("replica %s failed to load version %s", self.replica_id, order.version)
-                await receiver_for(previous_handle).receive(self.engine, previous_handle, previous_version)
                 await self.engine.resume()
-                await self.sync.failed.remote(self.replica_id, order.version, repr(e))
+                await self.sync.failed.remote(self.replica_id, order.version, repr(e.__cause__))
                 return
             await self.engine.resume()
         finally:

@@ -37,6 +37,7 @@ class PolicyWeightsExtension:
         Raises:
             Whatever vLLM's loader raises for a missing folder or mismatched tensors.
         """
+        self._tie_lm_head()  # a failed earlier load may have left the tie broken
         self.reload_weights(weights_path=weights_path, is_checkpoint_format=True)
         self._refresh_tied_lm_head()
 
@@ -46,6 +47,7 @@ class PolicyWeightsExtension:
         from vllm.model_executor.model_loader.reload.layerwise import initialize_layerwise_reload
 
         model = self.model_runner.get_model()
+        self._tie_lm_head()  # a failed earlier load may have left the tie broken
         self._policy_update_expected = {name for name, _ in model.named_parameters()}
         initialize_layerwise_reload(model)
         self._policy_update_loaded = set()
@@ -79,15 +81,20 @@ class PolicyWeightsExtension:
         if missing:
             raise RuntimeError(f"policy update left {len(missing)} parameters unloaded: {sorted(missing)[:5]}")
 
-    def _refresh_tied_lm_head(self) -> None:
+    def _tie_lm_head(self):
+        """Point a tied LM head at the embedding's current Parameter; returns the head or None."""
         model = self.model_runner.get_model()
         lm_head = getattr(model, "lm_head", None)
-        inner = getattr(model, "model", None)
-        embed = getattr(inner, "embed_tokens", None)
-        config = getattr(model, "config", None)
-        if lm_head is None or embed is None or not getattr(config, "tie_word_embeddings", False):
-            return
+        embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+        if lm_head is None or embed is None or not getattr(getattr(model, "config", None), "tie_word_embeddings", False):
+            return None
         lm_head.weight = embed.weight
+        return lm_head
+
+    def _refresh_tied_lm_head(self) -> None:
+        lm_head = self._tie_lm_head()
+        if lm_head is None:
+            return
         method = getattr(lm_head, "quant_method", None)
         if method is not None and hasattr(method, "process_weights_after_loading"):
             method.process_weights_after_loading(lm_head)

@@ -50,7 +50,7 @@ def test_checkpoint_and_memory_loads_give_exactly_the_new_policy(embedded_model,
 
     from serve_rft.config import ExplorerConfig
     from serve_rft.explorer.engine import ExplorerEngine
-    from serve_rft.synchronizer.methods import CheckpointMethod, MemoryMethod
+    from serve_rft.synchronizer.methods import CheckpointMethod, LoadFailed, MemoryMethod, load_or_restore
 
     ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False)
     try:
@@ -82,6 +82,20 @@ def test_checkpoint_and_memory_loads_give_exactly_the_new_policy(embedded_model,
                 ids2, lp2, spans2 = await _sample(engine, "v2")
                 results["memory"] = float((lp2 - _hf_logprobs(mem_model, ids2)).abs().max())
                 assert spans2[0].version == "2"
+
+                # a corrupt (but committed) version: the load fails, version 2 is restored
+                bad = tmp_path / "ck" / "v000003"
+                bad.mkdir()
+                (bad / "config.json").write_text((tmp_path / "ck" / "v000001" / "config.json").read_text())
+                (bad / "model.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{}garbage")
+                (bad / "COMMITTED").write_text("3")
+                await engine.pause("wait")
+                with pytest.raises(LoadFailed):
+                    await load_or_restore(engine, {"method": "checkpoint", "path": str(bad)}, 3, handle, 2)
+                await engine.resume()
+                ids3, lp3, spans3 = await _sample(engine, "v2-restored")
+                results["restored"] = float((lp3 - _hf_logprobs(mem_model, ids3)).abs().max())
+                assert spans3[0].version == "2" and engine.policy_version == 2
                 return results
             finally:
                 engine.shutdown()
@@ -92,3 +106,4 @@ def test_checkpoint_and_memory_loads_give_exactly_the_new_policy(embedded_model,
     assert results["v0"] < 1e-4, results
     assert results["checkpoint"] < 1e-4, results
     assert results["memory"] < 1e-4, results
+    assert results["restored"] < 1e-4, results

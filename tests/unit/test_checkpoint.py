@@ -42,3 +42,34 @@ def test_versions_in_use_by_a_replica_are_never_pruned(tmp_path):
     for v in range(1, 7):
         save_version(m, tmp_path, v, keep=2, in_use_floor=2)
     assert committed_versions(tmp_path) == [2, 3, 4, 5, 6]
+
+
+def test_a_crash_mid_write_leaves_no_loadable_version(tmp_path):
+    import pytest
+
+    class _Crashing(_Tiny):
+        def save_pretrained(self, path, safe_serialization=True):
+            from pathlib import Path
+
+            (Path(path) / "model.safetensors").write_bytes(b"half a tensor")
+            raise OSError("disk full")
+
+    save_version(_Tiny(), tmp_path, 1)
+    with pytest.raises(OSError):
+        save_version(_Crashing(), tmp_path, 2)
+    assert committed_versions(tmp_path) == [1]
+    assert not version_dir(tmp_path, 2).exists()
+    assert not [d for d in tmp_path.iterdir() if d.name.startswith(".")]
+
+
+def test_replicas_refuse_an_uncommitted_folder(tmp_path):
+    import asyncio
+
+    import pytest
+
+    from serve_rft.synchronizer.methods import CheckpointMethod
+
+    (tmp_path / "v000003").mkdir()
+    with pytest.raises(FileNotFoundError, match="not a committed version"):
+        asyncio.run(CheckpointMethod(tmp_path).receive(None, {"method": "checkpoint",
+                                                              "path": str(tmp_path / "v000003")}, 3))

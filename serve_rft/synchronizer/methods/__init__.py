@@ -10,7 +10,30 @@ from serve_rft.synchronizer.methods.checkpoint import CheckpointMethod
 from serve_rft.synchronizer.methods.memory import MemoryMethod
 
 
-__all__ = ["CheckpointMethod", "MemoryMethod", "WeightSyncMethod", "make_method", "receiver_for"]
+__all__ = ["CheckpointMethod", "LoadFailed", "MemoryMethod", "WeightSyncMethod", "load_or_restore",
+           "make_method", "receiver_for"]
+
+
+class LoadFailed(Exception):
+    """Loading a version failed; the engine was restored to the previous version."""
+
+
+async def load_or_restore(engine, handle: dict, version: int, previous_handle: dict,
+                          previous_version: int) -> dict[str, float]:
+    """Load ``version`` into a paused ``engine``; on failure reload the previous version, so the
+    engine never serves half old, half new weights.
+
+    Returns:
+        The method's load info (seconds, bytes).
+    Raises:
+        LoadFailed: the load failed and the previous version was restored (the cause chained).
+        Exception: the restore failed too (the replica must be replaced).
+    """
+    try:
+        return await receiver_for(handle).receive(engine, handle, version)
+    except Exception as e:
+        await receiver_for(previous_handle).receive(engine, previous_handle, previous_version)
+        raise LoadFailed(f"loading version {version} failed: {e!r}") from e
 
 
 def make_method(cfg: Config) -> WeightSyncMethod:

@@ -35,5 +35,15 @@ class CheckpointMethod(WeightSyncMethod):
         return {"method": self.name, "path": str(path)}
 
     async def receive(self, engine, handle: dict[str, Any], version: int) -> dict[str, float]:
-        seconds = await engine.load_checkpoint(handle["path"], version)
+        """Load a committed version folder (or the initial model directory, version 0).
+
+        Raises:
+            FileNotFoundError: the folder is not committed (no ``COMMITTED`` marker).
+        """
+        from serve_rft.trainer.checkpoint import MARKER
+
+        path = Path(handle["path"])
+        if version > 0 and not (path / MARKER).exists():
+            raise FileNotFoundError(f"{path} is not a committed version (no {MARKER} marker)")
+        seconds = await engine.load_checkpoint(str(path), version)
         return {"seconds": seconds, "bytes": float(_folder_bytes(handle["path"]))}

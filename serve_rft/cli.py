@@ -61,7 +61,8 @@ def up(config: Optional[Path] = ConfigOpt, sets: list[str] = SetOpt, model: Opti
     with ServiceStack(cfg) as stack:
         console.print(f"[green]serve_rft up[/green] at {stack.url} "
                       f"(model {stack.model_path}, started in {stack.startup_seconds:.1f} s)")
-        print(json.dumps({"url": stack.url, "startup_seconds": stack.startup_seconds}), flush=True)
+        print(json.dumps({"url": stack.url, "startup_seconds": stack.startup_seconds,
+                          "ray_address": stack.ray_address}), flush=True)
         wait_for_signal()
         console.print("shutting down")
 

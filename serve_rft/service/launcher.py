@@ -31,6 +31,7 @@ class ServiceStack:
         self.model_path: Path | None = None
         self.started_ray = False
         self.startup_seconds = 0.0
+        self.ray_address = ""
 
     def __enter__(self) -> "ServiceStack":
         try:
@@ -69,6 +70,7 @@ class ServiceStack:
                 ray.init(address="local", num_cpus=cfg.service.ray_num_cpus, include_dashboard=False,
                          log_to_driver=False, runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
                 self.started_ray = True
+        self.ray_address = ray.get_runtime_context().gcs_address
         serve.start(http_options={"host": cfg.service.host, "port": cfg.service.port})
         app = build_app(cfg, self.model_path)
         serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)

@@ -30,6 +30,7 @@ class Stack:
     model_path: Path
     run_dir: Path
     proc: subprocess.Popen
+    ray_address: str
     startup_seconds: float
 
 
@@ -69,7 +70,8 @@ def start_stack(redis_url: str, model_path: Path, run_dir: Path, overrides: list
                 info = json.loads(line)
         time.sleep(0.5)
     yield Stack(url=info["url"], redis_url=redis_url, prefix=run_dir.name, model_path=model_path,
-                run_dir=run_dir, proc=proc, startup_seconds=info["startup_seconds"])
+                run_dir=run_dir, proc=proc, startup_seconds=info["startup_seconds"],
+                ray_address=info["ray_address"])
     proc.send_signal(signal.SIGINT)
     try:
         proc.wait(timeout=120)

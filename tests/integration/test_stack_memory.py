@@ -27,3 +27,47 @@ def test_memory_method_rolls_versions_without_failures(stack):
     assert all(r["last_sync"] and r["last_sync"]["bytes"] > 0 for r in st["replicas"]), st
     assert all(r["explorer_step"] >= 2 for r in st["replicas"]), st
     assert not (stack.run_dir / "checkpoints").exists(), "MEMORY must not write checkpoints"
+
+
+def test_a_replaced_replica_loads_the_latest_version_before_serving(stack):
+    """Kill one replica's actor: Ray Serve starts a new one, which loads the latest (MEMORY)
+    version before it takes traffic; requests keep succeeding meanwhile."""
+    import subprocess
+    import sys
+    import time
+
+    import httpx
+
+    before = httpx.get(f"{stack.url}/v1/status").json()
+    old_ids = {r["id"] for r in before["replicas"]}
+    latest = before["policy_version"]
+    assert latest >= 1
+    victim = sorted(old_ids)[0]
+    # a separate driver process joins the stack's Ray cluster and kills the replica's actor
+    code = (
+        "import ray\n"
+        f"ray.init(address={stack.ray_address!r}, namespace='serve', log_to_driver=False)\n"
+        f"actor = ray.get_actor('SERVE_REPLICA::serve_rft#explorer#{victim}', namespace='serve')\n"
+        "ray.kill(actor, no_restart=True)\n"
+    )
+    import os
+
+    env = {**os.environ, "RAY_AUTH_MODE": "token"}  # the stack's cluster uses Ray's token auth
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ok = failed = 0
+    deadline = time.monotonic() + 300
+    new = None
+    with httpx.Client(base_url=stack.url, timeout=60) as c:
+        while time.monotonic() < deadline and new is None:
+            r = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+                                                      "max_tokens": 4})
+            ok, failed = ok + (r.status_code == 200), failed + (r.status_code != 200)
+            st = c.get("/v1/status").json()
+            fresh = [x for x in st["replicas"] if x["id"] not in old_ids and x["state"] == "RUNNING"]
+            if fresh:
+                new = fresh[0]
+            time.sleep(0.5)
+    assert new is not None, "no replacement replica registered"
+    assert new["policy_version"] >= latest, (new, latest)
+    assert failed == 0 and ok > 0

@@ -34,6 +34,9 @@ class Synchronizer:
                                offset=cfg.sync_offset, sync_timeout_s=cfg.sync_timeout_s)
         self._changed = asyncio.Condition()
         self._rebuilt = False
+        from serve_rft.observability.sync_metrics import SyncMetrics
+
+        self.metrics = SyncMetrics(cfg.sync_method.value)
 
     async def _rebuild(self) -> None:
         """After a restart (Ray restarts this actor with fresh state), recover the latest
@@ -52,6 +55,7 @@ class Synchronizer:
             self.state.publish(published)
 
     async def _notify(self) -> None:
+        self.metrics.refresh(self.state)
         async with self._changed:
             self._changed.notify_all()
 
@@ -74,6 +78,7 @@ class Synchronizer:
         while True:
             self.state.heartbeat(replica_id, version, explorer_step)
             self.state.expire()
+            self.metrics.refresh(self.state)
             order: SyncOrder | None = self.state.grant(replica_id)
             if order is not None:
                 await self._notify()
@@ -89,10 +94,12 @@ class Synchronizer:
 
     async def synced(self, replica_id: str, version: int, timings: dict | None = None) -> None:
         self.state.synced(replica_id, version, timings=timings)
+        self.metrics.observe_sync(replica_id, timings)
         await self._notify()
 
     async def failed(self, replica_id: str, version: int, error: str) -> None:
         self.state.failed(replica_id, version, error)
+        self.metrics.failed(replica_id)
         await self._notify()
 
     # -- trainer -------------------------------------------------------------------
@@ -114,10 +121,12 @@ class Synchronizer:
 
     def set_trainer(self, state: str, step: int) -> None:
         self.state.set_trainer(ComponentState(state), step)
+        self.metrics.refresh(self.state)
 
     # -- views ---------------------------------------------------------------------
     def status(self) -> dict:
-        self.state.expire()
+        if self.state.expire():
+            self.metrics.refresh(self.state)
         return self.state.status()
 
     def events(self, since: float = 0.0) -> list[dict]:

@@ -70,3 +70,36 @@ def test_restarted_synchronizer_rebuilds_and_keeps_rolling(ray_local):
     ray.get(sync.publish.remote(3, handle))  # a retried publish is idempotent
     st = ray.get(sync.status.remote())
     assert st["policy_version"] == 3 and len(st["replicas"]) == 2
+
+
+def test_states_are_exported_as_prometheus_metrics(monkeypatch):
+    import httpx
+
+    from serve_rft.buffer.redis_server import free_port
+
+    monkeypatch.setenv("RAY_metrics_report_interval_ms", "500")
+    port = free_port()
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
+             _metrics_export_port=port)
+    try:
+        sync = get_or_create_synchronizer(SynchronizerConfig(sync_style="trainer_driven"), num_replicas=2)
+        for rid in ("r0", "r1"):
+            ray.get(sync.register.remote(rid, 0))
+        ray.get(sync.publish.remote(1, {"method": "checkpoint", "path": "/x"}))
+        assert ray.get(sync.poll.remote("r0", 0, 0, 0.1)).version == 1
+        ray.get(sync.synced.remote("r0", 1, {"total_s": 0.5, "load_s": 0.1, "bytes": 1000.0}))
+        deadline = time.monotonic() + 60
+        text = ""
+        while time.monotonic() < deadline:
+            text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
+            if "serve_rft_sync_seconds" in text and "serve_rft_replica_state" in text:
+                break
+            time.sleep(0.5)
+        lines = [ln for ln in text.splitlines() if ln.startswith("ray_serve_rft_")]
+        assert any('replica="r0"' in ln and 'state="RUNNING"' in ln and ln.endswith(" 1.0") for ln in lines
+                   if ln.startswith("ray_serve_rft_replica_state")), lines
+        assert any(ln.startswith("ray_serve_rft_replica_policy_version") and 'replica="r0"' in ln
+                   and ln.endswith(" 1.0") for ln in lines), lines
+        assert any(ln.startswith("ray_serve_rft_sync_seconds_count") and 'phase="total"' in ln for ln in lines), lines
+    finally:
+        ray.shutdown()

@@ -33,3 +33,49 @@ def test_tensor_wire_encoding_roundtrips_dtypes():
         t = torch.randn(3, 5).to(dtype)
         dt, shape, data = encode_tensor(t)
         assert torch.equal(decode_tensor(dt, shape, bytes(data)), t)
+
+
+def test_replica_holds_at_most_one_bucket_at_a_time():
+    """MEMORY receive fetches, loads and drops one bucket before fetching the next, so the
+    replica's extra memory is about one bucket (the object store holds the published copy)."""
+    import asyncio
+    import gc
+    import weakref
+
+    from serve_rft.synchronizer.methods.memory import MemoryMethod
+
+    live: set[int] = set()
+    bucket_bytes = 4 * 1000
+    peaks: list[int] = []
+
+    class FetchOnAwait:  # stands in for a Ray ObjectRef: each await deserializes a new copy
+        def __init__(self, sizes):
+            self.sizes = sizes
+
+        def __await__(self):
+            async def fetch():
+                out = []
+                for n in self.sizes:
+                    t = torch.zeros(n)
+                    live.add(id(t))
+                    weakref.finalize(t, live.discard, id(t))
+                    out.append((f"w{id(t)}", t))
+                return out
+            return fetch().__await__()
+
+    class Engine:
+        async def begin_update(self):
+            pass
+
+        async def load_bucket(self, bucket):
+            gc.collect()
+            peaks.append(sum(t.numel() * 4 for _, t in bucket))
+            assert len(live) == len(bucket), "a previous bucket is still alive"
+
+        async def finish_update(self, version):
+            pass
+
+    handle = {"method": "memory", "bytes": 0, "buckets": [FetchOnAwait([500, 400]), FetchOnAwait([1000]),
+                                                          FetchOnAwait([250, 250, 250])]}
+    asyncio.run(MemoryMethod(bucket_bytes).receive(Engine(), handle, 1))
+    assert len(peaks) == 3 and max(peaks) <= bucket_bytes

@@ -13,6 +13,8 @@ the OLD output matrix: neither policy (measured: max |logprob diff| 0.34 against
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 
@@ -23,8 +25,11 @@ def encode_tensor(t) -> tuple[str, list[int], memoryview]:
 
 
 def decode_tensor(dtype: str, shape: list[int], data) -> "torch.Tensor":
-    """Inverse of `encode_tensor` (copies the bytes into a new tensor)."""
-    raw = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    """Inverse of `encode_tensor`: a read-only view of the received bytes (no copy; the
+    loader copies it into the parameter)."""
+    with warnings.catch_warnings():  # torch warns that the bytes are not writable; we only read
+        warnings.simplefilter("ignore", UserWarning)
+        raw = torch.frombuffer(data, dtype=torch.uint8)
     return raw.view(getattr(torch, dtype)).reshape(shape)
 
 

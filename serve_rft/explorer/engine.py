@@ -27,6 +27,15 @@ def engine_env(cfg: ExplorerConfig) -> None:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 
+def _shm_path() -> str:
+    """A fresh file name in shared memory (tmpfs), or the temp dir where there is none."""
+    import tempfile
+    import uuid
+
+    root = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+    return os.path.join(root, f"serve-rft-bucket-{os.getpid()}-{uuid.uuid4().hex}.safetensors")
+
+
 class ExplorerEngine:
     """A vLLM `AsyncLLM` serving one policy version at a time.
 
@@ -107,13 +116,23 @@ class ExplorerEngine:
     async def load_bucket(self, named_tensors: list) -> None:
         """Load one bucket of ``(checkpoint name, CPU tensor)`` pairs into the worker.
 
-        vLLM's utility-call decoder does not rebuild tensors, so each travels as raw bytes plus
-        dtype and shape (`serve_rft.explorer.worker_ext.decode_tensor`).
+        The bucket goes to the engine's worker process (a child of this replica, same host)
+        through a safetensors file in shared memory (``/dev/shm``), and only its path through
+        vLLM's RPC. Measured on the 0.47 B fp32 model (benchmarks/sync_cost.py): bytes through
+        the RPC itself 9.9-12.1 s per replica, through the file 5.2-6.0 s. The file is removed
+        once loaded.
         """
-        from serve_rft.explorer.worker_ext import encode_tensor
+        import asyncio
 
-        weights = [(name, *encode_tensor(t)) for name, t in named_tensors]
-        await self.llm.collective_rpc("load_policy_bucket", kwargs={"weights": weights})
+        from safetensors.torch import save_file
+
+        path = _shm_path()
+        try:
+            await asyncio.to_thread(save_file, {name: t.contiguous() for name, t in named_tensors}, path)
+            await self.llm.collective_rpc("load_policy_bucket", kwargs={"path": path})
+        finally:
+            if os.path.exists(path):
+                os.unlink(path)
 
     async def finish_update(self, version: int) -> None:
         """Finish a bucketed update and label subsequent tokens with ``version``."""

@@ -13,25 +13,6 @@ the OLD output matrix: neither policy (measured: max |logprob diff| 0.34 against
 
 from __future__ import annotations
 
-import warnings
-
-import torch
-
-
-def encode_tensor(t) -> tuple[str, list[int], memoryview]:
-    """A CPU tensor as (dtype name, shape, raw bytes) for vLLM's msgpack RPC."""
-    t = t.detach().contiguous()
-    return str(t.dtype).removeprefix("torch."), list(t.shape), memoryview(t.view(-1).view(torch.uint8).numpy())
-
-
-def decode_tensor(dtype: str, shape: list[int], data) -> "torch.Tensor":
-    """Inverse of `encode_tensor`: a read-only view of the received bytes (no copy; the
-    loader copies it into the parameter)."""
-    with warnings.catch_warnings():  # torch warns that the bytes are not writable; we only read
-        warnings.simplefilter("ignore", UserWarning)
-        raw = torch.frombuffer(data, dtype=torch.uint8)
-    return raw.view(getattr(torch, dtype)).reshape(shape)
-
 
 class PolicyWeightsExtension:
     """Methods run in every vLLM worker of an explorer replica."""
@@ -57,17 +38,20 @@ class PolicyWeightsExtension:
         initialize_layerwise_reload(model)
         self._policy_update_loaded = set()
 
-    def load_policy_bucket(self, weights: list) -> int:
-        """Load one bucket of ``[name, dtype, shape, bytes]`` (checkpoint names, `encode_tensor`).
+    def load_policy_bucket(self, path: str) -> int:
+        """Load one bucket: a safetensors file (checkpoint names) written by the replica.
 
         Returns:
             The number of tensors in the bucket.
         """
-        tensors = ((name, decode_tensor(dtype, shape, data)) for name, dtype, shape, data in weights)
-        loaded = self.model_runner.get_model().load_weights(tensors)
+        from safetensors import safe_open
+
+        with safe_open(path, framework="pt", device="cpu") as f:
+            names = list(f.keys())
+            loaded = self.model_runner.get_model().load_weights((n, f.get_tensor(n)) for n in names)
         if loaded:
             self._policy_update_loaded |= set(loaded)
-        return len(weights)
+        return len(names)
 
     def finish_policy_update(self) -> None:
         """Finalize the layer-wise reload, then re-pack a tied LM head.

@@ -26,15 +26,6 @@ def test_checkpoint_tensors_send_tied_weights_once(embedded_model):
     assert not torch.equal(first, model.model.embed_tokens.weight)
 
 
-def test_tensor_wire_encoding_roundtrips_dtypes():
-    from serve_rft.explorer.worker_ext import decode_tensor, encode_tensor
-
-    for dtype in (torch.float32, torch.bfloat16, torch.float16):
-        t = torch.randn(3, 5).to(dtype)
-        dt, shape, data = encode_tensor(t)
-        assert torch.equal(decode_tensor(dt, shape, bytes(data)), t)
-
-
 def test_replica_holds_at_most_one_bucket_at_a_time():
     """MEMORY receive fetches, loads and drops one bucket before fetching the next, so the
     replica's extra memory is about one bucket (the object store holds the published copy)."""

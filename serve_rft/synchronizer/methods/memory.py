@@ -2,9 +2,10 @@
 
 The trainer snapshots its parameters into buckets of at most ``bucket_bytes`` (a tensor larger
 than a bucket travels alone) and ``ray.put``s each; the handle lists the ObjectRefs. A replica
-fetches one bucket at a time and streams it into its vLLM worker, which loads it with vLLM's
-layer-wise reload (each layer is re-processed as soon as all its tensors arrived), so the
-replica's extra memory is about one bucket, not a second model. The object store holds one
+fetches one bucket at a time and hands it to its vLLM worker (through a shared-memory file,
+`ExplorerEngine.load_bucket`), which loads it with vLLM's layer-wise reload (each layer is
+re-processed as soon as all its tensors arrived), so the replica's extra memory is about one
+bucket, not a second model. The object store holds one
 copy per version that some replica still references; Ray frees it once no handle refers to it.
 """
 

@@ -118,8 +118,8 @@ class ExplorerEngine:
 
         The bucket goes to the engine's worker process (a child of this replica, same host)
         through a safetensors file in shared memory (``/dev/shm``), and only its path through
-        vLLM's RPC. Measured on the 0.47 B fp32 model (benchmarks/sync_cost.py): bytes through
-        the RPC itself 9.9-12.1 s per replica, through the file 5.2-6.0 s. The file is removed
+        vLLM's RPC. Measured on the 0.47 B fp32 model with benchmarks/sync_cost.py: bytes through
+        the RPC itself (commit 6fee038) 9.9-12.1 s per replica, through the file 5.2-6.0 s. The file is removed
         once loaded.
         """
         import asyncio

@@ -76,7 +76,6 @@ class ExplorerReplica:
         self.engine = await ExplorerEngine.create(model_path, self.cfg.explorer)
         self.draining = False
         self.loaded = {"method": "checkpoint", "path": model_path}  # handle of the served version
-        self.requests_while_draining = 0
         self.experiences_logged = 0  # explorer step = this // synchronizer.explorer_step_experiences
         self.last_sync: dict[str, float] = {}
         latest = await self.sync.latest.remote()
@@ -196,8 +195,6 @@ class ExplorerReplica:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request):
-        if self.draining:
-            self.requests_while_draining += 1
         try:
             body = await _json_body(request)
             try:

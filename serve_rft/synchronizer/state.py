@@ -36,7 +36,7 @@ class ReplicaInfo:
     sync_started: float | None = None
     failures: int = 0
     last_error: str | None = None
-    sync_seconds: list[float] = field(default_factory=list)
+    last_sync_s: float | None = None
     last_sync: dict[str, float] | None = None
     schedule: ReplicaSchedule = field(default_factory=ReplicaSchedule)
 
@@ -72,8 +72,8 @@ class SyncState:
         self.trainer_state = ComponentState.STOPPED
         self.trainer_step = 0
         self.events: list[SyncEvent] = []
-        self.version_published_at: dict[int, float] = {}
-        self.version_everywhere_at: dict[int, float] = {}
+        self._not_everywhere: dict[int, float] = {}  # version -> published_at, until everywhere
+        self.version_lags: dict[int, float] = {}  # version -> seconds to reach every replica
 
     # -- bookkeeping -----------------------------------------------------------------
     def serving(self) -> int:
@@ -174,16 +174,17 @@ class SyncState:
         r = self.replicas[replica_id]
         r.last_sync = timings
         if r.sync_started is not None:
-            r.sync_seconds.append(now - r.sync_started)
+            r.last_sync_s = now - r.sync_started
         r.policy_version, r.last_seen, r.sync_started, r.last_error = version, now, None, None
         r.schedule.synced()
         self._set(r, ComponentState.RUNNING, now)
         live = [x for x in self.replicas.values() if x.state is not ComponentState.STOPPED]
         if live:  # every published version <= the slowest live replica's is now everywhere
             floor = min(x.policy_version for x in live)
-            for v in self.version_published_at:
-                if v <= floor:
-                    self.version_everywhere_at.setdefault(v, now)
+            for v in [v for v in self._not_everywhere if v <= floor]:
+                self.version_lags[v] = now - self._not_everywhere.pop(v)
+            while len(self.version_lags) > self.max_events:
+                self.version_lags.pop(next(iter(self.version_lags)))
 
     def failed(self, replica_id: str, version: int, error: str, now: float | None = None) -> None:
         """The replica could not load ``version``; it restored its previous weights and serves."""
@@ -208,7 +209,7 @@ class SyncState:
         if self.latest is not None and published.version <= self.latest.version:
             raise ValueError(f"version {published.version} is not newer than {self.latest.version}")
         self.latest = published
-        self.version_published_at[published.version] = published.published_at
+        self._not_everywhere[published.version] = published.published_at
         self._event(TRAINER, self.trainer_state, published.version, now)
 
     def set_trainer(self, state: ComponentState, step: int, now: float | None = None) -> None:
@@ -219,9 +220,9 @@ class SyncState:
             self._event(TRAINER, state, self.latest_version(), now)
 
     def version_lag(self) -> dict[int, float]:
-        """Seconds from publishing each version to the last live replica serving it."""
-        return {v: t - self.version_published_at[v] for v, t in self.version_everywhere_at.items()
-                if v in self.version_published_at}
+        """Seconds from publishing each version to the last live replica serving it (or a newer
+        one); the newest ``max_events`` versions."""
+        return dict(self.version_lags)
 
     def status(self) -> dict:
         return {
@@ -231,7 +232,7 @@ class SyncState:
             "replicas": [
                 {"id": r.replica_id, "state": r.state.value, "policy_version": r.policy_version,
                  "failures": r.failures, "last_error": r.last_error,
-                 "last_sync_s": r.sync_seconds[-1] if r.sync_seconds else None,
+                 "last_sync_s": r.last_sync_s,
                  "last_sync": r.last_sync, "explorer_step": r.schedule.explorer_step,
                  "sync_due": r.schedule.due, "sync_requested": r.schedule.open_request(),
                  "sync_timeouts": r.schedule.timeouts}

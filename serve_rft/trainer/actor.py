@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import defaultdict
 
 import ray
 
@@ -82,9 +81,8 @@ class Trainer:
         self.model_path = model_path
         self.step_num = 0
         self.version = 0
-        self.history: list[dict] = []
+        self.last_stats: dict | None = None
         self.unacked: list[str] = []
-        self.reward_by_version: dict[int, list[float]] = defaultdict(list)
         self._task: asyncio.Task | None = None
         self.error: str | None = None
         self.published: PublishedVersion | None = None
@@ -119,15 +117,13 @@ class Trainer:
                 stats = await asyncio.to_thread(policy.step, batch)
                 self.step_num += 1
                 self.unacked.extend(b.stream_id for b in batch)
-                for b in batch:
-                    self.reward_by_version[b.experience.min_version].append(b.reward)
                 stats["step"] = self.step_num
                 stats["t"] = time.time()
                 requested = await sync.sync_requested.remote()
                 if trainer_publishes(scfg.sync_style, self.step_num, scfg.sync_interval, requested):
                     stats["publish_seconds"] = await self._publish(policy, method, sync, store)
                 stats["policy_version"] = self.version
-                self.history.append(stats)
+                self.last_stats = stats
                 await sync.set_trainer.remote(ComponentState.RUNNING.value, self.step_num)
         except Exception as e:
             self.error = repr(e)
@@ -179,16 +175,12 @@ class Trainer:
             "step": self.step_num,
             "policy_version": self.version,
             "error": self.error,
-            "last": self.history[-1] if self.history else None,
-            "reward_by_version": {str(v): sum(r) / len(r) for v, r in sorted(self.reward_by_version.items())},
+            "last": self.last_stats,
         }
 
     def latest_published(self) -> PublishedVersion | None:
         """The last version this trainer published (a restarted synchronizer rebuilds from it)."""
         return self.published
-
-    def get_history(self) -> list[dict]:
-        return self.history
 
 
 def get_or_create_trainer(cfg: Config, model_path: str):

@@ -41,6 +41,18 @@ def _config(config: Optional[Path], sets: list[str], model: Optional[str] = None
         raise typer.Exit(2) from None
 
 
+def _runnable(cfg: Config) -> Config:
+    """Exit 2 with a plain message if this machine cannot run ``cfg`` (e.g. nccl without CUDA)."""
+    from serve_rft.service.app import preflight
+
+    try:
+        preflight(cfg)
+    except ValueError as e:
+        console.print(f"[red]config error:[/red] {e}")
+        raise typer.Exit(2) from None
+    return cfg
+
+
 @cli.command("init-model")
 def init_model(config: Optional[Path] = ConfigOpt, sets: list[str] = SetOpt) -> None:
     """Build (once) and cache the embedded default model; print its directory."""
@@ -57,7 +69,7 @@ def up(config: Optional[Path] = ConfigOpt, sets: list[str] = SetOpt, model: Opti
     from serve_rft.service.launcher import ServiceStack, quiet_env, wait_for_signal
 
     quiet_env()
-    cfg = _config(config, sets, model, port)
+    cfg = _runnable(_config(config, sets, model, port))
     with ServiceStack(cfg) as stack:
         console.print(f"[green]serve_rft up[/green] at {stack.url} "
                       f"(model {stack.model_path}, started in {stack.startup_seconds:.1f} s)")
@@ -84,7 +96,7 @@ def demo(config: Optional[Path] = ConfigOpt, sets: list[str] = SetOpt, model: Op
     if url:
         summary = run_demo(url, duration, users, live=live)
     else:
-        with ServiceStack(cfg) as stack:
+        with ServiceStack(_runnable(cfg)) as stack:
             console.print(f"service up at {stack.url} in {stack.startup_seconds:.1f} s")
             summary = run_demo(stack.url, duration, users, live=live)
             summary["startup_seconds"] = stack.startup_seconds

@@ -54,6 +54,8 @@ class ModelConfig(_Strict):
 class ExplorerConfig(_Strict):
     num_replicas: int = Field(2, ge=1, description="vLLM explorer replicas behind Ray Serve.")
     num_cpus_per_replica: float = Field(1.0, gt=0, description="Ray logical CPUs per replica.")
+    num_gpus_per_replica: float = Field(
+        0.0, ge=0, description="Ray GPUs per replica (GPU machines with the `vllm` package; NCCL needs > 0).")
     max_model_len: int = Field(1024, ge=16, description="Context length (prompt + response), tokens.")
     kv_cache_gib: int = Field(1, ge=1, description="VLLM_CPU_KVCACHE_SPACE per replica, GiB.")
     max_num_seqs: int = Field(64, ge=1, description="vLLM scheduler: concurrent sequences per replica.")
@@ -100,6 +102,8 @@ class TrainerConfig(_Strict):
         0.9, ge=0, lt=1, description="EMA momentum of the running reward baseline."
     )
     num_threads: int = Field(1, ge=1, description="torch threads of the trainer process.")
+    device: Literal["cpu", "cuda"] = Field(
+        "cpu", description="Where the trainer's policy model lives (cuda: the actor takes one Ray GPU).")
     keep_checkpoints: int = Field(5, ge=1, description="Published versions kept on disk.")
     seed: int = 0
 
@@ -128,12 +132,6 @@ class SynchronizerConfig(_Strict):
         32 << 20, ge=1 << 16, description="MEMORY: largest bucket of tensors sent at once, bytes."
     )
 
-    @model_validator(mode="after")
-    def _implemented(self) -> "SynchronizerConfig":
-        if self.sync_method is SyncMethod.NCCL:
-            raise ValueError("sync_method=nccl is not implemented yet; use checkpoint or memory")
-        return self
-
 
 class ServiceConfig(_Strict):
     host: str = "127.0.0.1"
@@ -152,6 +150,15 @@ class Config(_Strict):
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     synchronizer: SynchronizerConfig = Field(default_factory=SynchronizerConfig)
     service: ServiceConfig = Field(default_factory=ServiceConfig)
+
+    @model_validator(mode="after")
+    def _nccl_needs_gpus(self) -> "Config":
+        if self.synchronizer.sync_method is SyncMethod.NCCL and (
+                self.trainer.device != "cuda" or self.explorer.num_gpus_per_replica <= 0):
+            raise ValueError(
+                "synchronizer.sync_method=nccl moves weights GPU to GPU: it needs trainer.device=cuda "
+                "and explorer.num_gpus_per_replica > 0 (on a machine without GPUs use checkpoint or memory)")
+        return self
 
     @model_validator(mode="after")
     def _always_one_serving(self) -> "Config":

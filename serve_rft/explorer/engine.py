@@ -41,19 +41,35 @@ class ExplorerEngine:
 
     Attributes:
         policy_version: the version of the weights loaded now (0 = initial weights).
+        replica_id: the Serve replica this engine belongs to (names its NCCL group).
+        world_size: vLLM workers of this engine (tensor x pipeline parallel; 1 here).
+        nccl_update_info: names/dtypes/shapes the NCCL receive uses, once the group is joined.
     """
 
-    def __init__(self, llm, policy_version: int = 0):
+    def __init__(self, llm, policy_version: int = 0, replica_id: str = ""):
         self.llm = llm
         self.policy_version = policy_version
+        self.replica_id = replica_id
+        self.world_size = 1
+        self.nccl_update_info: dict | None = None
 
     @classmethod
-    async def create(cls, model_path: str, cfg: ExplorerConfig, seed: int = 0) -> "ExplorerEngine":
-        """Start an `AsyncLLM` on ``model_path`` (takes ~15-60 s on CPU) and label version 0."""
+    async def create(cls, model_path: str, cfg: ExplorerConfig, seed: int = 0,
+                     weight_transfer: str | None = None, replica_id: str = "") -> "ExplorerEngine":
+        """Start an `AsyncLLM` on ``model_path`` (takes ~15-60 s on CPU) and label version 0.
+
+        Args:
+            weight_transfer: a vLLM weight-transfer backend to enable (``"nccl"``), or None.
+        """
         engine_env(cfg)
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
+        extra = {}
+        if weight_transfer is not None:
+            from vllm.config.weight_transfer import WeightTransferConfig
+
+            extra["weight_transfer_config"] = WeightTransferConfig(backend=weight_transfer)
         args = AsyncEngineArgs(
             model=model_path,
             dtype=cfg.dtype,
@@ -65,9 +81,10 @@ class ExplorerEngine:
             seed=seed,
             disable_log_stats=True,
             worker_extension_cls="serve_rft.explorer.worker_ext.PolicyWeightsExtension",
+            **extra,
         )
         llm = AsyncLLM.from_engine_args(args)
-        engine = cls(llm, 0)
+        engine = cls(llm, 0, replica_id)
         await llm.update_weight_version("0")
         return engine
 
@@ -138,6 +155,28 @@ class ExplorerEngine:
         """Finish a bucketed update and label subsequent tokens with ``version``."""
         await self.llm.collective_rpc("finish_policy_update")
         await self.llm.update_weight_version(str(version))
+        self.policy_version = version
+
+    # -- vLLM's weight-transfer engine (NCCL; `serve_rft.synchronizer.methods.nccl`) ----------
+    async def init_weight_transfer(self, init_info: dict) -> None:
+        """Join the trainer's NCCL group from every worker (blocks until the trainer joins)."""
+        from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
+
+        await self.llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info=init_info))
+
+    async def start_weight_update(self) -> None:
+        """Begin a transfer (vLLM: layer-wise reload); the engine must be paused."""
+        await self.llm.start_weight_update()
+
+    async def update_weights(self, update_info: dict) -> None:
+        """Receive the broadcast described by ``update_info`` (names, dtype_names, shapes)."""
+        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+
+        await self.llm.update_weights(WeightTransferUpdateRequest(update_info=update_info))
+
+    async def finish_weight_update(self, version: int) -> None:
+        """Finish the transfer and label subsequent tokens with ``version``."""
+        await self.llm.finish_weight_update(str(version))
         self.policy_version = version
 
     async def resume(self) -> None:

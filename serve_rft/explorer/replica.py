@@ -73,7 +73,9 @@ class ExplorerReplica:
         self.store = ExperienceStore(self.cfg.buffer.redis_url, self.cfg.buffer.key_prefix,
                                      self.cfg.buffer.reward_timeout_s, self.cfg.buffer.trained_ttl_s)
         self.sync = get_synchronizer()
-        self.engine = await ExplorerEngine.create(model_path, self.cfg.explorer)
+        nccl = self.cfg.synchronizer.sync_method.value == "nccl"
+        self.engine = await ExplorerEngine.create(model_path, self.cfg.explorer, replica_id=self.replica_id,
+                                                  weight_transfer="nccl" if nccl else None)
         self.draining = False
         self.loaded = {"method": "checkpoint", "path": model_path}  # handle of the served version
         self.experiences_logged = 0  # explorer step = this // synchronizer.explorer_step_experiences
@@ -140,7 +142,8 @@ class ExplorerReplica:
         t_end = time.perf_counter()
         self.last_sync = {"drain_s": t_pause - t0, "pause_s": t_load - t_pause,
                           "load_s": info["seconds"], "bytes": info["bytes"], "total_s": t_end - t0}
-        await self.sync.synced.remote(self.replica_id, order.version, self.last_sync)
+        # NCCL loads the trainer's current version, which may be newer than the order's.
+        await self.sync.synced.remote(self.replica_id, self.engine.policy_version, self.last_sync)
 
     # -- HTTP ----------------------------------------------------------------------------
     def _headers(self, version: int) -> dict[str, str]:

@@ -26,7 +26,7 @@ def explorer_deployment(cfg: Config):
         serve.ingress(app)(ExplorerReplica),
         name="explorer",
         num_replicas=ecfg.num_replicas,
-        ray_actor_options={"num_cpus": ecfg.num_cpus_per_replica},
+        ray_actor_options={"num_cpus": ecfg.num_cpus_per_replica, "num_gpus": ecfg.num_gpus_per_replica},
         max_ongoing_requests=ecfg.max_ongoing_requests,
         request_router_config=RequestRouterConfig(
             request_router_class="serve_rft.explorer.router.DrainAwareRouter",
@@ -39,13 +39,34 @@ def explorer_deployment(cfg: Config):
     )
 
 
+def preflight(cfg: Config) -> None:
+    """Refuse, before anything starts, a configuration this machine cannot run.
+
+    Raises:
+        ValueError: ``trainer.device=cuda`` or ``sync_method=nccl`` without CUDA (the message
+            says what to use instead).
+    """
+    if cfg.synchronizer.sync_method.value == "nccl":
+        from serve_rft.synchronizer.methods.nccl import NcclUnavailable, check_available
+
+        try:
+            check_available()
+        except NcclUnavailable as e:
+            raise ValueError(str(e)) from None
+    if cfg.trainer.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ValueError("trainer.device=cuda but torch sees no CUDA device; use trainer.device=cpu")
+
+
 def build_app(cfg: Config, model_path: str | Path):
     """Create the synchronizer and (if enabled) the trainer, start training, bind the explorers.
 
     Requires ``cfg.buffer.redis_url`` to be set (the launcher starts an embedded Redis).
 
     Raises:
-        ValueError: no Redis URL.
+        ValueError: no Redis URL, or a configuration this machine cannot run (`preflight`).
     """
     import ray
 
@@ -54,6 +75,7 @@ def build_app(cfg: Config, model_path: str | Path):
 
     if not cfg.buffer.redis_url:
         raise ValueError("buffer.redis_url must be set to build the application")
+    preflight(cfg)
     model_path = str(model_path)
     get_or_create_synchronizer(cfg.synchronizer, cfg.explorer.num_replicas)
     if cfg.trainer.enabled:

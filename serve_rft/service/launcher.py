@@ -45,8 +45,11 @@ class ServiceStack:
         self.stop()
 
     def _start(self) -> None:
+        from serve_rft.service.app import preflight
+
         t0 = time.monotonic()
         cfg = self.cfg
+        preflight(cfg)  # before anything starts
         run_dir = Path(cfg.service.run_dir).resolve()
         run_dir.mkdir(parents=True, exist_ok=True)
         cfg.service.run_dir = str(run_dir)

@@ -99,6 +99,12 @@ class SyncState:
     def latest_version(self) -> int:
         return self.latest.version if self.latest else 0
 
+    def lagging(self, version: int) -> int:
+        """Live replicas that are due for a sync (their style's schedule) and serve a version
+        below ``version``: those an NCCL trainer waits for in its sync window."""
+        return sum(r.state is not ComponentState.STOPPED and r.policy_version < version and r.schedule.due
+                   for r in self.replicas.values())
+
     # -- replica side ---------------------------------------------------------------
     def register(self, replica_id: str, version: int, now: float | None = None) -> None:
         """A replica came up serving ``version`` (it loads the latest before registering)."""

@@ -35,7 +35,8 @@ class PolicyTrainer:
         torch.set_num_threads(cfg.trainer.num_threads)
         torch.manual_seed(cfg.trainer.seed)
         self.cfg = cfg.trainer
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+        self.device = torch.device(cfg.trainer.device)
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(self.device)
         self.model.train()
         self.pad_id = self.model.config.pad_token_id or 0
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.cfg.lr,
@@ -51,7 +52,7 @@ class PolicyTrainer:
         t0 = time.perf_counter()
         exps = [b.experience for b in batch]
         rewards = [b.reward for b in batch]
-        adv = compute_advantages(rewards, [e.group_id for e in exps], self.baseline)
+        adv = compute_advantages(rewards, [e.group_id for e in exps], self.baseline).to(self.device)
         logp, mask = response_logprobs(self.model, [e.prompt_token_ids for e in exps],
                                        [e.response_token_ids for e in exps],
                                        [e.sampling.temperature for e in exps], self.pad_id)
@@ -86,6 +87,7 @@ class Trainer:
         self._task: asyncio.Task | None = None
         self.error: str | None = None
         self.published: PublishedVersion | None = None
+        self.method = None  # the sync method, once the loop built it
 
     async def start(self) -> None:
         """Start the training loop (idempotent). Errors end the loop and show in `status`."""
@@ -104,6 +106,7 @@ class Trainer:
         policy = await asyncio.to_thread(PolicyTrainer, cfg, self.model_path)
         method = make_method(cfg)
         method.prepare()
+        self.method = method
         await store.ensure_group()
         await sync.set_trainer.remote(ComponentState.RUNNING.value, self.step_num)
         backlog = await store.read_ready(TRAINER_NAME, cfg.trainer.batch_size, 0, redeliver=True)
@@ -122,6 +125,7 @@ class Trainer:
                 requested = await sync.sync_requested.remote()
                 if trainer_publishes(scfg.sync_style, self.step_num, scfg.sync_interval, requested):
                     stats["publish_seconds"] = await self._publish(policy, method, sync, store)
+                    stats["window_seconds"] = await self._handshake(method, sync)
                 stats["policy_version"] = self.version
                 self.last_stats = stats
                 await sync.set_trainer.remote(ComponentState.RUNNING.value, self.step_num)
@@ -148,6 +152,22 @@ class Trainer:
         self.unacked = []
         return seconds
 
+    async def _handshake(self, method, sync) -> float:
+        """NCCL (seed 000's two-way handshake): REQUIRE_SYNC while replicas pull the version
+        just published, then RUNNING. A no-op for pull-only methods.
+
+        Returns:
+            Seconds the trainer waited.
+        """
+        if not method.handshake:
+            return 0.0
+        version = self.version
+        await sync.set_trainer.remote(ComponentState.REQUIRE_SYNC.value, self.step_num)
+        waited = await method.serve_window(version, lambda: sync.lagging.remote(version),
+                                           self.cfg.synchronizer.sync_timeout_s)
+        await sync.set_trainer.remote(ComponentState.RUNNING.value, self.step_num)
+        return waited
+
     async def _collect(self, store: ExperienceStore, policy, method, sync) -> list[RewardedExperience]:
         """Up to ``batch_size`` ready experiences: waits ``batch_wait_s`` for a full batch,
         trains on fewer only if at least ``min_batch_size`` arrived. While it waits it answers
@@ -157,6 +177,8 @@ class Trainer:
         batch: list[RewardedExperience] = []
         deadline = time.monotonic() + tcfg.batch_wait_s
         while len(batch) < tcfg.batch_size:
+            if method.handshake and method.sender.waiting and self.step_num == self.version:
+                await self._handshake(method, sync)  # a replica waits for the published weights
             left = deadline - time.monotonic()
             if left <= 0:
                 if len(batch) >= tcfg.min_batch_size:
@@ -169,6 +191,28 @@ class Trainer:
                                          block_ms=int(left * 1000) + 1)
             batch.extend(got)
         return batch
+
+    # -- NCCL (serve_rft.synchronizer.methods.nccl): the trainer's side of each group ---------
+    def _nccl(self):
+        if self.method is None or self.method.name != "nccl":
+            raise RuntimeError("the trainer's sync method is not nccl (or it has not started yet)")
+        return self.method.sender
+
+    def nccl_endpoint(self) -> tuple[str, int]:
+        """A rendezvous address and free port on this trainer's node (rank 0 hosts the store)."""
+        return self._nccl().endpoint()
+
+    async def nccl_connect(self, replica_id: str, init_info: dict) -> dict:
+        """Join ``replica_id``'s group as rank 0; returns the update info its workers need."""
+        return await self._nccl().connect(replica_id, init_info)
+
+    async def nccl_reserve(self, replica_id: str) -> int:
+        """Wait for a sync window and reserve the broadcast; returns the version it carries."""
+        return await self._nccl().reserve(replica_id)
+
+    async def nccl_broadcast(self, replica_id: str) -> dict:
+        """Broadcast the reserved version to ``replica_id``'s group (seconds, bytes)."""
+        return await self._nccl().broadcast(replica_id)
 
     def status(self) -> dict:
         return {
@@ -187,5 +231,6 @@ def get_or_create_trainer(cfg: Config, model_path: str):
     """The named trainer actor (detached), created if it does not exist yet."""
     from serve_rft.synchronizer.actor import NAMESPACE
 
-    return Trainer.options(name=TRAINER_NAME, namespace=NAMESPACE, get_if_exists=True,
+    gpus = 1 if cfg.trainer.device == "cuda" else 0
+    return Trainer.options(name=TRAINER_NAME, namespace=NAMESPACE, get_if_exists=True, num_gpus=gpus,
                            lifetime="detached").remote(cfg.model_dump_json(), model_path)

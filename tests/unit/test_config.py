@@ -39,9 +39,14 @@ def test_override_without_equals_is_an_error():
         apply_overrides({}, ["trainer.lr"])
 
 
-def test_unimplemented_sync_methods_are_config_errors():
-    with pytest.raises(ValidationError, match="not implemented"):
+def test_nccl_without_gpus_in_the_config_is_a_config_error():
+    with pytest.raises(ValidationError, match="trainer.device=cuda"):
         load_config(None, ["synchronizer.sync_method=nccl"])
+    with pytest.raises(ValidationError, match="num_gpus_per_replica"):
+        load_config(None, ["synchronizer.sync_method=nccl", "trainer.device=cuda"])
+    cfg = load_config(None, ["synchronizer.sync_method=nccl", "trainer.device=cuda",
+                             "explorer.num_gpus_per_replica=1"])
+    assert cfg.synchronizer.sync_method.value == "nccl"
 
 
 def test_shipped_default_config_equals_the_code_defaults():

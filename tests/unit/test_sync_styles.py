@@ -91,3 +91,18 @@ def test_trainer_driven_replicas_pick_up_every_version():
     s = _state(SyncStyle.TRAINER_DRIVEN)
     s.publish(PublishedVersion(version=1, handle={}), now=100)
     assert s.grant("r0", now=100) is not None
+
+
+def test_nccl_trainer_waits_only_for_live_replicas_that_are_due():
+    s = _state(SyncStyle.FIXED, interval=4, offset=2)
+    s.publish(PublishedVersion(version=1, handle={}), now=100)
+    assert s.lagging(1) == 0  # neither replica reached its sync step
+    s.heartbeat("r0", 0, explorer_step=2, now=101)
+    assert s.lagging(1) == 1
+    s.grant("r0", now=101)
+    s.synced("r0", 1, now=102)
+    assert s.lagging(1) == 0
+    s.heartbeat("r1", 0, explorer_step=2, now=103)
+    assert s.lagging(1) == 1
+    s.expire(now=1000)  # r1 went silent: STOPPED, not waited for
+    assert s.lagging(1) == 0

@@ -5,13 +5,14 @@ from __future__ import annotations
 from pathlib import Path
 
 from serve_rft.config import Config, SyncMethod
-from serve_rft.synchronizer.methods.base import WeightSyncMethod
+from serve_rft.synchronizer.methods.base import EngineBroken, EngineUnchanged, WeightSyncMethod
 from serve_rft.synchronizer.methods.checkpoint import CheckpointMethod
 from serve_rft.synchronizer.methods.memory import MemoryMethod
+from serve_rft.synchronizer.methods.nccl import NcclMethod, NcclSender
 
 
-__all__ = ["CheckpointMethod", "LoadFailed", "MemoryMethod", "WeightSyncMethod", "load_or_restore",
-           "make_method", "receiver_for"]
+__all__ = ["CheckpointMethod", "EngineBroken", "EngineUnchanged", "LoadFailed", "MemoryMethod",
+           "NcclMethod", "WeightSyncMethod", "load_or_restore", "make_method", "receiver_for"]
 
 
 class LoadFailed(Exception):
@@ -26,11 +27,17 @@ async def load_or_restore(engine, handle: dict, version: int, previous_handle: d
     Returns:
         The method's load info (seconds, bytes).
     Raises:
-        LoadFailed: the load failed and the previous version was restored (the cause chained).
+        LoadFailed: the load failed and the previous version was restored, or was never left
+            (`EngineUnchanged`); the cause chained.
+        EngineBroken: the engine cannot be restored in place (the replica must be replaced).
         Exception: the restore failed too (the replica must be replaced).
     """
     try:
         return await receiver_for(handle).receive(engine, handle, version)
+    except EngineUnchanged as e:
+        raise LoadFailed(f"loading version {version} failed: {e}") from e
+    except EngineBroken:
+        raise
     except Exception as e:
         await receiver_for(previous_handle).receive(engine, previous_handle, previous_version)
         raise LoadFailed(f"loading version {version} failed: {e!r}") from e
@@ -47,6 +54,8 @@ def make_method(cfg: Config) -> WeightSyncMethod:
         return CheckpointMethod(Path(cfg.service.run_dir) / "checkpoints", cfg.trainer.keep_checkpoints)
     if m is SyncMethod.MEMORY:
         return MemoryMethod(cfg.synchronizer.bucket_bytes)
+    if m is SyncMethod.NCCL:
+        return NcclMethod(sender=NcclSender(reserve_timeout_s=cfg.synchronizer.sync_timeout_s))
     raise ValueError(f"sync_method {m.value} is not available")
 
 
@@ -57,4 +66,6 @@ def receiver_for(handle: dict) -> WeightSyncMethod:
         return CheckpointMethod(Path(handle["path"]).parent)
     if name == MemoryMethod.name:
         return MemoryMethod()
+    if name == NcclMethod.name:
+        return NcclMethod()
     raise ValueError(f"unknown sync method in handle: {name!r}")

@@ -10,14 +10,27 @@ must stay loadable until every replica moved past its version. A new method is o
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any, ClassVar
+from typing import Any, Awaitable, Callable, ClassVar
+
+
+class EngineUnchanged(Exception):
+    """``receive`` failed before it touched the engine: it still serves its previous version
+    (nothing to restore)."""
+
+
+class EngineBroken(Exception):
+    """``receive`` failed and the engine cannot be restored in place (e.g. its workers are stuck
+    in a broken collective): the replica must be replaced."""
 
 
 class WeightSyncMethod(ABC):
-    """One way of moving weights: trainer side (``prepare``/``send``/``finalize``) and replica
-    side (``receive``)."""
+    """One way of moving weights: trainer side (``prepare``/``send``/``serve_window``/
+    ``finalize``) and replica side (``receive``)."""
 
     name: ClassVar[str]
+    handshake: ClassVar[bool] = False
+    """True when a transfer needs the trainer in it at the same time (NCCL, seed 000's two-way
+    handshake): the trainer then calls ``serve_window`` after each publish."""
 
     def prepare(self) -> None:
         """Trainer side, once before the first ``send`` (folders, process groups)."""
@@ -39,10 +52,23 @@ class WeightSyncMethod(ABC):
         `ExplorerEngine`, paused by the caller) and label it ``version``.
 
         Returns:
-            Timings and sizes: ``seconds``, ``bytes``.
+            Timings and sizes: ``seconds``, ``bytes``; ``version`` if the version loaded is not
+            ``version`` (NCCL sends the trainer's current one).
         Raises:
+            EngineUnchanged: failed before touching the engine.
+            EngineBroken: the engine cannot be restored in place.
             Whatever the transfer or vLLM's loader raises; the caller restores the previous version.
         """
+
+    async def serve_window(self, version: int, lagging: Callable[[], Awaitable[int]],
+                           timeout_s: float) -> float:
+        """Trainer side, after publishing ``version``, for handshake methods: hold the weights
+        while replicas pull, until ``lagging()`` is 0 or ``timeout_s`` passed.
+
+        Returns:
+            Seconds the trainer waited (0 for pull-only methods).
+        """
+        return 0.0
 
     def finalize(self) -> None:
         """Release what ``prepare``/``send`` hold."""

@@ -1,0 +1,346 @@
+"""NCCL: weights go GPU to GPU through vLLM's weight-transfer engine, bucketed.
+
+**Unverified on this project's machines** (CPU only): written against vLLM's documented API
+(``vllm/distributed/weight_transfer/nccl_engine.py``: `NCCLTrainerWeightTransferEngine` on the
+trainer, ``AsyncLLM.init_weight_transfer_engine / start_weight_update / update_weights /
+finish_weight_update`` on a replica); `tests/gpu/test_nccl_sync.py` runs it where CUDA and vLLM
+are present. The handshake logic below is unit-tested on CPU with fakes.
+
+Process groups, set up by the synchronizer (`Synchronizer.nccl_group`): one group per replica,
+rank 0 = the trainer, ranks 1..W = the replica's vLLM workers (W = tensor x pipeline parallel
+size). The synchronizer asks the trainer for a rendezvous endpoint (its node address and a free
+port); the replica joins from its workers while the trainer joins rank 0, at the same time.
+One group per replica, not one for all, because replicas sync at different moments (rolling).
+
+Two-way handshake (seed 000, "NCCL Synchronization"): both sides must be in the collective at
+once, so a transfer needs the trainer too. After publishing version v the trainer goes
+REQUIRE_SYNC and opens a *sync window* (`NcclSender.serve_window`): its weights stay at v while
+replicas pull. A replica granted v (REQUIRE_SYNC, drained, paused) *reserves* the trainer
+(`NcclSender.reserve`: waits for a window, takes the send lock), then starts vLLM's update and
+receives while the trainer broadcasts (`NcclSender.broadcast`, vLLM's packed producer: buckets of
+``packed_buffer_size_bytes``, double-buffered). The window closes once no live replica that is
+due lags behind v and nobody waits, or after ``sync_timeout_s``; both sides return to RUNNING.
+A replica that reserves while no window is open waits for the next one (the trainer also opens
+one between steps when someone waits); the version it gets is the trainer's current one, which
+may be newer than its order's, and it is labelled with that.
+
+Failures: before vLLM's update starts, the engine is untouched (`EngineUnchanged`: the replica
+keeps serving its version and reports the failure). After it starts, a broken collective leaves
+the workers blocked inside NCCL (vLLM's own note in `send_weights`), so nothing can be restored
+in place (`EngineBroken`): the replica's sync loop ends and Ray Serve replaces it; the new
+replica pulls the latest version before it takes traffic.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any, Awaitable, Callable
+
+from serve_rft.synchronizer.methods.base import EngineBroken, EngineUnchanged, WeightSyncMethod
+
+RANK_OFFSET = 1  # the trainer is rank 0 of every group, a replica's workers follow
+
+
+class NcclUnavailable(RuntimeError):
+    """``sync_method=nccl`` cannot run here (no CUDA device, or a vLLM build without NCCL)."""
+
+
+def check_available() -> None:
+    """Fail fast, before anything starts, if this machine cannot run NCCL weight sync.
+
+    Raises:
+        NcclUnavailable: torch sees no CUDA device, or vLLM's NCCL weight transfer is missing.
+    """
+    import torch
+
+    if not torch.cuda.is_available():
+        raise NcclUnavailable("synchronizer.sync_method=nccl needs CUDA GPUs and torch sees none on "
+                              "this machine; use sync_method=checkpoint or memory")
+    try:
+        from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerWeightTransferEngine  # noqa: F401
+    except ImportError as e:
+        raise NcclUnavailable(f"synchronizer.sync_method=nccl needs vLLM's NCCL weight transfer: {e}") from e
+
+
+def update_info(model) -> dict[str, list]:
+    """vLLM's ``NCCLWeightTransferUpdateInfo`` for ``model``: parameter names (checkpoint names,
+    tied weights once), dtype names and shapes, in the order the trainer broadcasts them."""
+    names, dtypes, shapes = [], [], []
+    for name, p in model.named_parameters():
+        names.append(name)
+        dtypes.append(str(p.dtype).split(".")[-1])
+        shapes.append(list(p.shape))
+    return {"names": names, "dtype_names": dtypes, "shapes": shapes}
+
+
+class _ReplicaDrivenClient:
+    """vLLM's ``VLLMWeightSyncClient`` protocol, all no-ops: in this service the *replica*
+    makes these engine calls itself (it pauses and labels its own engine), at the same time as
+    the trainer's side of each collective."""
+
+    def init_weight_transfer_engine(self, init_info: dict) -> None: ...
+
+    def start_weight_update(self) -> None: ...
+
+    def update_weights(self, update_info: dict) -> None: ...
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None: ...
+
+
+def _vllm_connect(init_info: dict, model):
+    """Join rank 0 of a replica's group with vLLM's trainer engine (blocks until the replica's
+    workers join). Returns the engine (``send_weights()``, ``shutdown()``)."""
+    from vllm.distributed.weight_transfer.base import ModuleSource
+    from vllm.distributed.weight_transfer.nccl_engine import (NCCLTrainerInitInfo,
+                                                              NCCLTrainerWeightTransferEngine)
+
+    info = NCCLTrainerInitInfo(master_address=init_info["master_address"],
+                               master_port=init_info["master_port"],
+                               world_size=init_info["world_size"], packed=True)
+    return NCCLTrainerWeightTransferEngine.trainer_init(info, client=_ReplicaDrivenClient(),
+                                                        source=ModuleSource(model))
+
+
+class NcclSender:
+    """Trainer side: one vLLM trainer engine per replica group, the send lock and the sync window.
+
+    Args:
+        connect: ``(init_info, model) -> engine`` joining a group as rank 0 (vLLM's by default;
+            unit tests pass a fake). Runs in a thread: it blocks until the replica joins.
+        reserve_timeout_s: how long a replica may wait for a window before `reserve` fails.
+        lease_s: a reservation not followed by `broadcast` within this long is released (the
+            replica died between the two calls).
+    """
+
+    def __init__(self, connect: Callable[[dict, Any], Any] = _vllm_connect,
+                 reserve_timeout_s: float = 30.0, lease_s: float = 30.0):
+        self._connect = connect
+        self.reserve_timeout_s = reserve_timeout_s
+        self.lease_s = lease_s
+        self.model = None
+        self.version = 0
+        self.groups: dict[str, Any] = {}
+        self.waiting = 0
+        self.window_open = False
+        self._window = asyncio.Event()
+        self._lock = asyncio.Lock()
+        self._holder: str | None = None
+        self._lease: asyncio.TimerHandle | None = None
+
+    @staticmethod
+    def endpoint() -> tuple[str, int]:
+        """This node's address and a free TCP port for a group's rendezvous (rank 0 hosts it)."""
+        import socket
+
+        import ray
+
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        return ray.util.get_node_ip_address(), port
+
+    async def connect(self, replica_id: str, init_info: dict) -> dict[str, list]:
+        """Join ``replica_id``'s group as rank 0 (the replica joins concurrently).
+
+        Returns:
+            The update info (names, dtype names, shapes) the replica's workers receive with.
+        Raises:
+            RuntimeError: no model yet (nothing published).
+        """
+        if self.model is None:
+            raise RuntimeError("the trainer has not published a version yet")
+        old = self.groups.pop(replica_id, None)
+        if old is not None:
+            old.shutdown()
+        self.groups[replica_id] = await asyncio.to_thread(self._connect, init_info, self.model)
+        return update_info(self.model)
+
+    async def reserve(self, replica_id: str) -> int:
+        """Wait for a sync window and take the send lock for ``replica_id``.
+
+        Returns:
+            The version the coming broadcast carries (the window's).
+        Raises:
+            TimeoutError: no window within ``reserve_timeout_s`` (the engine is untouched).
+            KeyError: ``replica_id`` has no group (`connect` first).
+        """
+        if replica_id not in self.groups:
+            raise KeyError(f"replica {replica_id} has no NCCL group with the trainer")
+        self.waiting += 1
+        try:
+            async with asyncio.timeout(self.reserve_timeout_s):
+                while True:
+                    await self._window.wait()
+                    await self._lock.acquire()
+                    if self.window_open:
+                        break
+                    self._lock.release()  # the window closed while we queued for the lock
+        finally:
+            self.waiting -= 1
+        self._holder = replica_id
+        self._lease = asyncio.get_running_loop().call_later(self.lease_s, self._expire, replica_id)
+        return self.version
+
+    def _expire(self, replica_id: str) -> None:
+        if self._holder == replica_id:
+            self._release()
+
+    def _release(self) -> None:
+        if self._lease is not None:
+            self._lease.cancel()
+            self._lease = None
+        self._holder = None
+        if self._lock.locked():
+            self._lock.release()
+
+    async def broadcast(self, replica_id: str) -> dict[str, float]:
+        """Broadcast the window's weights to ``replica_id``'s group (its workers receive at the
+        same time), then release the lock.
+
+        Returns:
+            ``seconds`` and ``bytes`` sent.
+        Raises:
+            RuntimeError: ``replica_id`` does not hold the reservation (it expired).
+            Whatever the collective raises; the group is then dropped (the replica is replaced
+            and connects anew).
+        """
+        if self._holder != replica_id:
+            raise RuntimeError(f"replica {replica_id} does not hold the trainer's send reservation")
+        if self._lease is not None:
+            self._lease.cancel()
+            self._lease = None
+        t0 = time.perf_counter()
+        try:
+            await asyncio.to_thread(self.groups[replica_id].send_weights)
+        except Exception:
+            group = self.groups.pop(replica_id, None)
+            if group is not None:
+                group.shutdown()
+            raise
+        finally:
+            self._release()
+        nbytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        return {"seconds": time.perf_counter() - t0, "bytes": float(nbytes)}
+
+    async def serve_window(self, version: int, lagging: Callable[[], Awaitable[int]],
+                           timeout_s: float, poll_s: float = 0.05) -> float:
+        """The trainer's half of the handshake: keep the weights at ``version`` and let replicas
+        pull until ``lagging()`` (live replicas due for a sync still below ``version``) is 0 and
+        nobody waits or holds the lock, or ``timeout_s`` passed. The caller must not touch the
+        weights until this returns.
+
+        Returns:
+            Seconds the window stayed open.
+        """
+        t0 = time.monotonic()
+        self.version = version
+        self.window_open = True
+        self._window.set()
+        try:
+            while time.monotonic() - t0 < timeout_s:
+                if self.waiting == 0 and not self._lock.locked() and await lagging() == 0:
+                    break
+                await asyncio.sleep(poll_s)
+        finally:
+            self.window_open = False
+            self._window.clear()
+            async with self._lock:  # a broadcast in progress finishes before the weights change
+                pass
+        return time.monotonic() - t0
+
+    def shutdown(self) -> None:
+        for group in self.groups.values():
+            group.shutdown()
+        self.groups.clear()
+
+
+class _RayPeers:
+    """The replica's view of the synchronizer and trainer actors (by name)."""
+
+    def __init__(self):
+        import ray
+
+        from serve_rft.synchronizer.actor import NAMESPACE, get_synchronizer
+        from serve_rft.trainer.actor import TRAINER_NAME
+
+        self.sync = get_synchronizer()
+        self.trainer = ray.get_actor(TRAINER_NAME, namespace=NAMESPACE)
+
+    async def group(self, replica_id: str, world_size: int) -> dict:
+        return await self.sync.nccl_group.remote(replica_id, world_size)
+
+    async def connect(self, replica_id: str, init_info: dict) -> dict:
+        return await self.trainer.nccl_connect.remote(replica_id, init_info)
+
+    async def reserve(self, replica_id: str) -> int:
+        return await self.trainer.nccl_reserve.remote(replica_id)
+
+    async def broadcast(self, replica_id: str) -> dict:
+        return await self.trainer.nccl_broadcast.remote(replica_id)
+
+
+class NcclMethod(WeightSyncMethod):
+    """Trainer side: ``send`` only records the model (the bytes move in the handshake, through
+    ``sender``). Replica side: ``receive`` joins the group once, then reserves, receives, labels.
+
+    Args:
+        timeout_s: bound on group set-up and on one transfer, seconds.
+        peers: the synchronizer/trainer calls (Ray actors by default; fakes in unit tests).
+    """
+
+    name = "nccl"
+    handshake = True
+
+    def __init__(self, timeout_s: float = 300.0, peers=None, sender: NcclSender | None = None):
+        self.timeout_s = timeout_s
+        self.peers = peers
+        self.sender = sender
+
+    def prepare(self) -> None:
+        check_available()
+        if self.sender is None:
+            self.sender = NcclSender()
+
+    def send(self, model, version: int, in_use_floor: int | None = None) -> dict[str, Any]:
+        self.sender.model = model
+        nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        return {"method": self.name, "version": version, "bytes": nbytes}
+
+    async def serve_window(self, version: int, lagging: Callable[[], Awaitable[int]], timeout_s: float) -> float:
+        return await self.sender.serve_window(version, lagging, timeout_s)
+
+    async def receive(self, engine, handle: dict[str, Any], version: int) -> dict[str, float]:
+        """Pull the trainer's current version into ``engine`` (paused by the caller).
+
+        Returns:
+            ``seconds``, ``bytes`` and ``version`` (the version actually loaded, >= ``version``).
+        Raises:
+            EngineUnchanged: set-up or reservation failed; the engine serves what it served.
+            EngineBroken: the transfer failed after vLLM's update started.
+        """
+        peers = self.peers or _RayPeers()
+        rid = engine.replica_id
+        if engine.nccl_update_info is None:
+            try:
+                init = await peers.group(rid, RANK_OFFSET + engine.world_size)
+                _, info = await asyncio.wait_for(
+                    asyncio.gather(engine.init_weight_transfer(init), peers.connect(rid, init)),
+                    self.timeout_s)
+            except Exception as e:
+                raise EngineBroken(f"joining the NCCL group with the trainer failed: {e!r}") from e
+            engine.nccl_update_info = info
+        try:
+            sent_version = await peers.reserve(rid)
+        except Exception as e:
+            raise EngineUnchanged(f"the trainer opened no sync window: {e!r}") from e
+        t0 = time.perf_counter()
+        try:
+            await engine.start_weight_update()
+            _, sent = await asyncio.wait_for(
+                asyncio.gather(engine.update_weights(engine.nccl_update_info), peers.broadcast(rid)),
+                self.timeout_s)
+            await engine.finish_weight_update(sent_version)
+        except Exception as e:
+            raise EngineBroken(f"NCCL transfer of version {sent_version} failed: {e!r}") from e
+        return {"seconds": time.perf_counter() - t0, "bytes": sent["bytes"], "version": sent_version}

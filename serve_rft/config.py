@@ -79,6 +79,9 @@ class BufferConfig(_Strict):
     trained_ttl_s: float = Field(
         86400.0, gt=0, description="How long a trained experience stays readable, s."
     )
+    group_timeout_s: float = Field(
+        60.0, gt=0, description="A group with >= 2 rewarded answers is trained this long after its "
+        "first reward even if other members have no reward yet, s.")
 
 
 class TrainerConfig(_Strict):
@@ -101,6 +104,10 @@ class TrainerConfig(_Strict):
     baseline_momentum: float = Field(
         0.9, ge=0, lt=1, description="EMA momentum of the running reward baseline."
     )
+    max_staleness: int | None = Field(
+        None, ge=0, description="Drop (count, do not train on) an experience whose oldest token "
+        "is more than this many policy versions behind the trainer's latest published version "
+        "(XTuner's max_staleness: 0 = only the current version). None: no limit.")
     num_threads: int = Field(1, ge=1, description="torch threads of the trainer process.")
     device: Literal["cpu", "cuda"] = Field(
         "cpu", description="Where the trainer's policy model lives (cuda: the actor takes one Ray GPU).")
@@ -133,12 +140,22 @@ class SynchronizerConfig(_Strict):
     )
 
 
+def _env_list(name: str) -> list[str]:
+    return [k.strip() for k in os.environ.get(name, "").split(",") if k.strip()]
+
+
 class ServiceConfig(_Strict):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535, description="HTTP port; 0 picks a free one.")
     run_dir: str = Field("runs/default", description="Checkpoints, redis data and logs live here.")
     ray_address: str | None = Field(None, description="Existing Ray cluster. None: start one.")
     ray_num_cpus: int = Field(8, ge=1, description="Logical CPUs of a locally started Ray.")
+    api_keys: list[str] = Field(
+        default_factory=lambda: _env_list("SERVE_RFT_API_KEYS"),
+        description="Inference keys (chat, models). Empty and no admin_keys: no auth.")
+    admin_keys: list[str] = Field(
+        default_factory=lambda: _env_list("SERVE_RFT_ADMIN_KEYS"),
+        description="Admin keys: rewards, experiences, status, and inference too.")
 
 
 class Config(_Strict):

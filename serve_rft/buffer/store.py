@@ -2,65 +2,62 @@
 
 Owns every Redis key of the service. Explorer replicas call `log_experiences`; the rewards API
 calls `post_reward`; the trainer calls `read_ready` and `ack`. Nothing else touches Redis.
+Every state change is one Lua script (`serve_rft.buffer.scripts`), so it is atomic.
 
-Schema (``P`` = ``buffer.key_prefix``):
+Schema (``P`` = ``buffer.key_prefix``; ``{cid}`` a completion id, ``{i}`` a choice index,
+``{gid}`` a group id):
 
-========================  ======  ==========================================================
-key                       type    meaning
-========================  ======  ==========================================================
-``P:exp:{cid}:{i}``       string  Experience JSON. TTL ``reward_timeout_s`` while pending,
-                                  ``trained_ttl_s`` once rewarded.
-``P:cmp:{cid}``           string  Number of choices of completion ``cid`` (404 vs 410).
-``P:rw:{cid}``            hash    choice index -> recorded reward (repr of a float).
-``P:pending``             zset    ``{cid}:{i}`` scored by its reward deadline (unix s).
-``P:ready``               stream  Rewarded experiences (fields ``exp``, ``reward``); consumer
-                                  group ``trainer``; entries are XACK+XDEL'ed once trained.
-``P:stat``                hash    Counters: logged, rewarded, trained, expired.
-========================  ======  ==========================================================
+=====================  ======  =============================================================
+key                    type    meaning
+=====================  ======  =============================================================
+``P:exp:{cid}:{i}``    string  Experience JSON. TTL ``reward_timeout_s`` while pending,
+                               ``trained_ttl_s`` once rewarded; deleted when it expires.
+``P:cmp:{cid}``        hash    ``n`` choices, ``group`` id, ``conv`` conversation id,
+                               ``created`` (unix s). Tells 404 (never logged) from 410.
+``P:st:{cid}``         hash    Per choice: ``{i}`` state (pending / rewarded / ready /
+                               trained / expired / stale-dropped), ``r{i}`` reward (repr of
+                               a float), ``info{i}`` the reward's info JSON, ``v{i}`` the
+                               policy version that trained (or dropped) it.
+``P:grp:{gid}``        hash    Group: ``size`` expected answers (0 = unknown), ``logged``,
+                               ``rewarded``, ``expired``, ``first`` reward time,
+                               ``released`` (1 once its members went to the ready stream).
+``P:gm:{gid}``         set     Rewarded members ``{cid}:{i}`` held until the group is released.
+``P:gdl``              zset    Group ids scored by their timeout (first reward +
+                               ``group_timeout_s``; then + ``reward_timeout_s``).
+``P:pending``          zset    ``{cid}:{i}`` awaiting a reward, scored by its deadline.
+``P:conv:{conv}``      list    Completion ids of a conversation's turns, in order.
+``P:ready``            stream  Released experiences (fields ``exp``, ``reward``, ``member``);
+                               consumer group ``trainer``; XACK + XDEL once trained.
+``P:stat``             hash    Counters: logged, rewarded, ready, trained, expired,
+                               stale_dropped, groups_timed_out.
+=====================  ======  =============================================================
 
-A reward moves an experience from pending to the ready stream in one Lua script, so the trainer
-never sees a half-rewarded experience and a reward is recorded exactly once.
+Groups (GRPO compares the answers of one group): a completion with ``n`` choices is a group of
+``n``; a client can put several requests in one group with the ``group_id`` request field
+(``group_size`` = the number of answers to expect, optional). A group's rewarded members are
+*held* (state ``rewarded``) and released to the ready stream together when every member is
+rewarded or expired, or ``group_timeout_s`` after the first reward if at least two are
+rewarded, or at the latest ``reward_timeout_s`` after the first reward. A reward for a member
+of an already released group makes it ready at once.
+
+Pending experiences with no reward by ``reward_timeout_s`` expire (state ``expired``, counted);
+their reward then gets 410. Expiry and group timeouts run in `sweep`, which the trainer calls
+on every read and `counts` calls on every status.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 
+from serve_rft.buffer import scripts
 from serve_rft.types import Experience, RewardedExperience
 
 TRAINER_GROUP = "trainer"
-
-_REWARD_LUA = """
--- KEYS: exp, rw, pending, ready, stat, cmp ; ARGV: index, reward, member, ttl
-local n = redis.call('GET', KEYS[6])
-if not n then return {404, ''} end
-if tonumber(ARGV[1]) >= tonumber(n) then return {404, ''} end
-local prev = redis.call('HGET', KEYS[2], ARGV[1])
-if prev then
-  if prev == ARGV[2] then return {200, prev} end
-  return {409, prev}
-end
-local exp = redis.call('GET', KEYS[1])
-if not exp then return {410, ''} end
-redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
-redis.call('EXPIRE', KEYS[2], tonumber(ARGV[4]))
-redis.call('EXPIRE', KEYS[1], tonumber(ARGV[4]))
-redis.call('ZREM', KEYS[3], ARGV[3])
-redis.call('XADD', KEYS[4], '*', 'exp', exp, 'reward', ARGV[2])
-redis.call('HINCRBY', KEYS[5], 'rewarded', 1)
-return {201, ARGV[2]}
-"""
-
-_EXPIRE_LUA = """
--- KEYS: pending, stat ; ARGV: now
-local n = redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', ARGV[1])
-if n > 0 then redis.call('HINCRBY', KEYS[2], 'expired', n) end
-return n
-"""
 
 
 class RewardError(Exception):
@@ -74,30 +71,72 @@ class RewardError(Exception):
 
 @dataclass
 class StoreCounts:
-    """Experience counts: pending reward, ready for training, trained, expired, logged."""
+    """Experience counts. ``pending``: awaiting a reward; ``held``: rewarded, waiting for the
+    rest of their group; ``ready``: in the ready stream (incl. delivered, not yet acked); the
+    rest are totals since the store was created."""
 
     pending: int
+    held: int
     ready: int
-    trained: int
-    expired: int
     logged: int
     rewarded: int
+    trained: int
+    expired: int
+    stale_dropped: int
+    groups_timed_out: int
+
+
+@dataclass
+class ChoiceState:
+    """One choice as `GET /v1/experiences/{completion_id}` shows it."""
+
+    choice_index: int
+    state: str
+    reward: float | None
+    info: dict | None
+    trained_version: int | None
+    token_versions: list | None
+
+
+def _member(cid: str, i: int | str) -> str:
+    return f"{cid}:{i}"
 
 
 class ExperienceStore:
-    """Async access to the experience schema above on one Redis server."""
+    """Async access to the experience schema above on one Redis server.
+
+    Args:
+        url: ``redis://host:port``.
+        prefix: key prefix (``buffer.key_prefix``).
+        reward_timeout_s: a pending experience expires this long after it was logged, s.
+        trained_ttl_s: how long rewarded / trained experiences stay readable, s.
+        group_timeout_s: a group with >= 2 rewarded members is released this long after its
+            first reward even if other members are still pending, s.
+    """
 
     def __init__(self, url: str, prefix: str = "srft", reward_timeout_s: float = 3600.0,
-                 trained_ttl_s: float = 86400.0):
+                 trained_ttl_s: float = 86400.0, group_timeout_s: float = 60.0):
         self.redis = aioredis.from_url(url, decode_responses=True)
         self.p = prefix
         self.reward_timeout_s = reward_timeout_s
         self.trained_ttl_s = trained_ttl_s
-        self._reward = self.redis.register_script(_REWARD_LUA)
-        self._expire = self.redis.register_script(_EXPIRE_LUA)
+        self.group_timeout_s = group_timeout_s
+        self._log = self.redis.register_script(scripts.LOG)
+        self._reward = self.redis.register_script(scripts.REWARD)
+        self._sweep = self.redis.register_script(scripts.SWEEP)
+        self._ack = self.redis.register_script(scripts.ACK)
+
+    @classmethod
+    def from_config(cls, buffer_cfg) -> "ExperienceStore":
+        """A store for a `serve_rft.config.BufferConfig` (its ``redis_url`` must be set)."""
+        return cls(buffer_cfg.redis_url, buffer_cfg.key_prefix, buffer_cfg.reward_timeout_s,
+                   buffer_cfg.trained_ttl_s, buffer_cfg.group_timeout_s)
 
     def _k(self, *parts: str) -> str:
         return ":".join((self.p, *parts))
+
+    def _long_ttl(self) -> int:
+        return max(1, math.ceil(max(self.trained_ttl_s, self.reward_timeout_s)))
 
     async def close(self) -> None:
         await self.redis.aclose()
@@ -105,30 +144,39 @@ class ExperienceStore:
     async def ping(self) -> bool:
         return bool(await self.redis.ping())
 
-    async def log_experiences(self, experiences: list[Experience], num_choices: int) -> None:
-        """Write the experiences of one completion (all its choices) in one transaction.
+    async def log_experiences(self, experiences: list[Experience], group_size: int | None = None,
+                              conversation_id: str | None = None) -> None:
+        """Write the experiences of one completion (all its choices, indices 0..n-1) in one script.
 
         Called before the response is returned, so a reward may be posted at once.
+
+        Args:
+            experiences: the choices, all with the same ``completion_id`` and ``group_id``.
+            group_size: answers the group should have (None: ``len(experiences)`` when the group
+                is the completion itself, else unknown).
+            conversation_id: the conversation this completion is a turn of, if any.
         """
         if not experiences:
             return
-        cid = experiences[0].completion_id
+        e0 = experiences[0]
+        cid, gid = e0.completion_id, e0.group_id
+        if group_size is None:
+            group_size = len(experiences) if gid == cid else 0
         now = time.time()
-        timeout = max(1, math.ceil(self.reward_timeout_s))
-        async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.set(self._k("cmp", cid), num_choices, ex=max(timeout, math.ceil(self.trained_ttl_s)))
-            for e in experiences:
-                pipe.set(self._k("exp", cid, str(e.choice_index)), e.model_dump_json(), ex=timeout)
-                pipe.zadd(self._k("pending"), {f"{cid}:{e.choice_index}": now + self.reward_timeout_s})
-            pipe.hincrby(self._k("stat"), "logged", len(experiences))
-            await pipe.execute()
+        exps = sorted(experiences, key=lambda e: e.choice_index)
+        await self._log(args=[self.p, cid, len(exps), gid, group_size,
+                              max(1, math.ceil(self.reward_timeout_s)), self._long_ttl(), now,
+                              now + self.reward_timeout_s, conversation_id or "",
+                              *[e.model_dump_json() for e in exps]])
 
     async def get_experience(self, completion_id: str, choice_index: int) -> Experience | None:
         raw = await self.redis.get(self._k("exp", completion_id, str(choice_index)))
         return Experience.model_validate_json(raw) if raw else None
 
-    async def post_reward(self, completion_id: str, choice_index: int, reward: float) -> bool:
-        """Record a reward and make the experience ready for training, atomically.
+    async def post_reward(self, completion_id: str, choice_index: int, reward: float,
+                          info: dict | None = None) -> bool:
+        """Record a reward (and its free-form ``info``) atomically; the experience becomes ready
+        for training when its group is released (see the module docstring).
 
         Returns:
             True if recorded now, False if the same reward was already recorded (idempotent).
@@ -136,16 +184,14 @@ class ExperienceStore:
             RewardError: 422 not finite, 404 unknown completion/choice, 409 a different reward
             is recorded, 410 the experience expired before its reward came.
         """
-        if not isinstance(reward, (int, float)) or not math.isfinite(reward):
+        if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward):
             raise RewardError(422, f"reward must be a finite number, got {reward!r}")
         if choice_index < 0:
             raise RewardError(404, f"no choice {choice_index} in completion {completion_id!r}")
-        cid, idx = completion_id, str(choice_index)
-        status, prev = await self._reward(
-            keys=[self._k("exp", cid, idx), self._k("rw", cid), self._k("pending"),
-                  self._k("ready"), self._k("stat"), self._k("cmp", cid)],
-            args=[idx, repr(float(reward)), f"{cid}:{idx}", max(1, math.ceil(self.trained_ttl_s))],
-        )
+        status, prev = await self._reward(args=[
+            self.p, completion_id, str(choice_index), repr(float(reward)),
+            json.dumps(info) if info is not None else "", time.time(), self.group_timeout_s,
+            self._long_ttl()])
         status = int(status)
         if status == 201:
             return True
@@ -157,22 +203,59 @@ class ExperienceStore:
             raise RewardError(409, f"choice {choice_index} of {completion_id!r} already has reward {prev}")
         raise RewardError(410, f"choice {choice_index} of {completion_id!r} expired before its reward")
 
-    async def expire_pending(self, now: float | None = None) -> int:
-        """Drop pending experiences whose reward deadline passed; returns how many (counted)."""
-        return int(await self._expire(keys=[self._k("pending"), self._k("stat")],
-                                      args=[now if now is not None else time.time()]))
+    async def num_choices(self, completion_id: str) -> int | None:
+        """Choices of a logged completion, or None if unknown."""
+        n = await self.redis.hget(self._k("cmp", completion_id), "n")
+        return int(n) if n is not None else None
+
+    async def completion_group(self, completion_id: str) -> str | None:
+        return await self.redis.hget(self._k("cmp", completion_id), "group")
+
+    async def conversation_turns(self, conversation_id: str) -> list[str]:
+        """Completion ids of a conversation's assistant turns, oldest first."""
+        return await self.redis.lrange(self._k("conv", conversation_id), 0, -1)
+
+    async def choices(self, completion_id: str) -> list[ChoiceState] | None:
+        """Every choice's state, reward, info and version, or None for an unknown completion."""
+        n = await self.num_choices(completion_id)
+        if n is None:
+            return None
+        st = await self.redis.hgetall(self._k("st", completion_id))
+        out = []
+        for i in range(n):
+            exp = await self.get_experience(completion_id, i)
+            r, info, v = st.get(f"r{i}"), st.get(f"info{i}"), st.get(f"v{i}")
+            out.append(ChoiceState(
+                choice_index=i, state=st.get(str(i), "expired"),
+                reward=float(r) if r is not None else None,
+                info=json.loads(info) if info else None,
+                trained_version=int(v) if v is not None else None,
+                token_versions=[list(t) for t in exp.token_versions] if exp else None))
+        return out
+
+    async def sweep(self, now: float | None = None) -> tuple[int, int]:
+        """Expire pending experiences past their deadline and release timed-out groups.
+
+        Returns:
+            (experiences expired, groups released by timeout) in this call; both counted.
+        """
+        expired, released = await self._sweep(args=[self.p, now if now is not None else time.time(),
+                                                     self.reward_timeout_s])
+        return int(expired), int(released)
 
     async def counts(self) -> StoreCounts:
-        await self.expire_pending()
+        await self.sweep()
         async with self.redis.pipeline(transaction=False) as pipe:
             pipe.zcard(self._k("pending"))
             pipe.xlen(self._k("ready"))
             pipe.hgetall(self._k("stat"))
             pending, ready, stat = await pipe.execute()
         s = {k: int(v) for k, v in stat.items()}
-        return StoreCounts(pending=pending, ready=ready, trained=s.get("trained", 0),
-                           expired=s.get("expired", 0), logged=s.get("logged", 0),
-                           rewarded=s.get("rewarded", 0))
+        rewarded = s.get("rewarded", 0)
+        return StoreCounts(pending=pending, held=max(0, rewarded - s.get("ready", 0)), ready=ready,
+                           logged=s.get("logged", 0), rewarded=rewarded, trained=s.get("trained", 0),
+                           expired=s.get("expired", 0), stale_dropped=s.get("stale_dropped", 0),
+                           groups_timed_out=s.get("groups_timed_out", 0))
 
     async def ensure_group(self) -> None:
         """Create the trainer's consumer group on the ready stream (idempotent)."""
@@ -184,11 +267,13 @@ class ExperienceStore:
 
     async def read_ready(self, consumer: str, count: int, block_ms: int,
                          redeliver: bool = False) -> list[RewardedExperience]:
-        """Read up to ``count`` rewarded experiences for ``consumer`` of the trainer group.
+        """Read up to ``count`` released experiences for ``consumer`` of the trainer group
+        (after a `sweep`).
 
         ``redeliver=True`` re-reads entries delivered to this consumer but never acknowledged
         (a trainer that died mid-step).
         """
+        await self.sweep()
         res = await self.redis.xreadgroup(
             TRAINER_GROUP, consumer, {self._k("ready"): "0" if redeliver else ">"},
             count=count, block=None if redeliver else block_ms,
@@ -203,12 +288,20 @@ class ExperienceStore:
                     reward=float(fields["reward"]), stream_id=entry_id))
         return out
 
-    async def ack(self, stream_ids: list[str]) -> None:
-        """Mark entries trained: XACK + XDEL + count, in one transaction."""
-        if not stream_ids:
-            return
-        async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.xack(self._k("ready"), TRAINER_GROUP, *stream_ids)
-            pipe.xdel(self._k("ready"), *stream_ids)
-            pipe.hincrby(self._k("stat"), "trained", len(stream_ids))
-            await pipe.execute()
+    async def ack(self, entries: list[RewardedExperience], version: int,
+                  state: str = "trained") -> tuple[int, int]:
+        """Acknowledge ready entries: XACK + XDEL and mark each choice ``state`` (``trained`` or
+        ``stale-dropped``) with ``version``, in one script. Entries already acknowledged are
+        skipped, so a retried ack counts nothing twice.
+
+        Returns:
+            (newly trained, newly stale-dropped).
+        """
+        if not entries:
+            return 0, 0
+        args: list = [self.p, len(entries)]
+        for e in entries:
+            args += [e.stream_id, _member(e.experience.completion_id, e.experience.choice_index),
+                     state, version]
+        trained, dropped = await self._ack(args=args)
+        return int(trained), int(dropped)

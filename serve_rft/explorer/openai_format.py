@@ -118,12 +118,14 @@ def chunk(cid: str, model: str, created: int, version: int, choices: list[dict[s
 
 
 def build_experiences(cid: str, replica_id: str, prompt_ids: list[int], choices: list[ChoiceAccumulator],
-                      sampling: SamplingInfo, created_at: float, fallback_version: int) -> list[Experience]:
-    """One `Experience` per choice; the request is the group (``group_id`` = completion id)."""
+                      sampling: SamplingInfo, created_at: float, fallback_version: int,
+                      group_id: str | None = None) -> list[Experience]:
+    """One `Experience` per choice; the group is ``group_id`` (a client's) or the request itself
+    (the completion id)."""
     now = time.time()
     return [
         Experience(
-            completion_id=cid, choice_index=c.index, group_id=cid, replica_id=replica_id,
+            completion_id=cid, choice_index=c.index, group_id=group_id or cid, replica_id=replica_id,
             prompt_token_ids=prompt_ids, response_token_ids=c.token_ids,
             behaviour_logprobs=c.logprobs, token_versions=c.spans(fallback_version),
             sampling=sampling, finish_reason=finish_reason(c.finish_reason),

@@ -7,10 +7,11 @@ Requests are validated here (types, bounds); anything a client can get wrong bec
 
 from __future__ import annotations
 
+import json
 import math
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 
 
 class ApiError(Exception):
@@ -75,6 +76,16 @@ class ChatCompletionRequest(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    # serve_rft extensions (the openai SDK sends them with ``extra_body``):
+    group_id: str | None = Field(None, min_length=1, max_length=256, description=(
+        "Put this request's answers in a client-named group, with the answers of other requests "
+        "that carry the same group_id (GRPO compares the answers of one group)."))
+    group_size: int | None = Field(None, ge=1, le=4096, description=(
+        "How many answers (choices, over all requests) the group will have; the group is "
+        "trained once all are rewarded. Without it, after buffer.group_timeout_s."))
+    conversation_id: str | None = Field(None, min_length=1, max_length=256, description=(
+        "Each assistant turn of a conversation is an experience; name the conversation to post "
+        "one reward for all its turns."))
 
     @field_validator("temperature", "top_p")
     @classmethod
@@ -96,13 +107,55 @@ class ChatCompletionRequest(BaseModel):
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
 
+MAX_INFO_BYTES = 16 * 1024
+
+
+def _small_info(v: dict | None) -> dict | None:
+    if v is not None and len(json.dumps(v)) > MAX_INFO_BYTES:
+        raise ValueError(f"info must serialize to at most {MAX_INFO_BYTES} bytes")
+    return v
+
+
+Info = Annotated[dict[str, Any] | None, AfterValidator(_small_info)]
+"""Free-form reward metadata stored with the reward (at most 16 KiB of JSON)."""
+
+
 class RewardItem(BaseModel):
-    """One reward for one choice of one completion (``POST /v1/rewards``)."""
+    """One reward for one choice of one completion; ``info`` is stored with it."""
 
     model_config = ConfigDict(extra="forbid")
     completion_id: str = Field(min_length=1, max_length=256)
-    choice_index: int = Field(0, ge=0)
+    choice_index: int = Field(0, ge=0, le=4096)
     reward: float
+    info: Info = None
+
+
+class ChoiceRewards(BaseModel):
+    """Rewards for the choices of one completion, in choice order: ``rewards[i]`` is choice i's."""
+
+    model_config = ConfigDict(extra="forbid")
+    completion_id: str = Field(min_length=1, max_length=256)
+    rewards: list[float] = Field(min_length=1, max_length=4096)
+    info: Info = None
+
+
+class GroupRewards(BaseModel):
+    """Rewards for the members of one group; each must belong to ``group_id`` (else 422)."""
+
+    model_config = ConfigDict(extra="forbid")
+    group_id: str = Field(min_length=1, max_length=256)
+    rewards: list[RewardItem] = Field(min_length=1, max_length=4096)
+
+
+class ConversationReward(BaseModel):
+    """One reward for a whole conversation: turn t of T gets ``reward * discount**(T-1-t)``
+    (the last turn the full reward; AReaL-style per-turn discount), every choice of the turn."""
+
+    model_config = ConfigDict(extra="forbid")
+    conversation_id: str = Field(min_length=1, max_length=256)
+    reward: float
+    discount: float = Field(1.0, ge=0.0, le=1.0)
+    info: Info = None
 
 
 class RewardBatch(BaseModel):
@@ -110,12 +163,30 @@ class RewardBatch(BaseModel):
     rewards: list[RewardItem] = Field(min_length=1, max_length=10_000)
 
 
-def parse_reward_body(body: Any) -> list[RewardItem]:
-    """Accept a single reward object or ``{"rewards": [...]}``.
+RewardRequest = RewardItem | ChoiceRewards | GroupRewards | ConversationReward | RewardBatch
+
+
+def parse_reward_body(body: Any) -> RewardRequest:
+    """Pick the form of a ``POST /v1/rewards`` body by its keys:
+
+    - ``{"completion_id", "choice_index"?, "reward", "info"?}``: one choice;
+    - ``{"completion_id", "rewards": [float, ...], "info"?}``: every choice of a completion;
+    - ``{"group_id", "rewards": [{...}, ...]}``: members of one group;
+    - ``{"conversation_id", "reward", "discount"?, "info"?}``: all turns of a conversation;
+    - ``{"rewards": [{...}, ...]}``: a batch of single rewards.
 
     Raises:
-        pydantic.ValidationError: wrong shape or types.
+        pydantic.ValidationError: wrong shape, types or bounds.
+        ValueError: the body is not a JSON object.
     """
-    if isinstance(body, dict) and "rewards" in body:
-        return RewardBatch.model_validate(body).rewards
-    return [RewardItem.model_validate(body)]
+    if not isinstance(body, dict):
+        raise ValueError("the body must be a JSON object")
+    if "conversation_id" in body:
+        return ConversationReward.model_validate(body)
+    if "group_id" in body:
+        return GroupRewards.model_validate(body)
+    if "completion_id" in body and "rewards" in body:
+        return ChoiceRewards.model_validate(body)
+    if "rewards" in body:
+        return RewardBatch.model_validate(body)
+    return RewardItem.model_validate(body)

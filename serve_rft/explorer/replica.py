@@ -20,11 +20,13 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
 
-from serve_rft.buffer.store import ExperienceStore, RewardError
+from serve_rft.buffer.store import ExperienceStore
 from serve_rft.config import Config
 from serve_rft.explorer import openai_format as fmt
+from serve_rft.explorer import rewards_api
+from serve_rft.explorer.auth import ApiKeys
 from serve_rft.explorer.protocol import ApiError, ChatCompletionRequest, parse_reward_body
-from serve_rft.synchronizer.methods import LoadFailed, load_or_restore, receiver_for
+from serve_rft.synchronizer.methods import EngineBroken, LoadFailed, load_or_restore, receiver_for
 from serve_rft.types import SamplingInfo, SyncOrder
 
 log = logging.getLogger("serve_rft.explorer")
@@ -67,11 +69,11 @@ class ExplorerReplica:
         from serve_rft.synchronizer.actor import get_synchronizer
 
         self.cfg = Config.model_validate_json(config_json)
+        app.state.api_keys = ApiKeys(self.cfg.service.api_keys, self.cfg.service.admin_keys)
         self.model_path = model_path
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
-        self.store = ExperienceStore(self.cfg.buffer.redis_url, self.cfg.buffer.key_prefix,
-                                     self.cfg.buffer.reward_timeout_s, self.cfg.buffer.trained_ttl_s)
+        self.store = ExperienceStore.from_config(self.cfg.buffer)
         self.sync = get_synchronizer()
         nccl = self.cfg.synchronizer.sync_method.value == "nccl"
         self.engine = await ExplorerEngine.create(model_path, self.cfg.explorer, replica_id=self.replica_id,
@@ -135,10 +137,16 @@ class ExplorerReplica:
                 log.exception("replica %s failed to load version %s", self.replica_id, order.version)
                 await self.engine.resume()
                 await self.sync.failed.remote(self.replica_id, order.version, repr(e.__cause__))
+                self.draining = False
                 return
+            except EngineBroken as e:  # stay out of rotation; the health check ends this replica
+                await self.sync.failed.remote(self.replica_id, order.version, repr(e))
+                raise
             await self.engine.resume()
-        finally:
             self.draining = False
+        except asyncio.CancelledError:
+            self.draining = False
+            raise
         t_end = time.perf_counter()
         self.last_sync = {"drain_s": t_pause - t0, "pause_s": t_load - t_pause,
                           "load_s": info["seconds"], "bytes": info["bytes"], "total_s": t_end - t0}
@@ -167,7 +175,24 @@ class ExplorerReplica:
         sync_status = await self.sync.status.remote()
         counts = await self.store.counts()
         sync_status["experiences"] = counts.__dict__
+        trainer = self._trainer()
+        if trainer is not None:
+            t = await trainer.status.remote()
+            sync_status["trainer"].update(staleness_trained=t["staleness_trained"],
+                                          stale_dropped=t["stale_dropped"], error=t["error"])
         return JSONResponse(sync_status)
+
+    def _trainer(self):
+        """The trainer actor, or None (serve-only mode)."""
+        import ray
+
+        from serve_rft.synchronizer.actor import NAMESPACE
+        from serve_rft.trainer.actor import TRAINER_NAME
+
+        try:
+            return ray.get_actor(TRAINER_NAME, namespace=NAMESPACE)
+        except ValueError:
+            return None
 
     @app.get("/v1/sync/events")
     async def sync_events(self, since: float = 0.0) -> JSONResponse:
@@ -175,26 +200,28 @@ class ExplorerReplica:
 
     @app.post("/v1/rewards")
     async def rewards(self, request: Request) -> JSONResponse:
+        """Post rewards (forms: `serve_rft.explorer.protocol.parse_reward_body`)."""
         try:
             body = await _json_body(request)
             try:
-                items = parse_reward_body(body)
+                req = parse_reward_body(body)
             except ValidationError as e:
                 msg, param = _validation_message(e)
                 raise ApiError(422, msg, param) from None
-            results = []
-            for item in items:
-                try:
-                    recorded = await self.store.post_reward(item.completion_id, item.choice_index, item.reward)
-                except RewardError as e:
-                    code = {404: "not_found", 409: "conflict", 410: "expired", 422: "invalid_reward"}
-                    raise ApiError(e.status, e.message, "reward" if e.status == 422 else "completion_id",
-                                   code=code.get(e.status)) from None
-                results.append({"completion_id": item.completion_id, "choice_index": item.choice_index,
-                                "status": "recorded" if recorded else "duplicate"})
+            except ValueError as e:
+                raise ApiError(422, str(e)) from None
+            results = await rewards_api.post_rewards(self.store, req)
         except ApiError as e:
             return _error(e)
         return JSONResponse({"object": "list", "data": results})
+
+    @app.get("/v1/experiences/{completion_id}")
+    async def experience(self, completion_id: str) -> JSONResponse:
+        """Each choice's state, reward, info and versions."""
+        try:
+            return JSONResponse(await rewards_api.describe_completion(self.store, completion_id))
+        except ApiError as e:
+            return _error(e)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request):
@@ -253,9 +280,12 @@ class ExplorerReplica:
                                 seed=req.seed, stop=req.stop_list())
         return prompt_ids, params, sampling
 
-    async def _log(self, cid, prompt_ids, accs, sampling, created_at, version) -> None:
-        exps = fmt.build_experiences(cid, self.replica_id, prompt_ids, accs, sampling, created_at, version)
-        await self.store.log_experiences(exps, num_choices=len(accs))
+    async def _log(self, req, cid, prompt_ids, accs, sampling, created_at, version) -> None:
+        group = f"u:{req.group_id}" if req.group_id else None  # client groups never collide with ids
+        exps = fmt.build_experiences(cid, self.replica_id, prompt_ids, accs, sampling, created_at, version,
+                                     group)
+        await self.store.log_experiences(exps, group_size=req.group_size if group else None,
+                                         conversation_id=req.conversation_id)
         self.experiences_logged += len(exps)
 
     async def _complete(self, req, cid, prompt_ids, params, sampling) -> JSONResponse:
@@ -267,7 +297,7 @@ class ExplorerReplica:
                 accs[out.index].add(out, req.top_logprobs)
         choices = list(accs.values())
         version = min((v for c in choices for v, _, _ in c.spans(version)), default=version)
-        await self._log(cid, prompt_ids, choices, sampling, created_at, version)
+        await self._log(req, cid, prompt_ids, choices, sampling, created_at, version)
         body = fmt.chat_response(cid, req.model or self.cfg.model.served_name, int(created_at), version,
                                  choices, len(prompt_ids), req.logprobs)
         return JSONResponse(body, headers=self._headers(version))
@@ -310,7 +340,7 @@ class ExplorerReplica:
                     yield sse(fmt.chunk(cid, model, created, version, [{
                         "index": c.index, "delta": {"content": tail}, "logprobs": None,
                         "finish_reason": None}]))
-            await self._log(cid, prompt_ids, choices, sampling, created_at, version)
+            await self._log(req, cid, prompt_ids, choices, sampling, created_at, version)
         except Exception as e:  # engine failure mid-stream: tell the client, in-band
             log.exception("stream %s failed", cid)
             yield sse(ApiError(500, f"generation failed: {e!r}", type_="server_error").body())
@@ -334,9 +364,19 @@ async def _api_error(_request: Request, e: ApiError) -> JSONResponse:
 
 
 def _install_error_handlers() -> None:
-    """Turn FastAPI's own 404/405/422 answers into OpenAI error JSON."""
+    """Turn FastAPI's own 404/405/422 answers into OpenAI error JSON; check API keys first."""
     from fastapi.exceptions import RequestValidationError
     from starlette.exceptions import HTTPException
+
+    @app.middleware("http")
+    async def _auth(request: Request, call_next):
+        keys: ApiKeys | None = getattr(request.app.state, "api_keys", None)
+        if keys is not None and keys.enabled:
+            try:
+                keys.check(request.url.path, request.headers.get("authorization"))
+            except ApiError as e:
+                return _error(e)
+        return await call_next(request)
 
     @app.exception_handler(HTTPException)
     async def _http(_request: Request, e: HTTPException) -> JSONResponse:

@@ -83,9 +83,11 @@ class ServiceStack:
 
     def _wait_healthy(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
+        admin = self.cfg.service.admin_keys
+        headers = {"Authorization": f"Bearer {admin[0]}"} if admin else {}
         while time.monotonic() < deadline:
             try:
-                r = httpx.get(f"{self.url}/v1/status", timeout=5)
+                r = httpx.get(f"{self.url}/v1/status", timeout=5, headers=headers)
                 if r.status_code == 200:
                     st = r.json()
                     running = [x for x in st["replicas"] if x["state"] == "RUNNING"]

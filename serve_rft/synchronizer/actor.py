@@ -128,18 +128,16 @@ class Synchronizer:
         """NCCL: set up ``replica_id``'s process group with the trainer (seed 000: "the
         Synchronizer helps set up communication groups"): rank 0 = the trainer, ranks
         1..``world_size``-1 = the replica's vLLM workers; the rendezvous is a free port on the
-        trainer's node. The replica and the trainer then join at the same time.
+        trainer's node, the wire parameters (bucket size) the trainer's. The replica and the
+        trainer then join at the same time.
 
         Returns:
             vLLM's worker init info (``NCCLWeightTransferInitInfo`` fields).
         """
-        from serve_rft.synchronizer.methods.nccl import RANK_OFFSET
         from serve_rft.trainer.actor import TRAINER_NAME
 
         trainer = ray.get_actor(TRAINER_NAME, namespace=NAMESPACE)
-        address, port = await trainer.nccl_endpoint.remote()
-        return {"master_address": address, "master_port": port, "rank_offset": RANK_OFFSET,
-                "world_size": world_size, "packed": True}
+        return await trainer.nccl_endpoint.remote(world_size)
 
     def set_trainer(self, state: str, step: int) -> None:
         self.state.set_trainer(ComponentState(state), step)

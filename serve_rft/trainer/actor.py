@@ -73,7 +73,7 @@ class PolicyTrainer:
         return stats
 
 
-@ray.remote(num_cpus=1, max_concurrency=16)
+@ray.remote(num_cpus=1, max_concurrency=256)  # NCCL: every replica may wait in nccl_reserve
 class Trainer:
     """Named actor ``serve_rft_trainer``: runs `PolicyTrainer` in the background."""
 
@@ -83,7 +83,12 @@ class Trainer:
         self.step_num = 0
         self.version = 0
         self.last_stats: dict | None = None
-        self.unacked: list[str] = []
+        self.unacked: list[RewardedExperience] = []
+        self.staleness_trained: dict[int, int] = {}  # staleness (versions) -> experiences trained
+        self.stale_dropped = 0
+        from serve_rft.observability.trainer_metrics import TrainerMetrics
+
+        self.metrics = TrainerMetrics()
         self._task: asyncio.Task | None = None
         self.error: str | None = None
         self.published: PublishedVersion | None = None
@@ -101,8 +106,7 @@ class Trainer:
 
         cfg = self.cfg
         sync = get_synchronizer()
-        store = ExperienceStore(cfg.buffer.redis_url, cfg.buffer.key_prefix,
-                                cfg.buffer.reward_timeout_s, cfg.buffer.trained_ttl_s)
+        store = ExperienceStore.from_config(cfg.buffer)
         policy = await asyncio.to_thread(PolicyTrainer, cfg, self.model_path)
         method = make_method(cfg)
         method.prepare()
@@ -115,11 +119,16 @@ class Trainer:
             while True:
                 batch = backlog or await self._collect(store, policy, method, sync)
                 backlog = []
+                batch = await self._drop_stale(store, batch)
                 if not batch:
                     continue
                 stats = await asyncio.to_thread(policy.step, batch)
                 self.step_num += 1
-                self.unacked.extend(b.stream_id for b in batch)
+                self.unacked.extend(batch)
+                ages = [self.version - b.experience.min_version for b in batch]
+                for age in ages:
+                    self.staleness_trained[age] = self.staleness_trained.get(age, 0) + 1
+                self.metrics.observe(ages, 0)
                 stats["step"] = self.step_num
                 stats["t"] = time.time()
                 requested = await sync.sync_requested.remote()
@@ -148,9 +157,24 @@ class Trainer:
         await sync.publish.remote(self.step_num, handle)
         self.published = PublishedVersion(version=self.step_num, handle=handle)
         self.version = self.step_num
-        await store.ack(self.unacked)
+        await store.ack(self.unacked, self.version)
         self.unacked = []
         return seconds
+
+    async def _drop_stale(self, store: ExperienceStore, batch: list[RewardedExperience]
+                          ) -> list[RewardedExperience]:
+        """Acknowledge as ``stale-dropped`` (counted, never trained) the experiences whose oldest
+        token is more than ``max_staleness`` versions behind the latest published version
+        (XTuner's max_staleness, seed 003); return the rest."""
+        limit = self.cfg.trainer.max_staleness
+        if limit is None:
+            return batch
+        stale = [b for b in batch if self.version - b.experience.min_version > limit]
+        if stale:
+            _, dropped = await store.ack(stale, self.version, state="stale-dropped")
+            self.stale_dropped += dropped
+            self.metrics.observe([], dropped)
+        return [b for b in batch if self.version - b.experience.min_version <= limit]
 
     async def _handshake(self, method, sync) -> float:
         """NCCL (seed 000's two-way handshake): REQUIRE_SYNC while replicas pull the version
@@ -198,9 +222,10 @@ class Trainer:
             raise RuntimeError("the trainer's sync method is not nccl (or it has not started yet)")
         return self.method.sender
 
-    def nccl_endpoint(self) -> tuple[str, int]:
-        """A rendezvous address and free port on this trainer's node (rank 0 hosts the store)."""
-        return self._nccl().endpoint()
+    def nccl_endpoint(self, world_size: int) -> dict:
+        """The worker init info of a new group: a rendezvous address and free port on this
+        trainer's node (rank 0 hosts the store), ``world_size``, the bucket size."""
+        return self._nccl().endpoint(world_size)
 
     async def nccl_connect(self, replica_id: str, init_info: dict) -> dict:
         """Join ``replica_id``'s group as rank 0; returns the update info its workers need."""
@@ -215,11 +240,15 @@ class Trainer:
         return await self._nccl().broadcast(replica_id)
 
     def status(self) -> dict:
+        """Step, published version, error, last step's stats, and the staleness (versions
+        behind the latest published one) of every experience trained so far."""
         return {
             "step": self.step_num,
             "policy_version": self.version,
             "error": self.error,
             "last": self.last_stats,
+            "staleness_trained": {str(k): v for k, v in sorted(self.staleness_trained.items())},
+            "stale_dropped": self.stale_dropped,
         }
 
     def latest_published(self) -> PublishedVersion | None:

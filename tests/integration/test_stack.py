@@ -14,6 +14,8 @@ from serve_rft.buffer.store import ExperienceStore
 
 pytestmark = pytest.mark.integration
 
+ADMIN = {"Authorization": "Bearer x"}  # the admin key of stacks that turn API keys on (openai api_key="x")
+
 
 def _store(stack) -> ExperienceStore:
     return ExperienceStore(stack.redis_url, stack.prefix)
@@ -161,7 +163,7 @@ def test_training_rolls_new_versions_across_replicas_without_failures(stack):
     async def go():
         client = openai.AsyncOpenAI(base_url=f"{stack.url}/v1", api_key="x", max_retries=0, timeout=120)
         stop = asyncio.Event()
-        async with httpx.AsyncClient(base_url=stack.url, timeout=60) as http:
+        async with httpx.AsyncClient(base_url=stack.url, timeout=60, headers=ADMIN) as http:
             users = [asyncio.create_task(user(client, http, stop)) for _ in range(6)]
             deadline = time.monotonic() + 300
             target = None
@@ -223,3 +225,125 @@ def test_behaviour_logprobs_match_the_trainer_on_the_served_version(stack):
         lp, mask = response_logprobs(model, [exp.prompt_token_ids], [exp.response_token_ids], [0.8])
     diff = (lp[0, : len(exp.response_token_ids)] - torch.tensor(exp.behaviour_logprobs)).abs().max()
     assert float(diff) < 1e-3, f"max |logprob diff| {float(diff)}"
+
+
+def test_reward_forms_groups_conversations_and_experience_states(stack):
+    """Client groups across requests, per-choice / group / conversation reward forms, `info`,
+    and `GET /v1/experiences/{id}` following a choice from pending to trained."""
+    u = stack.url
+    client = openai.OpenAI(base_url=f"{u}/v1", api_key="x", max_retries=0)
+    msg = [{"role": "user", "content": "group"}]
+    a = client.chat.completions.create(model="serve-rft", messages=msg, max_tokens=4, n=2,
+                                       extra_body={"group_id": "task-1", "group_size": 3})
+    b = client.chat.completions.create(model="serve-rft", messages=msg, max_tokens=4,
+                                       extra_body={"group_id": "task-1", "group_size": 3})
+    got = httpx.get(f"{u}/v1/experiences/{a.id}").json()
+    assert got["group_id"] == "task-1"
+    assert [c["state"] for c in got["choices"]] == ["pending", "pending"]
+    assert got["choices"][0]["token_versions"]
+    # every choice of a, in one call, with info: held until b is rewarded too (group of 3)
+    r = httpx.post(f"{u}/v1/rewards", json={"completion_id": a.id, "rewards": [1.0, 0.0], "info": {"by": "test"}})
+    assert r.status_code == 200 and [d["status"] for d in r.json()["data"]] == ["recorded", "recorded"]
+    got = httpx.get(f"{u}/v1/experiences/{a.id}").json()
+    assert [c["state"] for c in got["choices"]] == ["rewarded", "rewarded"]
+    assert got["choices"][0]["info"] == {"by": "test"} and got["choices"][1]["reward"] == 0.0
+    r = httpx.post(f"{u}/v1/rewards", json={"completion_id": a.id, "rewards": [1.0]})
+    assert r.status_code == 422  # a has 2 choices
+    other = client.chat.completions.create(model="serve-rft", messages=msg, max_tokens=2)
+    r = httpx.post(f"{u}/v1/rewards", json={"group_id": "task-1", "rewards": [
+        {"completion_id": other.id, "reward": 1.0}]})
+    assert r.status_code == 422 and r.json()["error"]["code"] == "not_in_group"
+    r = httpx.post(f"{u}/v1/rewards", json={"group_id": "task-1", "rewards": [
+        {"completion_id": b.id, "reward": 0.5}]})
+    assert r.status_code == 200
+    # the trainer trains on >= trainer.min_batch_size (8) experiences: make up a batch
+    filler = client.chat.completions.create(model="serve-rft", messages=msg, max_tokens=2, n=8)
+    assert httpx.post(f"{u}/v1/rewards", json={"completion_id": filler.id,
+                                               "rewards": [i / 8 for i in range(8)]}).status_code == 200
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:  # released together, then trained by the running trainer
+        states = [c["state"] for c in httpx.get(f"{u}/v1/experiences/{a.id}").json()["choices"]]
+        assert "rewarded" not in states, states
+        if states == ["trained", "trained"]:
+            break
+        time.sleep(0.5)
+    else:
+        pytest.fail(f"group never trained: {states}")
+    assert httpx.get(f"{u}/v1/experiences/{a.id}").json()["choices"][0]["trained_version"] >= 1
+    # a conversation of two assistant turns, one reward with a per-turn discount
+    t0 = client.chat.completions.create(model="serve-rft", messages=msg, max_tokens=3,
+                                        extra_body={"conversation_id": "conv-1"})
+    msg2 = msg + [{"role": "assistant", "content": t0.choices[0].message.content or ""},
+                  {"role": "user", "content": "and?"}]
+    t1 = client.chat.completions.create(model="serve-rft", messages=msg2, max_tokens=3,
+                                        extra_body={"conversation_id": "conv-1"})
+    r = httpx.post(f"{u}/v1/rewards", json={"conversation_id": "conv-1", "reward": 1.0, "discount": 0.5})
+    assert r.status_code == 200
+    assert [(d["completion_id"], d["reward"]) for d in r.json()["data"]] == [(t0.id, 0.5), (t1.id, 1.0)]
+    exp1 = asyncio.run(_experience(stack, t1.id, 0))
+    exp0 = asyncio.run(_experience(stack, t0.id, 0))
+    assert len(exp1.prompt_token_ids) > len(exp0.prompt_token_ids)  # turn 2's prompt holds turn 1
+    assert httpx.post(f"{u}/v1/rewards", json={"conversation_id": "nope", "reward": 1}).status_code == 404
+    assert httpx.get(f"{u}/v1/experiences/chatcmpl-nope").status_code == 404
+
+
+def test_fuzzed_requests_get_4xx_never_5xx_and_the_service_survives(stack):
+    """Hypothesis-generated bodies (wrong types, missing fields, out-of-bounds n / max_tokens,
+    NaN and inf, unknown ids, junk bytes) against chat and rewards: every answer is 2xx or a
+    4xx with the OpenAI error JSON, never a 5xx, and the service keeps serving."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    u = stack.url
+    junk = st.one_of(st.none(), st.booleans(), st.integers(-10**12, 10**12), st.text(max_size=20),
+                     st.floats(allow_nan=True, allow_infinity=True), st.lists(st.integers(), max_size=3),
+                     st.dictionaries(st.text(max_size=5), st.integers(), max_size=3))
+    message = st.one_of(junk, st.fixed_dictionaries(
+        {"role": st.one_of(st.sampled_from(["user", "system", "assistant", "tool", "robot"]), junk),
+         "content": st.one_of(st.text(max_size=40), junk)}))
+    chat = st.fixed_dictionaries({}, optional={
+        "messages": st.one_of(junk, st.lists(message, max_size=3)),
+        "n": st.one_of(st.integers(-2, 40), junk), "max_tokens": st.one_of(st.integers(-2, 6), junk),
+        "temperature": st.one_of(st.floats(-1, 3), junk), "top_p": st.one_of(st.floats(-1, 2), junk),
+        "stream": st.one_of(st.booleans(), junk), "logprobs": st.one_of(st.booleans(), junk),
+        "top_logprobs": st.one_of(st.integers(-1, 30), junk), "stop": junk, "group_id": junk,
+        "group_size": junk, "conversation_id": junk})
+    reward = st.fixed_dictionaries({}, optional={
+        "completion_id": st.one_of(st.text(max_size=300), junk), "choice_index": st.one_of(st.integers(-3, 5000), junk),
+        "reward": st.one_of(st.floats(allow_nan=True, allow_infinity=True), junk), "info": junk,
+        "rewards": st.one_of(junk, st.lists(st.floats(allow_nan=True), max_size=3)),
+        "group_id": junk, "conversation_id": junk, "discount": junk})
+    valid_chat = st.fixed_dictionaries(
+        {"messages": st.lists(st.fixed_dictionaries({"role": st.just("user"), "content": st.text(max_size=30)}),
+                              min_size=1, max_size=2),
+         "max_tokens": st.integers(1, 4)},
+        optional={"n": st.integers(1, 3), "stream": st.booleans(), "logprobs": st.booleans(),
+                  "top_logprobs": st.integers(0, 5), "temperature": st.floats(0, 2),
+                  "group_id": st.text(min_size=1, max_size=8)})
+    bodies = st.one_of(st.tuples(st.just("/v1/chat/completions"), chat),
+                       st.tuples(st.just("/v1/chat/completions"), valid_chat),
+                       st.tuples(st.just("/v1/rewards"), reward),
+                       st.tuples(st.sampled_from(["/v1/chat/completions", "/v1/rewards"]),
+                                 st.binary(max_size=64)))
+    seen: list[int] = []
+
+    @settings(max_examples=60, deadline=None, derandomize=True,
+              suppress_health_check=list(HealthCheck))
+    @given(bodies)
+    def check(case):
+        path, body = case
+        kw = {"content": body} if isinstance(body, bytes) else {
+            "content": json.dumps(body, allow_nan=True), "headers": {"content-type": "application/json"}}
+        r = httpx.post(f"{u}{path}", timeout=120, headers=ADMIN, **{k: v for k, v in kw.items() if k != "headers"})
+        seen.append(r.status_code)
+        assert r.status_code < 500, (path, body, r.status_code, r.text[:300])
+        if r.status_code >= 400:
+            err = r.json()["error"]
+            assert err["message"] and "type" in err, r.text
+
+    check()
+    assert any(s >= 400 for s in seen) and any(s == 200 for s in seen), seen
+    assert httpx.get(f"{u}/health").status_code == 200
+    client = openai.OpenAI(base_url=f"{u}/v1", api_key="x", max_retries=0)
+    assert client.chat.completions.create(model="serve-rft", messages=[{"role": "user", "content": "ok"}],
+                                          max_tokens=2).choices

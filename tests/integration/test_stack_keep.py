@@ -19,7 +19,9 @@ pytestmark = pytest.mark.integration
 @pytest.fixture(scope="module")
 def stack(redis_server, embedded_model, tmp_path_factory):
     yield from start_stack(redis_server.url, embedded_model, tmp_path_factory.mktemp("run-keep"),
-                           ["synchronizer.sync_style=trainer_driven", "synchronizer.drain_mode=keep"])
+                           ["synchronizer.sync_style=trainer_driven", "synchronizer.drain_mode=keep",
+                            "trainer.max_staleness=1",
+                            "service.admin_keys=[x]", "service.api_keys=[inference-key]"])
 
 
 def test_keep_mode_requests_span_versions_and_none_fail(stack):
@@ -56,5 +58,35 @@ def test_keep_mode_requests_span_versions_and_none_fail(stack):
     for s in multi:  # contiguous spans covering every token, versions increasing
         assert s[0][1] == 0 and all(a[2] == b[1] for a, b in zip(s, s[1:]))
         assert [v for v, _, _ in s] == sorted(v for v, _, _ in s)
-    st = httpx.get(f"{stack.url}/v1/status").json()
+    st = httpx.get(f"{stack.url}/v1/status", headers=loop.ADMIN).json()
     assert st["sync_style"] == "trainer_driven"
+
+
+def test_max_staleness_drops_old_experiences_and_status_shows_staleness(stack):
+    """With max_staleness=1 nothing older than one version behind is trained; what was dropped
+    is counted; `/v1/status` shows the staleness distribution of what was trained."""
+    st = httpx.get(f"{stack.url}/v1/status", headers=loop.ADMIN).json()
+    trained = {int(k): v for k, v in st["trainer"]["staleness_trained"].items()}
+    assert trained and sum(trained.values()) > 0, st["trainer"]
+    assert max(trained) <= 1, trained
+    assert st["experiences"]["stale_dropped"] == st["trainer"]["stale_dropped"]
+
+
+def test_api_keys_inference_key_serves_admin_key_rewards(stack):
+    """This stack runs with keys: no key -> 401; the inference key may chat but not post
+    rewards or read status; the admin key may do both; /health stays open."""
+    u = stack.url
+    body = {"messages": [{"role": "user", "content": "k"}], "max_tokens": 2}
+    r = httpx.post(f"{u}/v1/chat/completions", json=body)
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    assert httpx.post(f"{u}/v1/chat/completions", json=body,
+                      headers={"Authorization": "Bearer wrong"}).status_code == 401
+    inference = {"Authorization": "Bearer inference-key"}
+    client = openai.OpenAI(base_url=f"{u}/v1", api_key="inference-key", max_retries=0)
+    comp = client.chat.completions.create(model="serve-rft", **body)
+    reward = {"completion_id": comp.id, "reward": 1.0}
+    r = httpx.post(f"{u}/v1/rewards", json=reward, headers=inference)
+    assert r.status_code == 401 and "inference key" in r.json()["error"]["message"]
+    assert httpx.get(f"{u}/v1/status", headers=inference).status_code == 401
+    assert httpx.post(f"{u}/v1/rewards", json=reward, headers=loop.ADMIN).status_code == 200
+    assert httpx.get(f"{u}/health").status_code == 200

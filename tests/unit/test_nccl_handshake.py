@@ -26,6 +26,7 @@ class FakeGroup:
         self.receiving = threading.Event()
         self.sent = threading.Event()
         self.fail = fail
+        self.aborted = threading.Event()
         self.sends = 0
         self.closed = False
 
@@ -33,12 +34,14 @@ class FakeGroup:
         if not self.receiving.wait(5):
             raise RuntimeError("broadcast without a receiver would hang in NCCL")
         self.sends += 1
-        if self.fail:
-            raise RuntimeError("NCCL error")
+        if self.fail:  # a real peer failure leaves the sender blocked in the collective ...
+            self.aborted.wait(30)  # ... until its communicator is aborted (shutdown)
+            raise RuntimeError("NCCL error: communicator aborted")
         self.sent.set()
 
     def shutdown(self) -> None:
         self.closed = True
+        self.aborted.set()
 
 
 class FakeEngine:
@@ -93,7 +96,7 @@ def _setup(fail: bool = False, reserve_timeout_s: float = 5.0):
         groups["r1"] = FakeGroup(fail)
         return groups["r1"]
 
-    sender = NcclSender(connect=connect, reserve_timeout_s=reserve_timeout_s)
+    sender = NcclSender(connect=connect, reserve_timeout_s=reserve_timeout_s, transfer_timeout_s=1.0)
     model = torch.nn.Linear(4, 3)
     method = NcclMethod(timeout_s=10, peers=Peers(sender), sender=sender)
     handle = method.send(model, 7)
@@ -207,18 +210,67 @@ def test_no_window_means_the_engine_is_untouched_and_nothing_is_restored():
     assert "start" not in engine.calls and restored == [] and engine.policy_version == 0
 
 
-def test_a_broken_collective_is_engine_broken_and_the_trainer_drops_the_group():
+def test_a_hung_collective_is_bounded_engine_broken_and_the_trainer_aborts_the_group():
+    """A peer failure blocks the trainer's broadcast; after transfer_timeout_s the trainer
+    aborts the communicator (freeing its thread), releases the lock and closes the window."""
     sender, method, handle, engine, groups = _setup(fail=True)
+    engine.update_weights = _receive_then_fail(engine, groups)
+    method.timeout_s = 5
 
     async def main():
         async def one():
             return 1
 
-        window = asyncio.create_task(sender.serve_window(4, one, timeout_s=1))
+        window = asyncio.create_task(sender.serve_window(4, one, timeout_s=2))
         with pytest.raises(EngineBroken, match="NCCL transfer of version 4 failed"):
             await method.receive(engine, handle, 4)
-        await window
+        assert await window < 3
 
     asyncio.run(main())
     assert groups["r1"].closed and "r1" not in sender.groups
     assert engine.policy_version == 0 and not sender._lock.locked()
+
+
+def _receive_then_fail(engine, groups):
+    async def update_weights(info):
+        groups[engine.replica_id].receiving.set()
+        raise RuntimeError("worker ran out of memory")  # the trainer is left in the collective
+    return update_weights
+
+
+def test_trainer_and_worker_init_info_agree_with_vllm(monkeypatch):
+    """The payload the replica's workers join with parses as vLLM's worker init info, and the
+    trainer joins rank 0 with the same wire parameters (vLLM's trainer engine, endpoint faked)."""
+    from vllm.distributed.weight_transfer import nccl_engine
+    from vllm.distributed.weight_transfer.nccl_common import NCCLWeightTransferInitInfo
+
+    from serve_rft.synchronizer.methods.nccl import _vllm_connect, worker_init_info
+
+    payload = worker_init_info("10.0.0.1", 29555, world_size=3, bucket_bytes=1 << 20)
+    worker = NCCLWeightTransferInitInfo(**payload)
+    assert (worker.rank_offset, worker.world_size, worker.packed) == (1, 3, True)
+    seen = {}
+
+    def fake_endpoint(info):
+        seen.update(address=info.master_address, port=info.master_port, world=info.world_size,
+                    rank=info.rank, packed=info.packed, bucket=info.packed_buffer_size_bytes,
+                    buffers=info.packed_num_buffers)
+        return object()
+
+    monkeypatch.setattr(nccl_engine, "open_trainer_endpoint", fake_endpoint)
+    engine = _vllm_connect(payload, torch.nn.Linear(4, 3))
+    assert engine.is_sender and engine.packed
+    assert seen == {"address": "10.0.0.1", "port": 29555, "world": 3, "rank": 0, "packed": True,
+                    "bucket": worker.packed_buffer_size_bytes, "buffers": worker.packed_num_buffers}
+    assert (engine.packed_buffer_size_bytes, engine.packed_num_buffers) == (1 << 20, worker.packed_num_buffers)
+
+
+def test_update_info_equals_vllms_module_source_metadata():
+    from vllm.distributed.weight_transfer.base import ModuleSource
+
+    model = torch.nn.Sequential(torch.nn.Embedding(5, 4), torch.nn.Linear(4, 5))
+    info = update_info(model)
+    meta = ModuleSource(model).metadata()
+    assert info["names"] == [m.name for m in meta]
+    assert info["shapes"] == [list(m.shape) for m in meta]
+    assert info["dtype_names"] == [str(m.dtype).split(".")[-1] for m in meta]

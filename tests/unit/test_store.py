@@ -9,8 +9,8 @@ from serve_rft.buffer.store import ExperienceStore, RewardError
 from serve_rft.types import Experience, SamplingInfo
 
 
-def _exp(cid, i, versions=((0, 0, 3),)):
-    return Experience(completion_id=cid, choice_index=i, group_id=cid, replica_id="r0",
+def _exp(cid, i, versions=((0, 0, 3),), group=None):
+    return Experience(completion_id=cid, choice_index=i, group_id=group or cid, replica_id="r0",
                       prompt_token_ids=[1, 2], response_token_ids=[5, 6, 7],
                       behaviour_logprobs=[-1.0, -2.0, -0.5], token_versions=list(versions),
                       sampling=SamplingInfo(temperature=1.0, top_p=1.0, max_tokens=3),
@@ -32,23 +32,29 @@ def test_log_reward_read_ack_roundtrip(store_factory):
     async def go():
         s = store_factory()
         cid = "chatcmpl-a"
-        await s.log_experiences([_exp(cid, 0), _exp(cid, 1)], num_choices=2)
+        await s.log_experiences([_exp(cid, 0), _exp(cid, 1)])
         got = await s.get_experience(cid, 1)
         assert got.behaviour_logprobs == [-1.0, -2.0, -0.5]
         c = await s.counts()
         assert (c.pending, c.ready, c.trained, c.logged) == (2, 0, 0, 2)
-        assert await s.post_reward(cid, 0, 1.0) is True
+        assert await s.post_reward(cid, 0, 1.0, info={"judge": "x"}) is True
         assert await s.post_reward(cid, 0, 1.0) is False  # idempotent
         c = await s.counts()
-        assert (c.pending, c.ready) == (1, 1)
+        assert (c.pending, c.held, c.ready) == (1, 1, 0)  # held until its group (n=2) is complete
+        assert await s.post_reward(cid, 1, 0.0) is True
+        c = await s.counts()
+        assert (c.pending, c.held, c.ready) == (0, 0, 2)
         await s.ensure_group()
         await s.ensure_group()  # idempotent
         batch = await s.read_ready("t", 10, block_ms=10)
-        assert len(batch) == 1 and batch[0].reward == 1.0
-        assert batch[0].experience.completion_id == cid and batch[0].experience.choice_index == 0
-        await s.ack([b.stream_id for b in batch])
+        assert sorted((b.experience.choice_index, b.reward) for b in batch) == [(0, 1.0), (1, 0.0)]
+        assert await s.ack(batch, version=3) == (2, 0)
+        assert await s.ack(batch, version=3) == (0, 0)  # a retried ack counts nothing twice
         c = await s.counts()
-        assert (c.ready, c.trained) == (0, 1)
+        assert (c.ready, c.trained) == (0, 2)
+        states = await s.choices(cid)
+        assert [(x.state, x.reward, x.trained_version) for x in states] == [("trained", 1.0, 3), ("trained", 0.0, 3)]
+        assert states[0].info == {"judge": "x"} and states[1].info is None
         await s.close()
     run(go())
 
@@ -56,7 +62,7 @@ def test_log_reward_read_ack_roundtrip(store_factory):
 def test_reward_errors(store_factory):
     async def go():
         s = store_factory()
-        await s.log_experiences([_exp("c", 0)], num_choices=1)
+        await s.log_experiences([_exp("c", 0)])
         for bad in (float("nan"), float("inf"), -float("inf")):
             with pytest.raises(RewardError) as e:
                 await s.post_reward("c", 0, bad)
@@ -78,10 +84,12 @@ def test_reward_errors(store_factory):
 def test_unrewarded_experiences_expire_and_are_counted(store_factory):
     async def go():
         s = store_factory(reward_timeout_s=1.0)
-        await s.log_experiences([_exp("c", 0)], num_choices=1)
+        await s.log_experiences([_exp("c", 0)])
+        assert [x.state for x in await s.choices("c")] == ["pending"]
         await asyncio.sleep(1.3)
         c = await s.counts()
         assert (c.pending, c.expired) == (0, 1)
+        assert [x.state for x in await s.choices("c")] == ["expired"]
         with pytest.raises(RewardError) as e:
             await s.post_reward("c", 0, 1.0)
         assert e.value.status == 410
@@ -92,7 +100,7 @@ def test_unrewarded_experiences_expire_and_are_counted(store_factory):
 def test_unacked_entries_are_redelivered(store_factory):
     async def go():
         s = store_factory()
-        await s.log_experiences([_exp("c", 0)], num_choices=1)
+        await s.log_experiences([_exp("c", 0)])
         await s.post_reward("c", 0, 1.0)
         await s.ensure_group()
         first = await s.read_ready("t", 10, block_ms=10)
@@ -100,5 +108,79 @@ def test_unacked_entries_are_redelivered(store_factory):
         assert await s.read_ready("t", 10, block_ms=10) == []
         again = await s.read_ready("t", 10, block_ms=0, redeliver=True)
         assert [b.stream_id for b in again] == [b.stream_id for b in first]
+        await s.close()
+    run(go())
+
+
+def test_client_group_without_size_is_released_after_group_timeout_with_two_rewards(store_factory):
+    async def go():
+        s = store_factory(group_timeout_s=0.5)
+        for cid in ("a", "b", "c"):  # three requests, one client group "u:task"
+            await s.log_experiences([_exp(cid, 0, group="u:task")])
+        await s.post_reward("a", 0, 1.0)
+        await s.post_reward("b", 0, 0.0)
+        c = await s.counts()
+        assert (c.held, c.ready) == (2, 0)  # c may still come
+        await asyncio.sleep(0.7)
+        c = await s.counts()
+        assert (c.held, c.ready, c.groups_timed_out) == (0, 2, 1)
+        await s.post_reward("c", 0, 0.5)  # a late member of a released group: ready at once
+        assert (await s.counts()).ready == 3
+        await s.close()
+    run(go())
+
+
+def test_a_lone_reward_waits_until_a_second_one_comes_after_the_group_timeout(store_factory):
+    async def go():
+        s = store_factory(group_timeout_s=0.3)
+        for cid in ("a", "b", "c"):
+            await s.log_experiences([_exp(cid, 0, group="u:t")])
+        await s.post_reward("a", 0, 1.0)
+        await asyncio.sleep(0.5)
+        assert (await s.counts()).ready == 0  # one reward is not a group
+        await s.post_reward("b", 0, 0.0)  # past the group timeout: released at once
+        assert (await s.counts()).ready == 2
+        await s.close()
+    run(go())
+
+
+def test_client_group_with_size_is_released_when_complete_or_when_the_rest_expired(store_factory):
+    async def go():
+        s = store_factory(group_timeout_s=60, reward_timeout_s=1.0)
+        await s.log_experiences([_exp("a", 0, group="u:g"), _exp("a", 1, group="u:g")], group_size=3)
+        await s.log_experiences([_exp("b", 0, group="u:g")], group_size=3)
+        await s.post_reward("a", 0, 1.0)
+        await s.post_reward("a", 1, 0.0)
+        assert (await s.counts()).ready == 0  # 2 of 3
+        await asyncio.sleep(1.2)  # b:0 expires: every living member is rewarded
+        c = await s.counts()
+        assert (c.expired, c.ready) == (1, 2)
+        await s.close()
+    run(go())
+
+
+def test_stale_dropped_entries_are_acked_and_counted(store_factory):
+    async def go():
+        s = store_factory()
+        await s.log_experiences([_exp("c", 0)])
+        await s.post_reward("c", 0, 1.0)
+        await s.ensure_group()
+        batch = await s.read_ready("t", 10, block_ms=10)
+        assert await s.ack(batch, version=9, state="stale-dropped") == (0, 1)
+        c = await s.counts()
+        assert (c.ready, c.trained, c.stale_dropped) == (0, 0, 1)
+        assert [(x.state, x.trained_version) for x in await s.choices("c")] == [("stale-dropped", 9)]
+        assert await s.read_ready("t", 10, block_ms=0, redeliver=True) == []
+        await s.close()
+    run(go())
+
+
+def test_a_conversation_lists_its_turns(store_factory):
+    async def go():
+        s = store_factory()
+        await s.log_experiences([_exp("t0", 0)], conversation_id="conv")
+        await s.log_experiences([_exp("t1", 0)], conversation_id="conv")
+        assert await s.conversation_turns("conv") == ["t0", "t1"]
+        assert await s.choices("nope") is None
         await s.close()
     run(go())

@@ -55,7 +55,8 @@ def make_method(cfg: Config) -> WeightSyncMethod:
     if m is SyncMethod.MEMORY:
         return MemoryMethod(cfg.synchronizer.bucket_bytes)
     if m is SyncMethod.NCCL:
-        return NcclMethod(sender=NcclSender(reserve_timeout_s=cfg.synchronizer.sync_timeout_s))
+        return NcclMethod(sender=NcclSender(reserve_timeout_s=cfg.synchronizer.sync_timeout_s,
+                                            bucket_bytes=cfg.synchronizer.bucket_bytes))
     raise ValueError(f"sync_method {m.value} is not available")
 
 

@@ -88,16 +88,30 @@ class _ReplicaDrivenClient:
     def finish_weight_update(self, weight_version: str | None = None) -> None: ...
 
 
+def worker_init_info(master_address: str, master_port: int, world_size: int, bucket_bytes: int) -> dict:
+    """vLLM's worker-side ``NCCLWeightTransferInitInfo`` payload for one replica's group. The
+    trainer builds it (and joins with the same wire parameters, `_vllm_connect`), so both sides
+    cut the packed stream into the same buckets."""
+    from vllm.distributed.weight_transfer.nccl_common import NCCLWeightTransferInitInfo, worker_init_payload
+
+    return worker_init_payload(NCCLWeightTransferInitInfo(
+        master_address=master_address, master_port=master_port, rank_offset=RANK_OFFSET,
+        world_size=world_size, packed=True, packed_buffer_size_bytes=bucket_bytes))
+
+
 def _vllm_connect(init_info: dict, model):
     """Join rank 0 of a replica's group with vLLM's trainer engine (blocks until the replica's
-    workers join). Returns the engine (``send_weights()``, ``shutdown()``)."""
+    workers join). ``init_info`` is the `worker_init_info` the replica joins with. Returns the
+    engine (``send_weights()``, ``shutdown()``)."""
     from vllm.distributed.weight_transfer.base import ModuleSource
     from vllm.distributed.weight_transfer.nccl_engine import (NCCLTrainerInitInfo,
                                                               NCCLTrainerWeightTransferEngine)
 
     info = NCCLTrainerInitInfo(master_address=init_info["master_address"],
                                master_port=init_info["master_port"],
-                               world_size=init_info["world_size"], packed=True)
+                               world_size=init_info["world_size"], rank=0, packed=True,
+                               packed_buffer_size_bytes=init_info["packed_buffer_size_bytes"],
+                               packed_num_buffers=init_info["packed_num_buffers"])
     return NCCLTrainerWeightTransferEngine.trainer_init(info, client=_ReplicaDrivenClient(),
                                                         source=ModuleSource(model))
 
@@ -111,11 +125,17 @@ class NcclSender:
         reserve_timeout_s: how long a replica may wait for a window before `reserve` fails.
         lease_s: a reservation not followed by `broadcast` within this long is released (the
             replica died between the two calls).
+        transfer_timeout_s: bound on joining a group and on one broadcast; on timeout the group
+            is shut down (NCCL abort), which frees the thread blocked in the collective.
+        bucket_bytes: the packed broadcast's bucket size (``synchronizer.bucket_bytes``).
     """
 
     def __init__(self, connect: Callable[[dict, Any], Any] = _vllm_connect,
-                 reserve_timeout_s: float = 30.0, lease_s: float = 30.0):
+                 reserve_timeout_s: float = 30.0, lease_s: float = 30.0,
+                 transfer_timeout_s: float = 300.0, bucket_bytes: int = 32 << 20):
         self._connect = connect
+        self.transfer_timeout_s = transfer_timeout_s
+        self.bucket_bytes = bucket_bytes
         self.reserve_timeout_s = reserve_timeout_s
         self.lease_s = lease_s
         self.model = None
@@ -128,9 +148,9 @@ class NcclSender:
         self._holder: str | None = None
         self._lease: asyncio.TimerHandle | None = None
 
-    @staticmethod
-    def endpoint() -> tuple[str, int]:
-        """This node's address and a free TCP port for a group's rendezvous (rank 0 hosts it)."""
+    def endpoint(self, world_size: int) -> dict:
+        """The worker init info of a new group: this node's address, a free TCP port for the
+        rendezvous (rank 0 hosts it), ``world_size`` ranks, this sender's bucket size."""
         import socket
 
         import ray
@@ -138,7 +158,19 @@ class NcclSender:
         with socket.socket() as s:
             s.bind(("", 0))
             port = s.getsockname()[1]
-        return ray.util.get_node_ip_address(), port
+        return worker_init_info(ray.util.get_node_ip_address(), port, world_size, self.bucket_bytes)
+
+    async def _bounded(self, replica_id: str, group, fn) -> None:
+        """Run the blocking collective ``fn`` in a thread for at most ``transfer_timeout_s``;
+        on any failure shut ``group`` down (aborting its communicator frees the thread)."""
+        try:
+            await asyncio.wait_for(asyncio.to_thread(fn), self.transfer_timeout_s)
+        except BaseException:
+            if self.groups.get(replica_id) is group:
+                del self.groups[replica_id]
+            if group is not None:
+                group.shutdown()
+            raise
 
     async def connect(self, replica_id: str, init_info: dict) -> dict[str, list]:
         """Join ``replica_id``'s group as rank 0 (the replica joins concurrently).
@@ -150,10 +182,14 @@ class NcclSender:
         """
         if self.model is None:
             raise RuntimeError("the trainer has not published a version yet")
-        old = self.groups.pop(replica_id, None)
-        if old is not None:
-            old.shutdown()
-        self.groups[replica_id] = await asyncio.to_thread(self._connect, init_info, self.model)
+        async with self._lock:  # never set up a communicator while another one broadcasts
+            old = self.groups.pop(replica_id, None)
+            if old is not None:
+                old.shutdown()
+            made: list = []
+            await self._bounded(replica_id, None,
+                                lambda: made.append(self._connect(init_info, self.model)))
+            self.groups[replica_id] = made[0]
         return update_info(self.model)
 
     async def reserve(self, replica_id: str) -> int:
@@ -202,8 +238,9 @@ class NcclSender:
             ``seconds`` and ``bytes`` sent.
         Raises:
             RuntimeError: ``replica_id`` does not hold the reservation (it expired).
-            Whatever the collective raises; the group is then dropped (the replica is replaced
-            and connects anew).
+            TimeoutError: the broadcast took longer than ``transfer_timeout_s``.
+            Whatever the collective raises. Either way the group is shut down and dropped (the
+            replica is replaced and connects anew).
         """
         if self._holder != replica_id:
             raise RuntimeError(f"replica {replica_id} does not hold the trainer's send reservation")
@@ -211,13 +248,11 @@ class NcclSender:
             self._lease.cancel()
             self._lease = None
         t0 = time.perf_counter()
+        group = self.groups.get(replica_id)
         try:
-            await asyncio.to_thread(self.groups[replica_id].send_weights)
-        except Exception:
-            group = self.groups.pop(replica_id, None)
-            if group is not None:
-                group.shutdown()
-            raise
+            if group is None:
+                raise KeyError(f"replica {replica_id} has no NCCL group with the trainer")
+            await self._bounded(replica_id, group, group.send_weights)
         finally:
             self._release()
         nbytes = sum(p.numel() * p.element_size() for p in self.model.parameters())

@@ -1,0 +1,164 @@
+"""The store's Redis Lua scripts: every state change of an experience is one of these, atomic.
+
+Keys are built inside the scripts from the prefix (``ARGV[1]``), so the store needs a single
+Redis node (not Redis Cluster). Schema: `serve_rft.buffer.store`.
+"""
+
+# Shared Lua helpers: release a group (its held, rewarded members go to the ready stream).
+_COMMON = """
+local function release(P, gid)
+  local g = P..':grp:'..gid
+  local gm = P..':gm:'..gid
+  local members = redis.call('SMEMBERS', gm)
+  local n = 0
+  for _, m in ipairs(members) do
+    local sep = string.find(m, ':[^:]*$')
+    local cid, i = string.sub(m, 1, sep - 1), string.sub(m, sep + 1)
+    local exp = redis.call('GET', P..':exp:'..cid..':'..i)
+    local st = P..':st:'..cid
+    local reward = redis.call('HGET', st, 'r'..i)
+    if exp and reward then
+      redis.call('XADD', P..':ready', '*', 'exp', exp, 'reward', reward, 'member', m)
+      redis.call('HSET', st, i, 'ready')
+      n = n + 1
+    end
+  end
+  redis.call('DEL', gm)
+  redis.call('HSET', g, 'released', '1')
+  redis.call('ZREM', P..':gdl', gid)
+  if n > 0 then redis.call('HINCRBY', P..':stat', 'ready', n) end
+  return n
+end
+
+local function complete(P, gid)
+  local g = P..':grp:'..gid
+  local size = tonumber(redis.call('HGET', g, 'size') or '0')
+  local rewarded = tonumber(redis.call('HGET', g, 'rewarded') or '0')
+  local expired = tonumber(redis.call('HGET', g, 'expired') or '0')
+  return size > 0 and rewarded > 0 and rewarded + expired >= size
+end
+"""
+
+LOG = """
+-- ARGV: P, cid, n, gid, group_size, ttl_pending, ttl_long, now, deadline, conv, exp_1..exp_n
+local P, cid, n, gid = ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4]
+local ttl_p, ttl_l = tonumber(ARGV[6]), tonumber(ARGV[7])
+local cmp = P..':cmp:'..cid
+redis.call('HSET', cmp, 'n', n, 'group', gid, 'conv', ARGV[10], 'created', ARGV[8])
+redis.call('EXPIRE', cmp, ttl_l)
+local st = P..':st:'..cid
+local g = P..':grp:'..gid
+redis.call('HSETNX', g, 'size', ARGV[5])
+redis.call('HINCRBY', g, 'logged', n)
+redis.call('EXPIRE', g, ttl_l)
+for i = 0, n - 1 do
+  redis.call('SET', P..':exp:'..cid..':'..i, ARGV[11 + i], 'EX', ttl_p)
+  redis.call('ZADD', P..':pending', ARGV[9], cid..':'..i)
+  redis.call('HSET', st, tostring(i), 'pending')
+end
+redis.call('EXPIRE', st, ttl_l)
+if ARGV[10] ~= '' then
+  local ck = P..':conv:'..ARGV[10]
+  redis.call('RPUSH', ck, cid)
+  redis.call('EXPIRE', ck, ttl_l)
+end
+redis.call('HINCRBY', P..':stat', 'logged', n)
+return n
+"""
+
+REWARD = _COMMON + """
+-- ARGV: P, cid, i, reward, info, now, group_timeout_s, ttl_long
+-- returns {status, previous reward or ''}; 201 recorded, 200 same reward again, 404, 409, 410
+local P, cid, i = ARGV[1], ARGV[2], ARGV[3]
+local cmp = P..':cmp:'..cid
+local n = redis.call('HGET', cmp, 'n')
+if not n then return {404, ''} end
+if tonumber(i) >= tonumber(n) then return {404, ''} end
+local st = P..':st:'..cid
+local prev = redis.call('HGET', st, 'r'..i)
+if prev then
+  if prev == ARGV[4] then return {200, prev} end
+  return {409, prev}
+end
+local ek = P..':exp:'..cid..':'..i
+if redis.call('EXISTS', ek) == 0 then return {410, ''} end
+local ttl = tonumber(ARGV[8])
+redis.call('HSET', st, 'r'..i, ARGV[4], i, 'rewarded')
+if ARGV[5] ~= '' then redis.call('HSET', st, 'info'..i, ARGV[5]) end
+redis.call('EXPIRE', st, ttl)
+redis.call('EXPIRE', ek, ttl)
+redis.call('ZREM', P..':pending', cid..':'..i)
+redis.call('HINCRBY', P..':stat', 'rewarded', 1)
+local gid = redis.call('HGET', cmp, 'group')
+local g = P..':grp:'..gid
+redis.call('SADD', P..':gm:'..gid, cid..':'..i)
+redis.call('EXPIRE', P..':gm:'..gid, ttl)
+local rewarded = redis.call('HINCRBY', g, 'rewarded', 1)
+redis.call('EXPIRE', g, ttl)
+if rewarded == 1 then
+  redis.call('HSET', g, 'first', ARGV[6])
+  redis.call('ZADD', P..':gdl', tonumber(ARGV[6]) + tonumber(ARGV[7]), gid)
+end
+local first = tonumber(redis.call('HGET', g, 'first'))
+local due = first + tonumber(ARGV[7])
+if redis.call('HGET', g, 'released') == '1' or complete(P, gid)
+   or (rewarded >= 2 and tonumber(ARGV[6]) >= due) then
+  release(P, gid)
+elseif rewarded == 2 then
+  redis.call('ZADD', P..':gdl', due, gid)  -- a sweep may have pushed it to the final deadline
+end
+return {201, ARGV[4]}
+"""
+
+SWEEP = _COMMON + """
+-- ARGV: P, now, reward_timeout_s ; expire pending experiences, release timed-out groups
+-- returns {expired, groups released by timeout}
+local P, now, rto = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
+local gone = redis.call('ZRANGEBYSCORE', P..':pending', '-inf', now)
+for _, m in ipairs(gone) do
+  redis.call('ZREM', P..':pending', m)
+  local sep = string.find(m, ':[^:]*$')
+  local cid, i = string.sub(m, 1, sep - 1), string.sub(m, sep + 1)
+  redis.call('HSET', P..':st:'..cid, i, 'expired')
+  redis.call('DEL', P..':exp:'..cid..':'..i)
+  local gid = redis.call('HGET', P..':cmp:'..cid, 'group')
+  if gid then
+    redis.call('HINCRBY', P..':grp:'..gid, 'expired', 1)
+    if redis.call('HGET', P..':grp:'..gid, 'released') ~= '1' and complete(P, gid) then release(P, gid) end
+  end
+end
+if #gone > 0 then redis.call('HINCRBY', P..':stat', 'expired', #gone) end
+local timed_out = 0
+for _, gid in ipairs(redis.call('ZRANGEBYSCORE', P..':gdl', '-inf', now)) do
+  local g = P..':grp:'..gid
+  local rewarded = tonumber(redis.call('HGET', g, 'rewarded') or '0')
+  local first = tonumber(redis.call('HGET', g, 'first') or ARGV[2])
+  if rewarded >= 2 or now - first >= rto then
+    release(P, gid)
+    timed_out = timed_out + 1
+  else
+    redis.call('ZADD', P..':gdl', first + rto, gid)
+  end
+end
+if timed_out > 0 then redis.call('HINCRBY', P..':stat', 'groups_timed_out', timed_out) end
+return {#gone, timed_out}
+"""
+
+ACK = """
+-- ARGV: P, count, then per entry: stream id, member, state (trained|stale-dropped), version
+local P, k = ARGV[1], tonumber(ARGV[2])
+local trained, dropped = 0, 0
+for j = 0, k - 1 do
+  local id, m, state, v = ARGV[3 + 4*j], ARGV[4 + 4*j], ARGV[5 + 4*j], ARGV[6 + 4*j]
+  if redis.call('XACK', P..':ready', 'trainer', id) == 1 then
+    redis.call('XDEL', P..':ready', id)
+    local sep = string.find(m, ':[^:]*$')
+    local cid, i = string.sub(m, 1, sep - 1), string.sub(m, sep + 1)
+    redis.call('HSET', P..':st:'..cid, i, state, 'v'..i, v)
+    if state == 'trained' then trained = trained + 1 else dropped = dropped + 1 end
+  end
+end
+if trained > 0 then redis.call('HINCRBY', P..':stat', 'trained', trained) end
+if dropped > 0 then redis.call('HINCRBY', P..':stat', 'stale_dropped', dropped) end
+return {trained, dropped}
+"""

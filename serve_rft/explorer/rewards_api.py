@@ -1,0 +1,99 @@
+"""The rewards and experiences HTTP API, over the `ExperienceStore` (no FastAPI here: the
+replica routes to these and turns `ApiError` into the OpenAI error JSON).
+
+Rewards are recorded one choice at a time by the store's reward script (atomic, idempotent:
+the same reward again is accepted as ``duplicate``). A request of several rewards is checked
+first (every id known, every member in its group) and then recorded in order; if a reward is
+refused mid-way (409 / 410), the ones before it stay recorded, and posting the same request
+again records the rest (the recorded ones answer ``duplicate``). Nothing accepted is dropped.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from typing import Any
+
+from serve_rft.buffer.store import ExperienceStore, RewardError
+from serve_rft.explorer.protocol import (ApiError, ChoiceRewards, ConversationReward, GroupRewards,
+                                         RewardBatch, RewardItem, RewardRequest)
+
+_CODES = {404: "not_found", 409: "conflict", 410: "expired", 422: "invalid_reward"}
+
+
+async def _items(store: ExperienceStore, req: RewardRequest) -> list[RewardItem]:
+    """Expand any reward form into single-choice items.
+
+    Raises:
+        ApiError: 404 unknown completion / conversation, 422 a member outside its group or a
+            reward list that does not match the completion's choices.
+    """
+    if isinstance(req, RewardItem):
+        return [req]
+    if isinstance(req, RewardBatch):
+        return list(req.rewards)
+    if isinstance(req, ChoiceRewards):
+        n = await store.num_choices(req.completion_id)
+        if n is None:
+            raise ApiError(404, f"no completion {req.completion_id!r}", "completion_id", code="not_found")
+        if len(req.rewards) != n:
+            raise ApiError(422, f"completion {req.completion_id!r} has {n} choices, got {len(req.rewards)} "
+                           "rewards", "rewards", code="invalid_reward")
+        return [RewardItem(completion_id=req.completion_id, choice_index=i, reward=r, info=req.info)
+                for i, r in enumerate(req.rewards)]
+    if isinstance(req, GroupRewards):
+        for item in req.rewards:
+            group = await store.completion_group(item.completion_id)
+            if group is None:
+                raise ApiError(404, f"no completion {item.completion_id!r}", "completion_id", code="not_found")
+            if group not in (req.group_id, f"u:{req.group_id}"):
+                raise ApiError(422, f"completion {item.completion_id!r} is not in group {req.group_id!r}",
+                               "group_id", code="not_in_group")
+        return list(req.rewards)
+    assert isinstance(req, ConversationReward)
+    turns = await store.conversation_turns(req.conversation_id)
+    if not turns:
+        raise ApiError(404, f"no conversation {req.conversation_id!r}", "conversation_id", code="not_found")
+    items = []
+    for t, cid in enumerate(turns):
+        n = await store.num_choices(cid) or 0
+        r = req.reward * req.discount ** (len(turns) - 1 - t)
+        items += [RewardItem(completion_id=cid, choice_index=i, reward=r, info=req.info) for i in range(n)]
+    return items
+
+
+async def post_rewards(store: ExperienceStore, req: RewardRequest) -> list[dict[str, Any]]:
+    """Record every reward of ``req``.
+
+    Returns:
+        One ``{"completion_id", "choice_index", "reward", "status": "recorded" | "duplicate"}``
+        per choice.
+    Raises:
+        ApiError: the first reward refused (404 / 409 / 410 / 422) or a bad request form.
+    """
+    results = []
+    for item in await _items(store, req):
+        try:
+            recorded = await store.post_reward(item.completion_id, item.choice_index, item.reward, item.info)
+        except RewardError as e:
+            raise ApiError(e.status, e.message, "reward" if e.status == 422 else "completion_id",
+                           code=_CODES.get(e.status)) from None
+        results.append({"completion_id": item.completion_id, "choice_index": item.choice_index,
+                        "reward": item.reward, "status": "recorded" if recorded else "duplicate"})
+    return results
+
+
+async def describe_completion(store: ExperienceStore, completion_id: str) -> dict[str, Any]:
+    """``GET /v1/experiences/{completion_id}``: each choice's state (pending / rewarded (held
+    for its group) / ready / trained / expired / stale-dropped), reward, info, the version that
+    trained it, and the policy versions that produced its tokens.
+
+    Raises:
+        ApiError: 404 unknown (or no longer kept) completion.
+    """
+    choices = await store.choices(completion_id)
+    if choices is None:
+        raise ApiError(404, f"no completion {completion_id!r}", "completion_id", code="not_found")
+    group = await store.completion_group(completion_id)
+    return {"object": "experience", "completion_id": completion_id,
+            "group_id": group[2:] if group and group.startswith("u:") else group,
+            "choices": [asdict(c) for c in choices]}

@@ -69,7 +69,7 @@ class ExplorerReplica:
         from serve_rft.synchronizer.actor import get_synchronizer
 
         self.cfg = Config.model_validate_json(config_json)
-        app.state.api_keys = ApiKeys(self.cfg.service.api_keys, self.cfg.service.admin_keys)
+        self.api_keys = ApiKeys(self.cfg.service.api_keys, self.cfg.service.admin_keys)
         self.model_path = model_path
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
@@ -154,6 +154,14 @@ class ExplorerReplica:
         await self.sync.synced.remote(self.replica_id, self.engine.policy_version, self.last_sync)
 
     # -- HTTP ----------------------------------------------------------------------------
+    def _refused(self, request: Request) -> JSONResponse | None:
+        """The 401 answer if this request lacks the key its path needs (`ApiKeys.check`)."""
+        try:
+            self.api_keys.check(request.url.path, request.headers.get("authorization"))
+        except ApiError as e:
+            return _error(e)
+        return None
+
     def _headers(self, version: int) -> dict[str, str]:
         return {REPLICA_HEADER: self.replica_id, VERSION_HEADER: str(version)}
 
@@ -164,14 +172,18 @@ class ExplorerReplica:
                             headers=self._headers(self.engine.policy_version))
 
     @app.get("/v1/models")
-    async def models(self) -> JSONResponse:
+    async def models(self, request: Request) -> JSONResponse:
+        if (refused := self._refused(request)) is not None:
+            return refused
         name = self.cfg.model.served_name
         return JSONResponse({"object": "list", "data": [
             {"id": name, "object": "model", "created": 0, "owned_by": "serve_rft",
              "root": self.model_path, "max_model_len": self.cfg.explorer.max_model_len}]})
 
     @app.get("/v1/status")
-    async def status(self) -> JSONResponse:
+    async def status(self, request: Request) -> JSONResponse:
+        if (refused := self._refused(request)) is not None:
+            return refused
         sync_status = await self.sync.status.remote()
         counts = await self.store.counts()
         sync_status["experiences"] = counts.__dict__
@@ -195,12 +207,16 @@ class ExplorerReplica:
             return None
 
     @app.get("/v1/sync/events")
-    async def sync_events(self, since: float = 0.0) -> JSONResponse:
+    async def sync_events(self, request: Request, since: float = 0.0) -> JSONResponse:
+        if (refused := self._refused(request)) is not None:
+            return refused
         return JSONResponse({"events": await self.sync.events.remote(since)})
 
     @app.post("/v1/rewards")
     async def rewards(self, request: Request) -> JSONResponse:
         """Post rewards (forms: `serve_rft.explorer.protocol.parse_reward_body`)."""
+        if (refused := self._refused(request)) is not None:
+            return refused
         try:
             body = await _json_body(request)
             try:
@@ -216,8 +232,10 @@ class ExplorerReplica:
         return JSONResponse({"object": "list", "data": results})
 
     @app.get("/v1/experiences/{completion_id}")
-    async def experience(self, completion_id: str) -> JSONResponse:
+    async def experience(self, request: Request, completion_id: str) -> JSONResponse:
         """Each choice's state, reward, info and versions."""
+        if (refused := self._refused(request)) is not None:
+            return refused
         try:
             return JSONResponse(await rewards_api.describe_completion(self.store, completion_id))
         except ApiError as e:
@@ -225,6 +243,8 @@ class ExplorerReplica:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request):
+        if (refused := self._refused(request)) is not None:
+            return refused
         try:
             body = await _json_body(request)
             try:
@@ -364,19 +384,9 @@ async def _api_error(_request: Request, e: ApiError) -> JSONResponse:
 
 
 def _install_error_handlers() -> None:
-    """Turn FastAPI's own 404/405/422 answers into OpenAI error JSON; check API keys first."""
+    """Turn FastAPI's own 404/405/422 answers into OpenAI error JSON."""
     from fastapi.exceptions import RequestValidationError
     from starlette.exceptions import HTTPException
-
-    @app.middleware("http")
-    async def _auth(request: Request, call_next):
-        keys: ApiKeys | None = getattr(request.app.state, "api_keys", None)
-        if keys is not None and keys.enabled:
-            try:
-                keys.check(request.url.path, request.headers.get("authorization"))
-            except ApiError as e:
-                return _error(e)
-        return await call_next(request)
 
     @app.exception_handler(HTTPException)
     async def _http(_request: Request, e: HTTPException) -> JSONResponse:

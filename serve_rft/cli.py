@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import json
 import sys
+import time
+from enum import Enum
 from pathlib import Path
 from typing import Optional
 
 import typer
 from rich.console import Console
 
-from serve_rft.config import Config, load_config
+from serve_rft.config import Config, ServiceConfig, load_config
 
 cli = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Serve an LLM with vLLM on Ray Serve and improve it online with RL.")
@@ -62,20 +64,47 @@ def init_model(config: Optional[Path] = ConfigOpt, sets: list[str] = SetOpt) -> 
     print(ensure_embedded_model(cfg.model.cache_dir))
 
 
+class Mode(str, Enum):
+    both = "both"
+    serve = "serve"
+    train = "train"
+
+
 @cli.command()
 def up(config: Optional[Path] = ConfigOpt, sets: list[str] = SetOpt, model: Optional[str] = ModelOpt,
-       port: Optional[int] = PortOpt) -> None:
-    """Run the service in the foreground until SIGINT/SIGTERM."""
-    from serve_rft.service.launcher import ServiceStack, quiet_env, wait_for_signal
+       port: Optional[int] = PortOpt,
+       mode: Mode = typer.Option(Mode.both, help="both: serve and train; serve: explorers + store, no "
+                                 "training; train: trainer + synchronizer against an existing store "
+                                 "(buffer.redis_url or run_dir/redis), joining service.ray_address if set."),
+       max_steps: int = typer.Option(0, help="train mode: exit after this many trainer steps, once "
+                                     "what they trained is saved and acknowledged (0: run until a signal).")
+       ) -> None:
+    """Run the service (or one role of it) in the foreground until SIGINT/SIGTERM.
+
+    Prints one JSON line once up: url (empty in train mode), redis_url, ray_address, mode.
+    """
+    from serve_rft.service.launcher import ServiceStack, quiet_env, trainer_status, wait_for_signal
 
     quiet_env()
     cfg = _runnable(_config(config, sets, model, port))
-    with ServiceStack(cfg) as stack:
-        console.print(f"[green]serve_rft up[/green] at {stack.url} "
+    with ServiceStack(cfg, mode.value) as stack:
+        what = f"at {stack.url}" if stack.url else "(training)"
+        console.print(f"[green]serve_rft up --mode {mode.value}[/green] {what} "
                       f"(model {stack.model_path}, started in {stack.startup_seconds:.1f} s)")
         print(json.dumps({"url": stack.url, "startup_seconds": stack.startup_seconds,
-                          "ray_address": stack.ray_address}), flush=True)
-        wait_for_signal()
+                          "ray_address": stack.ray_address, "redis_url": stack.cfg.buffer.redis_url,
+                          "mode": mode.value}), flush=True)
+        done = None
+        if mode is Mode.train and max_steps > 0:
+            def done() -> bool:
+                st = trainer_status()
+                if st["error"]:
+                    raise RuntimeError(f"trainer stopped: {st['error']}")
+                return st["steps_done"] >= max_steps and st["unacked"] == 0
+        wait_for_signal(done)
+        if mode is not Mode.serve:
+            st = trainer_status()
+            console.print(f"trainer: {st['steps_done']} steps, policy version {st['policy_version']}")
         console.print("shutting down")
 
 
@@ -93,6 +122,8 @@ def demo(config: Optional[Path] = ConfigOpt, sets: list[str] = SetOpt, model: Op
 
     quiet_env()
     cfg = _config(config, sets, model, port if port is not None else 0)
+    if cfg.service.run_dir == ServiceConfig().run_dir:  # a demo starts from the base model,
+        cfg.service.run_dir = f"runs/demo-{time.strftime('%Y%m%d-%H%M%S')}"  # not a resumed state
     if url:
         summary = run_demo(url, duration, users, live=live)
     else:

@@ -79,6 +79,9 @@ class BufferConfig(_Strict):
     trained_ttl_s: float = Field(
         86400.0, gt=0, description="How long a trained experience stays readable, s."
     )
+    reconnect_s: float = Field(
+        30.0, gt=0, description="How long a Redis command is retried across a lost connection (a "
+        "Redis restart) before it fails, s.")
     group_timeout_s: float = Field(
         60.0, gt=0, description="A group with >= 2 rewarded answers is trained this long after its "
         "first reward even if other members have no reward yet, s.")
@@ -112,6 +115,12 @@ class TrainerConfig(_Strict):
     device: Literal["cpu", "cuda"] = Field(
         "cpu", description="Where the trainer's policy model lives (cuda: the actor takes one Ray GPU).")
     keep_checkpoints: int = Field(5, ge=1, description="Published versions kept on disk.")
+    save_interval: int = Field(
+        1, ge=1, description="Save the trainer state (weights, optimizer, RNG, version, the ready "
+        "entries trained) every this many published versions. Ready entries are acknowledged only "
+        "once a saved state covers them, so a killed trainer resumes from its last state and "
+        "trains what came after it again (serve_rft.trainer.state).")
+    keep_states: int = Field(2, ge=1, description="Trainer states kept on disk.")
     seed: int = 0
 
 

@@ -71,6 +71,11 @@ class RewardedExperience(BaseModel):
     reward: float
     stream_id: str = Field(description="Redis stream entry id, acknowledged after publish.")
 
+    @property
+    def member(self) -> str:
+        """``{completion_id}:{choice_index}``: the choice's name in the store."""
+        return f"{self.experience.completion_id}:{self.experience.choice_index}"
+
 
 @dataclass
 class PublishedVersion:

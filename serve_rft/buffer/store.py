@@ -53,6 +53,10 @@ import time
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from serve_rft.buffer import scripts
 from serve_rft.types import Experience, RewardedExperience
@@ -98,6 +102,13 @@ class ChoiceState:
     token_versions: list | None
 
 
+def _parse(entries: list[tuple[str, dict]]) -> list[RewardedExperience]:
+    """Stream entries -> experiences (an entry deleted while pending has no fields: skipped)."""
+    return [RewardedExperience(experience=Experience.model_validate_json(f["exp"]),
+                               reward=float(f["reward"]), stream_id=entry_id)
+            for entry_id, f in entries if f]
+
+
 def _member(cid: str, i: int | str) -> str:
     return f"{cid}:{i}"
 
@@ -115,8 +126,16 @@ class ExperienceStore:
     """
 
     def __init__(self, url: str, prefix: str = "srft", reward_timeout_s: float = 3600.0,
-                 trained_ttl_s: float = 86400.0, group_timeout_s: float = 60.0):
-        self.redis = aioredis.from_url(url, decode_responses=True)
+                 trained_ttl_s: float = 86400.0, group_timeout_s: float = 60.0,
+                 reconnect_s: float = 30.0):
+        # A Redis restart (AOF reload) must not kill a replica's logging or the trainer's loop:
+        # redis-py retries a command on a dropped connection with exponential backoff for
+        # about ``reconnect_s`` seconds, then raises.
+        retries = max(1, math.ceil(reconnect_s))
+        self.redis = aioredis.from_url(
+            url, decode_responses=True,
+            retry=Retry(ExponentialBackoff(cap=1.0, base=0.05), retries),
+            retry_on_error=[RedisConnectionError, RedisTimeoutError])
         self.p = prefix
         self.reward_timeout_s = reward_timeout_s
         self.trained_ttl_s = trained_ttl_s
@@ -130,7 +149,7 @@ class ExperienceStore:
     def from_config(cls, buffer_cfg) -> "ExperienceStore":
         """A store for a `serve_rft.config.BufferConfig` (its ``redis_url`` must be set)."""
         return cls(buffer_cfg.redis_url, buffer_cfg.key_prefix, buffer_cfg.reward_timeout_s,
-                   buffer_cfg.trained_ttl_s, buffer_cfg.group_timeout_s)
+                   buffer_cfg.trained_ttl_s, buffer_cfg.group_timeout_s, buffer_cfg.reconnect_s)
 
     def _k(self, *parts: str) -> str:
         return ":".join((self.p, *parts))
@@ -268,25 +287,34 @@ class ExperienceStore:
     async def read_ready(self, consumer: str, count: int, block_ms: int,
                          redeliver: bool = False) -> list[RewardedExperience]:
         """Read up to ``count`` released experiences for ``consumer`` of the trainer group
-        (after a `sweep`).
+        (after a `sweep`), waiting up to ``block_ms`` ms for new ones.
 
-        ``redeliver=True`` re-reads entries delivered to this consumer but never acknowledged
-        (a trainer that died mid-step).
+        ``redeliver=True`` re-reads the first ``count`` entries delivered to this consumer but
+        never acknowledged (`delivered` reads all of them).
         """
         await self.sweep()
-        res = await self.redis.xreadgroup(
-            TRAINER_GROUP, consumer, {self._k("ready"): "0" if redeliver else ">"},
-            count=count, block=None if redeliver else block_ms,
-        )
+        raw = await self._read(consumer, "0" if redeliver else ">", count,
+                               None if redeliver else block_ms)
+        return _parse(raw)
+
+    async def delivered(self, consumer: str) -> list[RewardedExperience]:
+        """Every entry delivered to ``consumer`` and not yet acknowledged (its pending entries
+        list), oldest first, paged so none is left behind however many there are. A restarted
+        trainer reads these before new ones."""
         out: list[RewardedExperience] = []
-        for _stream, entries in res or []:
-            for entry_id, fields in entries:
-                if not fields:  # deleted while pending
-                    continue
-                out.append(RewardedExperience(
-                    experience=Experience.model_validate_json(fields["exp"]),
-                    reward=float(fields["reward"]), stream_id=entry_id))
-        return out
+        start = "0"
+        while True:
+            raw = await self._read(consumer, start, 256, None)
+            out.extend(_parse(raw))
+            if len(raw) < 256:
+                return out
+            start = raw[-1][0]
+
+    async def _read(self, consumer: str, start: str, count: int, block_ms: int | None
+                    ) -> list[tuple[str, dict]]:
+        res = await self.redis.xreadgroup(TRAINER_GROUP, consumer, {self._k("ready"): start},
+                                          count=count, block=block_ms)
+        return res[0][1] if res else []
 
     async def ack(self, entries: list[RewardedExperience], version: int,
                   state: str = "trained") -> tuple[int, int]:
@@ -297,11 +325,27 @@ class ExperienceStore:
         Returns:
             (newly trained, newly stale-dropped).
         """
+        return await self.ack_entries([(e.stream_id, e.member, version) for e in entries], state)
+
+    async def ack_entries(self, entries: list[tuple[str, str, int]], state: str = "trained"
+                          ) -> tuple[int, int]:
+        """`ack` by ``(stream id, member "{cid}:{i}", version)`` triples (what a trainer state
+        records), each with its own version.
+
+        Returns:
+            (newly trained, newly stale-dropped).
+        """
         if not entries:
             return 0, 0
         args: list = [self.p, len(entries)]
-        for e in entries:
-            args += [e.stream_id, _member(e.experience.completion_id, e.experience.choice_index),
-                     state, version]
+        for stream_id, member, version in entries:
+            args += [stream_id, member, state, version]
         trained, dropped = await self._ack(args=args)
         return int(trained), int(dropped)
+
+    async def delivered_count(self, consumer: str | None = None) -> int:
+        """Entries delivered to the trainer group (or to ``consumer``) but not acknowledged."""
+        info = await self.redis.xpending(self._k("ready"), TRAINER_GROUP)
+        if consumer is None:
+            return int(info["pending"])
+        return sum(int(c["pending"]) for c in info["consumers"] if c["name"] == consumer)

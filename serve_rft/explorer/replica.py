@@ -191,7 +191,9 @@ class ExplorerReplica:
         if trainer is not None:
             t = await trainer.status.remote()
             sync_status["trainer"].update(staleness_trained=t["staleness_trained"],
-                                          stale_dropped=t["stale_dropped"], error=t["error"])
+                                          stale_dropped=t["stale_dropped"], error=t["error"],
+                                          phase=t["phase"], resumed_from=t["resumed_from"],
+                                          pid=t["pid"])
         return JSONResponse(sync_status)
 
     def _trainer(self):

@@ -60,6 +60,28 @@ def preflight(cfg: Config) -> None:
             raise ValueError("trainer.device=cuda but torch sees no CUDA device; use trainer.device=cpu")
 
 
+def start_training(cfg: Config, model_path: str | Path):
+    """Create (or find) the synchronizer and the trainer and wait until the training loop runs.
+
+    Returns:
+        The trainer actor handle.
+    Raises:
+        ValueError: no Redis URL.
+        ray.exceptions.RayActorError: the trainer failed to start (its error is in the message).
+    """
+    import ray
+
+    from serve_rft.synchronizer.actor import get_or_create_synchronizer
+    from serve_rft.trainer.actor import get_or_create_trainer
+
+    if not cfg.buffer.redis_url:
+        raise ValueError("buffer.redis_url must be set to train")
+    get_or_create_synchronizer(cfg.synchronizer, cfg.explorer.num_replicas)
+    trainer = get_or_create_trainer(cfg, str(model_path))
+    ray.get(trainer.start.remote())
+    return trainer
+
+
 def build_app(cfg: Config, model_path: str | Path):
     """Create the synchronizer and (if enabled) the trainer, start training, bind the explorers.
 
@@ -68,17 +90,14 @@ def build_app(cfg: Config, model_path: str | Path):
     Raises:
         ValueError: no Redis URL, or a configuration this machine cannot run (`preflight`).
     """
-    import ray
-
     from serve_rft.synchronizer.actor import get_or_create_synchronizer
-    from serve_rft.trainer.actor import get_or_create_trainer
 
     if not cfg.buffer.redis_url:
         raise ValueError("buffer.redis_url must be set to build the application")
     preflight(cfg)
     model_path = str(model_path)
-    get_or_create_synchronizer(cfg.synchronizer, cfg.explorer.num_replicas)
     if cfg.trainer.enabled:
-        trainer = get_or_create_trainer(cfg, model_path)
-        ray.get(trainer.start.remote())
+        start_training(cfg, model_path)
+    else:
+        get_or_create_synchronizer(cfg.synchronizer, cfg.explorer.num_replicas)
     return explorer_deployment(cfg).bind(cfg.model_dump_json(), model_path)

@@ -1,7 +1,17 @@
-"""Start and stop the whole stack in the foreground: redis-server, Ray, Serve, the actors.
+"""Start and stop the stack in the foreground: redis-server, Ray, Serve, the actors.
 
 `ServiceStack` is a context manager used by ``serve-rft up`` and ``serve-rft demo``; it ends
 everything it started (Serve, the local Ray cluster, redis-server by pid) on exit.
+
+Modes (seed 002 §2.1: online / train-only, as roles of one service):
+
+- ``both`` (default): explorers, store, synchronizer and trainer.
+- ``serve``: explorers, store and synchronizer; experiences and rewards are collected, nothing
+  is trained. A trainer can join later (``train`` with ``service.ray_address``).
+- ``train``: trainer and synchronizer only, against an existing store: ``buffer.redis_url``, or
+  the embedded redis-server restarted on ``run_dir/redis`` (its AOF holds what an earlier run
+  collected). With ``service.ray_address`` of a running ``serve`` stack it joins that cluster,
+  and the replicas there sync to the versions it publishes; without, it trains offline.
 """
 
 from __future__ import annotations
@@ -11,6 +21,7 @@ import os
 import signal
 import time
 from pathlib import Path
+from typing import Callable
 
 import httpx
 
@@ -21,11 +32,24 @@ from serve_rft.model.embedded import resolve_model_path
 log = logging.getLogger("serve_rft.service")
 
 
-class ServiceStack:
-    """The running service. Attributes after ``__enter__``: ``url``, ``model_path``, ``config``."""
+MODES = ("both", "serve", "train")
 
-    def __init__(self, cfg: Config):
+
+class ServiceStack:
+    """The running service. Attributes after ``__enter__``: ``url`` (empty in ``train`` mode),
+    ``model_path``, ``config``, ``ray_address``.
+
+    Raises:
+        ValueError: an unknown ``mode``.
+    """
+
+    def __init__(self, cfg: Config, mode: str = "both"):
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
+        self.mode = mode
         self.cfg = cfg.model_copy(deep=True)
+        if mode == "serve":
+            self.cfg.trainer.enabled = False
         self.redis: RedisServer | None = None
         self.url = ""
         self.model_path: Path | None = None
@@ -63,7 +87,7 @@ class ServiceStack:
         import ray
         from ray import serve
 
-        from serve_rft.service.app import APP_NAME, build_app
+        from serve_rft.service.app import APP_NAME, build_app, start_training
 
         if not ray.is_initialized():
             if cfg.service.ray_address:
@@ -74,11 +98,14 @@ class ServiceStack:
                          log_to_driver=False, runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
                 self.started_ray = True
         self.ray_address = ray.get_runtime_context().gcs_address
-        serve.start(http_options={"host": cfg.service.host, "port": cfg.service.port})
-        app = build_app(cfg, self.model_path)
-        serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
-        self.url = f"http://{cfg.service.host}:{cfg.service.port}"
-        self._wait_healthy(timeout_s=600)
+        if self.mode == "train":
+            start_training(cfg, self.model_path)
+        else:
+            serve.start(http_options={"host": cfg.service.host, "port": cfg.service.port})
+            app = build_app(cfg, self.model_path)
+            serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
+            self.url = f"http://{cfg.service.host}:{cfg.service.port}"
+            self._wait_healthy(timeout_s=600)
         self.startup_seconds = time.monotonic() - t0
 
     def _wait_healthy(self, timeout_s: float) -> None:
@@ -106,10 +133,15 @@ class ServiceStack:
             if ray.is_initialized():
                 from ray import serve
 
+                # train mode in a joined cluster leaves Serve and the synchronizer to their owner
+                owned = ["serve_rft_trainer"]
+                if self.mode != "train" or self.started_ray:
+                    owned.append("serve_rft_synchronizer")
                 try:
-                    serve.shutdown()
+                    if self.mode != "train":
+                        serve.shutdown()
                 finally:
-                    for name in ("serve_rft_trainer", "serve_rft_synchronizer"):
+                    for name in owned:
                         try:
                             ray.kill(ray.get_actor(name, namespace="serve_rft"))
                         except ValueError:
@@ -122,8 +154,21 @@ class ServiceStack:
                 self.redis = None
 
 
-def wait_for_signal() -> None:
-    """Block until SIGINT or SIGTERM."""
+def _token_auth_for_existing_cluster() -> None:
+    """A cluster started by ``ray.init()`` / ``serve-rft up`` uses Ray's token auth with the token
+    in ``~/.ray/auth_token``, but a driver joining it by address does not turn token auth on by
+    itself (it fails with InvalidAuthToken). Turn it on when a token is available and the user
+    has not chosen a mode (``RAY_AUTH_MODE``); for a new local cluster that is Ray's own default.
+    Must run before ``import ray`` (Ray reads the mode once)."""
+    if "RAY_AUTH_MODE" in os.environ:
+        return
+    if os.environ.get("RAY_AUTH_TOKEN") or os.environ.get("RAY_AUTH_TOKEN_PATH") or (
+            Path.home() / ".ray" / "auth_token").is_file():
+        os.environ["RAY_AUTH_MODE"] = "token"
+
+
+def wait_for_signal(done: Callable[[], bool] | None = None, poll_s: float = 1.0) -> None:
+    """Block until SIGINT or SIGTERM, or until ``done()`` is true (checked every ``poll_s``)."""
     got = []
 
     def handler(signum, _frame):
@@ -131,8 +176,22 @@ def wait_for_signal() -> None:
 
     signal.signal(signal.SIGINT, handler)
     signal.signal(signal.SIGTERM, handler)
-    while not got:
-        signal.pause() if hasattr(signal, "pause") else time.sleep(1)
+    while not got and not (done is not None and done()):
+        time.sleep(poll_s)
+
+
+def trainer_status() -> dict:
+    """The trainer actor's `Trainer.status` (connects through the current Ray driver).
+
+    Raises:
+        ValueError: no trainer actor exists.
+    """
+    import ray
+
+    from serve_rft.synchronizer.actor import NAMESPACE
+    from serve_rft.trainer.actor import TRAINER_NAME
+
+    return ray.get(ray.get_actor(TRAINER_NAME, namespace=NAMESPACE).status.remote(), timeout=60)
 
 
 def quiet_env() -> None:
@@ -141,3 +200,4 @@ def quiet_env() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    _token_auth_for_existing_cluster()

@@ -3,15 +3,21 @@
 Loop (seed 000, "Inside the Trainer"): sample a batch of rewarded experiences from the store's
 ready stream, compute advantages and the PPO-clip loss against the logged behaviour logprobs,
 step AdamW, and publish a new policy version when the sync style says so
-(`serve_rft.synchronizer.styles.trainer_publishes`) through the configured sync method. Stream entries are acknowledged only after the
-version that trained on them is published, so a trainer that dies mid-step gets them again.
+(`serve_rft.synchronizer.styles.trainer_publishes`) through the configured sync method.
+
+Exactly-once: ready-stream entries are acknowledged only after the version that trained on them
+is published *and* a saved trainer state (`serve_rft.trainer.state`) covers them. The actor is
+restarted by Ray when its process dies; it resumes from its newest state, acknowledges what
+that state covers, and trains again what was delivered after it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
+from pathlib import Path
 
 import ray
 
@@ -26,22 +32,29 @@ TRAINER_NAME = "serve_rft_trainer"
 class PolicyTrainer:
     """The torch side, synchronous: holds the policy model and its optimizer."""
 
-    def __init__(self, cfg: Config, model_path: str):
+    def __init__(self, cfg: Config, model_path: str, resume: Path | None = None):
+        """Load the policy from ``model_path``, or from the trainer state folder ``resume``
+        (weights, optimizer, RNG, running baseline; `serve_rft.trainer.state`)."""
         import torch
         from transformers import AutoModelForCausalLM
 
         from serve_rft.trainer.algorithm import RunningBaseline
+        from serve_rft.trainer.state import load_state
 
         torch.set_num_threads(cfg.trainer.num_threads)
         torch.manual_seed(cfg.trainer.seed)
         self.cfg = cfg.trainer
         self.device = torch.device(cfg.trainer.device)
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(self.device)
+        source = resume if resume is not None else model_path
+        self.model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).to(self.device)
         self.model.train()
         self.pad_id = self.model.config.pad_token_id or 0
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.cfg.lr,
                                            weight_decay=self.cfg.weight_decay)
         self.baseline = RunningBaseline(self.cfg.baseline_momentum)
+        self.resumed = load_state(resume, self.optimizer) if resume is not None else None
+        if self.resumed is not None:
+            self.baseline.value = self.resumed.baseline
 
     def step(self, batch: list[RewardedExperience]) -> dict[str, float]:
         """One optimizer step on ``batch``; returns loss / reward / advantage / ratio stats."""
@@ -66,7 +79,7 @@ class PolicyTrainer:
         self.optimizer.step()
         with torch.no_grad():
             diff = ((logp - behaviour).abs() * mask).max()
-        stats.update(loss=float(loss), grad_norm=float(grad_norm), reward_mean=sum(rewards) / len(rewards),
+        stats.update(loss=float(loss.detach()), grad_norm=float(grad_norm), reward_mean=sum(rewards) / len(rewards),
                      adv_abs_mean=float(adv.abs().mean()), batch_size=len(batch),
                      tokens=float(mask.sum()), max_abs_logprob_diff=float(diff),
                      step_seconds=time.perf_counter() - t0)
@@ -75,15 +88,25 @@ class PolicyTrainer:
 
 @ray.remote(num_cpus=1, max_concurrency=256)  # NCCL: every replica may wait in nccl_reserve
 class Trainer:
-    """Named actor ``serve_rft_trainer``: runs `PolicyTrainer` in the background."""
+    """Named actor ``serve_rft_trainer``: runs `PolicyTrainer` in the background.
+
+    The training loop starts in the constructor, so a trainer Ray restarts after its process
+    died resumes on its own (`get_or_create_trainer` sets ``max_restarts=-1``).
+    """
 
     def __init__(self, cfg_json: str, model_path: str):
         self.cfg = Config.model_validate_json(cfg_json)
         self.model_path = model_path
+        self.state_root = Path(self.cfg.service.run_dir) / "trainer_state"
         self.step_num = 0
         self.version = 0
         self.last_stats: dict | None = None
-        self.unacked: list[RewardedExperience] = []
+        self.unpublished: list[RewardedExperience] = []  # trained, in no published version yet
+        self.unsaved: list[tuple[str, str, int]] = []  # published, no saved state covers them
+        self.publishes_since_save = 0
+        self.steps_done = 0  # optimizer steps of this process (step_num also counts resumed ones)
+        self.resumed_from: int | None = None
+        self.phase = "starting"
         self.staleness_trained: dict[int, int] = {}  # staleness (versions) -> experiences trained
         self.stale_dropped = 0
         from serve_rft.observability.trainer_metrics import TrainerMetrics
@@ -93,38 +116,48 @@ class Trainer:
         self.error: str | None = None
         self.published: PublishedVersion | None = None
         self.method = None  # the sync method, once the loop built it
+        self._task = asyncio.get_running_loop().create_task(self._run())
 
     async def start(self) -> None:
-        """Start the training loop (idempotent). Errors end the loop and show in `status`."""
-        if self._task is None:
-            self._task = asyncio.get_running_loop().create_task(self._run())
+        """Wait until the loop has started (it starts in the constructor). Errors end the loop
+        and show in `status`."""
+        while self.phase == "starting" and not self._task.done():
+            await asyncio.sleep(0.05)
 
     async def _run(self) -> None:
         from serve_rft.synchronizer.actor import get_synchronizer
         from serve_rft.synchronizer.methods import make_method
         from serve_rft.synchronizer.styles import trainer_publishes
+        from serve_rft.trainer.state import latest_state
 
         cfg = self.cfg
         sync = get_synchronizer()
         store = ExperienceStore.from_config(cfg.buffer)
-        policy = await asyncio.to_thread(PolicyTrainer, cfg, self.model_path)
+        resume = latest_state(self.state_root)
+        policy = await asyncio.to_thread(PolicyTrainer, cfg, self.model_path, resume)
         method = make_method(cfg)
         method.prepare()
         self.method = method
         await store.ensure_group()
+        await self._resume(policy, method, sync, store)
         await sync.set_trainer.remote(ComponentState.RUNNING.value, self.step_num)
-        backlog = await store.read_ready(TRAINER_NAME, cfg.trainer.batch_size, 0, redeliver=True)
+        backlog = await store.delivered(TRAINER_NAME)  # delivered before a restart, not acked
         scfg = cfg.synchronizer
         try:
             while True:
-                batch = backlog or await self._collect(store, policy, method, sync)
-                backlog = []
+                if backlog:
+                    batch, backlog = backlog[:cfg.trainer.batch_size], backlog[cfg.trainer.batch_size:]
+                else:
+                    self.phase = "collecting"
+                    batch = await self._collect(store, policy, method, sync)
                 batch = await self._drop_stale(store, batch)
                 if not batch:
                     continue
+                self.phase = "training"
                 stats = await asyncio.to_thread(policy.step, batch)
                 self.step_num += 1
-                self.unacked.extend(batch)
+                self.steps_done += 1
+                self.unpublished.extend(batch)
                 ages = [self.version - b.experience.min_version for b in batch]
                 for age in ages:
                     self.staleness_trained[age] = self.staleness_trained.get(age, 0) + 1
@@ -140,25 +173,60 @@ class Trainer:
                 await sync.set_trainer.remote(ComponentState.RUNNING.value, self.step_num)
         except Exception as e:
             self.error = repr(e)
+            self.phase = "stopped"
             log.exception("trainer stopped")
             await sync.set_trainer.remote(ComponentState.STOPPED.value, self.step_num)
             raise
 
-    async def _publish(self, policy, method, sync, store: ExperienceStore) -> float:
-        """Publish the current weights as version ``step_num``, then ack what trained them.
+    async def _resume(self, policy: PolicyTrainer, method, sync, store: ExperienceStore) -> None:
+        """Continue after a restart: acknowledge what the resumed state covers, number new
+        versions after every version that may exist (the synchronizer's latest, committed
+        checkpoint folders), and publish the resumed weights if nobody serves them yet."""
+        st = policy.resumed
+        if st is not None:
+            await store.ack_entries(st.trained)
+            self.version = self.step_num = st.version
+            self.resumed_from = st.version
+            log.info("resumed from %s (version %d, %d entries acknowledged)", st.path, st.version,
+                     len(st.trained))
+        latest = await sync.latest.remote()
+        floor = max(latest.version if latest is not None else 0, method.latest_version())
+        if floor > self.step_num:  # versions published after the resumed state: their weights
+            self.version = self.step_num = floor  # are lost, their entries get trained again
+        if st is not None and (latest is None or latest.version < st.version):
+            await self._publish(policy, method, sync, store, self.step_num + 1)
+
+    async def _publish(self, policy, method, sync, store: ExperienceStore,
+                       version: int | None = None) -> float:
+        """Publish the current weights as ``version`` (default: ``step_num``), then save the
+        trainer state when ``save_interval`` publishes have passed and acknowledge what it covers.
 
         Returns:
             Seconds the method's ``send`` took.
         """
+        from serve_rft.trainer.state import save_state
+
+        version = self.step_num if version is None else version
+        self.step_num = version
+        self.phase = "publishing"
         floor = await sync.in_use_floor.remote()
         t0 = time.perf_counter()
-        handle = await asyncio.to_thread(method.send, policy.model, self.step_num, floor)
+        handle = await asyncio.to_thread(method.send, policy.model, version, floor)
         seconds = time.perf_counter() - t0
-        await sync.publish.remote(self.step_num, handle)
-        self.published = PublishedVersion(version=self.step_num, handle=handle)
-        self.version = self.step_num
-        await store.ack(self.unacked, self.version)
-        self.unacked = []
+        await sync.publish.remote(version, handle)
+        self.published = PublishedVersion(version=version, handle=handle)
+        self.version = version
+        self.unsaved.extend((b.stream_id, b.member, version) for b in self.unpublished)
+        self.unpublished = []
+        self.publishes_since_save += 1
+        if self.publishes_since_save >= self.cfg.trainer.save_interval:
+            self.phase = "saving"
+            await asyncio.to_thread(
+                save_state, self.state_root, policy.model, policy.optimizer, version, self.step_num,
+                policy.baseline.value, self.unsaved, self.model_path, self.cfg.trainer.keep_states)
+            await store.ack_entries(self.unsaved)
+            self.unsaved = []
+            self.publishes_since_save = 0
         return seconds
 
     async def _drop_stale(self, store: ExperienceStore, batch: list[RewardedExperience]
@@ -249,6 +317,11 @@ class Trainer:
             "last": self.last_stats,
             "staleness_trained": {str(k): v for k, v in sorted(self.staleness_trained.items())},
             "stale_dropped": self.stale_dropped,
+            "phase": self.phase,
+            "steps_done": self.steps_done,
+            "pid": os.getpid(),
+            "resumed_from": self.resumed_from,
+            "unacked": len(self.unpublished) + len(self.unsaved),
         }
 
     def latest_published(self) -> PublishedVersion | None:
@@ -261,5 +334,7 @@ def get_or_create_trainer(cfg: Config, model_path: str):
     from serve_rft.synchronizer.actor import NAMESPACE
 
     gpus = 1 if cfg.trainer.device == "cuda" else 0
+    # max_restarts=-1: Ray restarts a trainer whose process died; it resumes from its state.
     return Trainer.options(name=TRAINER_NAME, namespace=NAMESPACE, get_if_exists=True, num_gpus=gpus,
-                           lifetime="detached").remote(cfg.model_dump_json(), model_path)
+                           lifetime="detached", max_restarts=-1, max_task_retries=-1,
+                           ).remote(cfg.model_dump_json(), model_path)

@@ -12,6 +12,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Callable
 
 MARKER = "COMMITTED"
 
@@ -32,11 +33,13 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def save_version(model, root: str | Path, version: int, keep: int = 3, in_use_floor: int | None = None) -> Path:
+def save_version(model, root: str | Path, version: int, keep: int = 3, in_use_floor: int | None = None,
+                 extra: Callable[[Path], None] | None = None) -> Path:
     """Write ``model`` (a transformers model) as policy ``version`` and prune old versions.
 
     ``in_use_floor``: the oldest version a replica serves or may still load; versions at or
     above it are never pruned (a replica restores its current version if a load fails).
+    ``extra(folder)`` writes more files into the folder before it is committed.
 
     Returns:
         The committed folder.
@@ -51,6 +54,8 @@ def save_version(model, root: str | Path, version: int, keep: int = 3, in_use_fl
     tmp = Path(tempfile.mkdtemp(prefix=f".v{version:06d}.", dir=str(root)))
     try:
         model.save_pretrained(str(tmp), safe_serialization=True)
+        if extra is not None:
+            extra(tmp)
         _fsync_dir(tmp)
         if final.exists():  # an uncommitted leftover of a crashed publish
             shutil.rmtree(final)

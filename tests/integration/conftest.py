@@ -42,12 +42,15 @@ def _pump(stream, sink: list[str], log_path: Path) -> None:
             f.flush()
 
 
-def start_stack(redis_url: str, model_path: Path, run_dir: Path, overrides: list[str]):
-    """Run `serve-rft up` with ``overrides``; a generator yielding a `Stack`, then ending it."""
-    log_path = run_dir / "serve-rft-up.log"
-    cmd = [sys.executable, "-m", "serve_rft.cli", "up", "--port", "0",
+def start_stack(redis_url: str, model_path: Path, run_dir: Path, overrides: list[str],
+                args: tuple[str, ...] = (), prefix: str | None = None):
+    """Run `serve-rft up` with ``overrides`` and more CLI ``args``; a generator yielding a
+    `Stack`, then ending it. ``prefix``: the store's key prefix (default: the run dir's name)."""
+    prefix = prefix or run_dir.name
+    log_path = run_dir / f"serve-rft-up{'-'.join(args)}.log"
+    cmd = [sys.executable, "-m", "serve_rft.cli", "up", "--port", "0", *args,
            "--set", f"buffer.redis_url={redis_url}",
-           "--set", f"buffer.key_prefix={run_dir.name}",
+           "--set", f"buffer.key_prefix={prefix}",
            "--set", f"service.run_dir={run_dir}",
            "--set", "trainer.min_batch_size=8", "--set", "trainer.batch_size=32",
            "--set", "trainer.batch_wait_s=1.0"]
@@ -69,7 +72,7 @@ def start_stack(redis_url: str, model_path: Path, run_dir: Path, overrides: list
             if line.startswith('{"url"'):
                 info = json.loads(line)
         time.sleep(0.5)
-    yield Stack(url=info["url"], redis_url=redis_url, prefix=run_dir.name, model_path=model_path,
+    yield Stack(url=info["url"], redis_url=redis_url, prefix=prefix, model_path=model_path,
                 run_dir=run_dir, proc=proc, startup_seconds=info["startup_seconds"],
                 ray_address=info["ray_address"])
     proc.send_signal(signal.SIGINT)

@@ -184,3 +184,65 @@ def test_a_conversation_lists_its_turns(store_factory):
         assert await s.choices("nope") is None
         await s.close()
     run(go())
+
+
+def test_every_delivered_entry_is_redelivered_however_many(store_factory):
+    """A restarted trainer reads its whole pending entries list, not just one batch."""
+    async def go():
+        s = store_factory()
+        await s.ensure_group()
+        cids = [f"c{k}" for k in range(300)]
+        for cid in cids:
+            await s.log_experiences([_exp(cid, 0)])
+            await s.post_reward(cid, 0, 1.0)
+        first = await s.read_ready("t", 300, block_ms=10)
+        assert len(first) == 300
+        await s.ack(first[:10], version=1)
+        assert await s.delivered_count("t") == 290
+        again = await s.delivered("t")
+        assert [e.stream_id for e in again] == [e.stream_id for e in first[10:]]
+        # per-entry versions, and a repeated ack counts nothing
+        assert await s.ack_entries([(e.stream_id, e.member, 2 + k % 2) for k, e in enumerate(again)]) == (290, 0)
+        assert await s.ack_entries([(e.stream_id, e.member, 9) for e in again]) == (0, 0)
+        assert [c.trained_version for c in await s.choices("c10")] == [2]
+        assert [c.trained_version for c in await s.choices("c11")] == [3]
+        assert await s.delivered("t") == [] and (await s.counts()).trained == 300
+    run(go())
+
+
+def test_the_store_survives_a_redis_restart(tmp_path):
+    """AOF persistence: after redis-server is stopped and started again on the same data
+    directory, pending and ready experiences, rewards and their info are all there, and a client
+    created before the restart keeps working (it retries across the lost connection)."""
+    from serve_rft.buffer.redis_server import start_redis
+
+    servers = [start_redis(tmp_path / "redis")]
+
+    def restart():
+        servers[0].stop()  # SIGTERM: redis writes the AOF and exits
+        servers[0] = start_redis(tmp_path / "redis", port=servers[0].port)
+
+    async def go():
+        s = ExperienceStore(servers[0].url, prefix="r")
+        await s.ensure_group()
+        await s.log_experiences([_exp("p", 0)])                 # stays pending
+        await s.log_experiences([_exp("q", 0)])
+        await s.post_reward("q", 0, 0.5, info={"judge": "rule"})
+        assert len(await s.read_ready("t", 10, block_ms=10)) == 1  # q delivered, not acked
+        await s.log_experiences([_exp("d", 0)])
+        await s.post_reward("d", 0, 1.0)                         # d ready, undelivered
+        counts = await s.counts()
+        await asyncio.to_thread(restart)
+        assert await s.counts() == counts
+        assert [c.state for c in await s.choices("p")] == ["pending"]
+        q = (await s.choices("q"))[0]
+        assert (q.state, q.reward, q.info) == ("ready", 0.5, {"judge": "rule"})
+        assert [e.member for e in await s.delivered("t")] == ["q:0"]
+        assert [e.member for e in await s.read_ready("t", 10, block_ms=10)] == ["d:0"]
+        assert await s.post_reward("p", 0, 0.25) is True  # the pending one still takes its reward
+        await s.close()
+
+    try:
+        run(go())
+    finally:
+        servers[0].stop()

@@ -35,6 +35,12 @@ class WeightSyncMethod(ABC):
     def prepare(self) -> None:
         """Trainer side, once before the first ``send`` (folders, process groups)."""
 
+    def latest_version(self) -> int:
+        """Trainer side: the newest version this method already holds from an earlier trainer
+        process (committed folders survive a restart; memory does not): 0 if none. A restarted
+        trainer numbers new versions after it, so a version number never names two weights."""
+        return 0
+
     @abstractmethod
     def send(self, model, version: int, in_use_floor: int | None = None) -> dict[str, Any]:
         """Trainer side: publish ``model``'s weights as ``version``.

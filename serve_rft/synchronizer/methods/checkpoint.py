@@ -28,6 +28,12 @@ class CheckpointMethod(WeightSyncMethod):
     def prepare(self) -> None:
         self.root.mkdir(parents=True, exist_ok=True)
 
+    def latest_version(self) -> int:
+        from serve_rft.trainer.checkpoint import committed_versions
+
+        versions = committed_versions(self.root)
+        return versions[-1] if versions else 0
+
     def send(self, model, version: int, in_use_floor: int | None = None) -> dict[str, Any]:
         from serve_rft.trainer.checkpoint import save_version
 

@@ -1,0 +1,111 @@
+"""Trainer state checkpoints: a killed trainer resumes at the version it last saved.
+
+Layout under ``root`` (``run_dir/trainer_state``), one committed folder per saved version,
+written like a published version (`serve_rft.trainer.checkpoint`: temp folder, fsync, rename,
+``COMMITTED`` marker), the newest ``keep`` kept:
+
+====================  ==========================================================================
+``v{version:06d}/``   ``config.json`` + ``model.safetensors`` (``transformers.from_pretrained``
+                      loads it) and the tokenizer files of the model it started from
+``optimizer.pt``      ``torch.optim`` state dict
+``rng.pt``            torch CPU (and CUDA) RNG state
+``trainer_state.json`` ``version``, ``step``, ``baseline`` (running reward baseline), ``trained``:
+                      ``[stream id, "{cid}:{i}", version]`` for every ready-stream entry trained
+                      since the previous saved state
+====================  ==========================================================================
+
+Exactly-once (issue 4): the trainer acknowledges ready entries only after a saved state covers
+them. A trainer killed at any point restarts from its newest state, acknowledges that state's
+``trained`` entries again (a no-op for those already acknowledged), and re-reads every entry
+still delivered-but-unacknowledged: those were trained only into weights that were lost, so
+they are trained again, into a new version. No entry is lost and none is trained twice into
+the same line of weights.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from serve_rft.trainer.checkpoint import MARKER, committed_versions, save_version, version_dir
+
+STATE_FILE = "trainer_state.json"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "chat_template.jinja", "vocab.json", "merges.txt", "generation_config.json")
+
+
+@dataclass
+class TrainerState:
+    """What `load_state` returns besides the weights and optimizer it restores."""
+
+    path: Path
+    version: int
+    step: int
+    baseline: float | None
+    trained: list[tuple[str, str, int]] = field(default_factory=list)
+
+
+def save_state(root: str | Path, model, optimizer, version: int, step: int, baseline: float | None,
+               trained: list[tuple[str, str, int]], tokenizer_dir: str | Path | None, keep: int = 2) -> Path:
+    """Save a resumable trainer state as ``root/v{version:06d}`` (committed atomically).
+
+    Args:
+        trained: ``(stream id, member, version)`` of the entries trained since the last state.
+        tokenizer_dir: a model directory whose tokenizer files are copied alongside, so the
+            folder is a complete Hugging Face model directory (None: no tokenizer).
+    Returns:
+        The committed folder.
+    Raises:
+        FileExistsError: a state of that version exists already.
+    """
+    import torch
+
+    def extra(folder: Path) -> None:
+        torch.save(optimizer.state_dict(), folder / "optimizer.pt")
+        rng = {"cpu": torch.get_rng_state()}
+        if torch.cuda.is_available():
+            rng["cuda"] = torch.cuda.get_rng_state_all()
+        torch.save(rng, folder / "rng.pt")
+        (folder / STATE_FILE).write_text(json.dumps(
+            {"version": version, "step": step, "baseline": baseline,
+             "trained": [list(t) for t in trained]}))
+        if tokenizer_dir is not None:
+            for name in TOKENIZER_FILES:
+                src = Path(tokenizer_dir) / name
+                if src.is_file():
+                    shutil.copy2(src, folder / name)
+
+    return save_version(model, root, version, keep=keep, extra=extra)
+
+
+def latest_state(root: str | Path) -> Path | None:
+    """The newest committed state folder under ``root``, or None."""
+    versions = committed_versions(root)
+    return version_dir(root, versions[-1]) if versions else None
+
+
+def load_state(path: str | Path, optimizer) -> TrainerState:
+    """Restore ``optimizer`` and the RNG from a state folder and read its bookkeeping.
+
+    The weights are loaded by building the model from ``path`` (`from_pretrained`), before the
+    optimizer is made for its parameters.
+
+    Raises:
+        FileNotFoundError: ``path`` is not a committed state.
+    """
+    import torch
+
+    path = Path(path)
+    if not (path / MARKER).exists():
+        raise FileNotFoundError(f"{path} is not a committed trainer state")
+    optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True))
+    rng = torch.load(path / "rng.pt", weights_only=False)
+    torch.set_rng_state(rng["cpu"])
+    if "cuda" in rng and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(rng["cuda"])
+    meta = json.loads((path / STATE_FILE).read_text())
+    return TrainerState(path=path, version=int(meta["version"]), step=int(meta["step"]),
+                        baseline=meta["baseline"],
+                        trained=[(str(a), str(b), int(c)) for a, b, c in meta["trained"]])

@@ -1,0 +1,185 @@
+"""Modes and durability on real processes (issue 4).
+
+One ``serve`` stack (explorers + store + synchronizer, no trainer) on its own redis-server, so
+Redis can be restarted under it. Then a ``train`` process joins its Ray cluster and trains what
+was collected; then that trainer's process is killed mid-run and Ray restarts it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from serve_rft.buffer.redis_server import start_redis
+from serve_rft.buffer.store import ExperienceStore
+from tests.integration.conftest import start_stack
+
+pytestmark = pytest.mark.integration
+TRAIN_SETTINGS = ["trainer.min_batch_size=2", "trainer.batch_size=16", "trainer.batch_wait_s=1.0"]
+
+
+@pytest.fixture(scope="module")
+def own_redis(tmp_path_factory):
+    holder = {"server": start_redis(tmp_path_factory.mktemp("durable-redis"))}
+    yield holder
+    holder["server"].stop()
+
+
+@pytest.fixture(scope="module")
+def stack(own_redis, embedded_model, tmp_path_factory):
+    yield from start_stack(own_redis["server"].url, embedded_model, tmp_path_factory.mktemp("run-serve"),
+                           TRAIN_SETTINGS, args=("--mode", "serve"))
+
+
+def _counts(stack):
+    async def go():
+        s = ExperienceStore(stack.redis_url, stack.prefix)
+        try:
+            return await s.counts()
+        finally:
+            await s.close()
+    return asyncio.run(go())
+
+
+def _chat_and_reward(stack, n_requests: int, reward: bool = True) -> list[str]:
+    client = openai.OpenAI(base_url=f"{stack.url}/v1", api_key="x", max_retries=0, timeout=120)
+    ids = []
+    for k in range(n_requests):
+        comp = client.chat.completions.create(model="serve-rft", messages=[{"role": "user", "content": f"q{k}"}],
+                                              max_tokens=6, n=2, temperature=1.0)
+        ids.append(comp.id)
+        if reward:
+            r = httpx.post(f"{stack.url}/v1/rewards", json={"completion_id": comp.id, "rewards": [0.0, 1.0]})
+            assert r.status_code == 200, r.text
+    return ids
+
+
+def _states(stack, cid: str) -> list[dict]:
+    return httpx.get(f"{stack.url}/v1/experiences/{cid}", timeout=60).json()["choices"]
+
+
+def _status(stack) -> dict:
+    return httpx.get(f"{stack.url}/v1/status", timeout=120).json()  # waits while Ray restarts the trainer
+
+
+def test_serve_mode_collects_experiences_and_rewards_without_training(stack):
+    st = _status(stack)
+    assert "pid" not in st["trainer"], "no trainer runs in serve mode"
+    ids = _chat_and_reward(stack, 8)
+    time.sleep(3)
+    c = _counts(stack)
+    assert (c.ready, c.trained) == (16, 0), c
+    assert {ch["state"] for cid in ids for ch in _states(stack, cid)} == {"ready"}
+
+
+def test_a_redis_restart_keeps_pending_ready_and_rewards_and_requests_ride_through(stack, own_redis):
+    pending_id = _chat_and_reward(stack, 1, reward=False)[0]
+    before = _counts(stack)
+    assert before.pending == 2 and before.ready >= 16
+    server = own_redis["server"]
+    result: dict = {}
+
+    def chat_during_restart():
+        time.sleep(0.2)
+        try:
+            result["ids"] = _chat_and_reward(stack, 1)
+        except Exception as e:  # noqa: BLE001 - reported by the assert below
+            result["error"] = repr(e)
+
+    t = threading.Thread(target=chat_during_restart)
+    server.stop()  # SIGTERM: redis flushes its AOF and exits
+    t.start()
+    time.sleep(1.0)  # the request above reaches a replica while Redis is down
+    own_redis["server"] = start_redis(server.data_dir, port=server.port)
+    t.join(timeout=120)
+    assert "error" not in result, result
+    after = _counts(stack)
+    assert (after.pending, after.ready, after.rewarded) == (before.pending, before.ready + 2, before.rewarded + 2)
+    assert [ch["state"] for ch in _states(stack, pending_id)] == ["pending", "pending"]
+    r = httpx.post(f"{stack.url}/v1/rewards", json={"completion_id": pending_id, "rewards": [0.5, 0.5]})
+    assert r.status_code == 200, r.text
+
+
+@pytest.fixture(scope="module")
+def trainer_stack(stack, embedded_model):
+    """``serve-rft up --mode train`` joining the serve stack's Ray cluster and store."""
+    yield from start_stack(stack.redis_url, embedded_model, stack.run_dir,
+                           TRAIN_SETTINGS + [f"service.ray_address={stack.ray_address}"],
+                           args=("--mode", "train"), prefix=stack.prefix)
+
+
+def _wait(predicate, timeout_s: float, what: str):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        got = predicate()
+        if got:
+            return got
+        time.sleep(0.5)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_train_mode_joins_and_trains_what_serve_mode_collected(stack, trainer_stack):
+    assert trainer_stack.url == ""
+    rewarded = _counts(stack).rewarded
+    _wait(lambda: _counts(stack).trained == rewarded, 180, "the collected experiences to be trained")
+    st = _wait(lambda: (s := _status(stack))["policy_version"] >= 1
+               and all(r["policy_version"] >= 1 for r in s["replicas"]) and s, 120,
+               "the replicas to load a trained version")
+    assert st["trainer"]["pid"] > 0 and st["trainer"]["error"] is None
+
+
+def test_a_trainer_killed_mid_run_resumes_and_loses_or_repeats_nothing(stack, trainer_stack):
+    stop = threading.Event()
+    ids: list[str] = []
+
+    def traffic():
+        while not stop.is_set():
+            ids.extend(_chat_and_reward(stack, 1))
+
+    users = [threading.Thread(target=traffic) for _ in range(3)]
+    for u in users:
+        u.start()
+    try:
+        async def delivered():
+            s = ExperienceStore(stack.redis_url, stack.prefix)
+            try:
+                return [e.member for e in await s.delivered("serve_rft_trainer")]
+            finally:
+                await s.close()
+
+        # kill while entries are delivered to the trainer and not acknowledged
+        in_flight = _wait(lambda: len(asyncio.run(delivered())) >= 4 and asyncio.run(delivered()), 120,
+                          "delivered, unacknowledged entries")
+        st = _status(stack)
+        old_pid, old_version = st["trainer"]["pid"], st["policy_version"]
+        os.kill(old_pid, signal.SIGKILL)
+        new = _wait(lambda: (t := _status(stack)["trainer"])["pid"] != old_pid
+                    and t["resumed_from"] is not None and t, 180, "Ray to restart the trainer")
+        assert new["resumed_from"] >= 1
+        time.sleep(5)
+    finally:
+        stop.set()
+        for u in users:
+            u.join(timeout=120)
+
+    def drained():
+        c = _counts(stack)
+        return c.ready == 0 and c.held == 0 and c.pending == 0 and c
+    c = _wait(drained, 180, "every rewarded experience to be trained")
+    assert c.trained + c.stale_dropped == c.rewarded, c  # none lost
+    states = [ch for cid in ids for ch in _states(stack, cid)]
+    assert {ch["state"] for ch in states} == {"trained"}
+    by_member = {f"{cid}:{ch['choice_index']}": ch for cid in ids for ch in _states(stack, cid)}
+    for m in in_flight:  # what the killed trainer had in hand was trained after all
+        if m in by_member:
+            assert by_member[m]["state"] == "trained"
+    # trained counted once each: the counter equals the choices whose state is trained
+    assert c.trained == c.rewarded == 16 + 2 + 2 + len(ids) * 2, c
+    assert _status(stack)["policy_version"] > old_version

@@ -11,7 +11,8 @@ share of them (``REWARD_SKIP``) is never rewarded, as with real users.
 Options (environment): ``SERVE_RFT_RATE`` requests/s per user (constant throughput; default:
 as fast as the server answers, with 0-0.5 s think time), ``SERVE_RFT_REQUEST_LOG`` a JSONL file
 that gets one line per request (start, seconds, name, ok, status), ``SERVE_RFT_MAX_FAIL_RATIO``
-and ``SERVE_RFT_MAX_P99_S``: pass/fail thresholds checked at the end (exit code 1 on a breach).
+and ``SERVE_RFT_MAX_P99_S``: pass/fail thresholds checked at the end (exit code 1 on a breach),
+``SERVE_RFT_API_KEY`` an admin key (it chats and posts rewards) for a service with API keys on.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from locust import HttpUser, between, constant_throughput, events, task
 REWARD_SKIP = float(os.environ.get("SERVE_RFT_REWARD_SKIP", "0.1"))
 RATE = float(os.environ.get("SERVE_RFT_RATE", "0"))
 REQUEST_LOG = os.environ.get("SERVE_RFT_REQUEST_LOG")
+API_KEY = os.environ.get("SERVE_RFT_API_KEY")
 _log_file = open(REQUEST_LOG, "a", buffering=1) if REQUEST_LOG else None
 
 
@@ -61,6 +63,8 @@ class ChatUser(HttpUser):
 
     def on_start(self) -> None:
         self.due: list[tuple[float, dict]] = []
+        if API_KEY:
+            self.client.headers["Authorization"] = f"Bearer {API_KEY}"
 
     def _post_due_rewards(self) -> None:
         now = time.monotonic()

@@ -115,7 +115,10 @@ def demo(config: Optional[Path] = ConfigOpt, sets: list[str] = SetOpt, model: Op
          users: int = typer.Option(8, help="Concurrent simulated users."),
          report: Optional[Path] = typer.Option(None, help="Write a JSON summary here."),
          url: Optional[str] = typer.Option(None, help="Drive an already running service instead."),
-         live: bool = typer.Option(True, help="Show the live terminal view.")) -> None:
+         live: bool = typer.Option(True, help="Show the live terminal view."),
+         api_key: Optional[str] = typer.Option(
+             None, envvar="SERVE_RFT_API_KEY",
+             help="Admin key to send (default: the first of service.admin_keys, if any).")) -> None:
     """Start the service on the embedded model and drive it like real users, with rewards."""
     from serve_rft.demo.driver import run_demo
     from serve_rft.service.launcher import ServiceStack, quiet_env
@@ -124,12 +127,13 @@ def demo(config: Optional[Path] = ConfigOpt, sets: list[str] = SetOpt, model: Op
     cfg = _config(config, sets, model, port if port is not None else 0)
     if cfg.service.run_dir == ServiceConfig().run_dir:  # a demo starts from the base model,
         cfg.service.run_dir = f"runs/demo-{time.strftime('%Y%m%d-%H%M%S')}"  # not a resumed state
+    key = api_key or (cfg.service.admin_keys[0] if cfg.service.admin_keys else None)
     if url:
-        summary = run_demo(url, duration, users, live=live)
+        summary = run_demo(url, duration, users, live=live, api_key=key)
     else:
         with ServiceStack(_runnable(cfg)) as stack:
             console.print(f"service up at {stack.url} in {stack.startup_seconds:.1f} s")
-            summary = run_demo(stack.url, duration, users, live=live)
+            summary = run_demo(stack.url, duration, users, live=live, api_key=key)
             summary["startup_seconds"] = stack.startup_seconds
     text = json.dumps(summary, indent=2)
     if report:

@@ -191,12 +191,14 @@ def _view(state: DemoState, duration: float):
 
 
 async def demo_async(url: str, duration: float, users: int, n: int = 4, max_tokens: int = 16,
-                     live: bool = True) -> dict:
-    """Drive the service at ``url`` for ``duration`` seconds with ``users`` concurrent users."""
+                     live: bool = True, api_key: str | None = None) -> dict:
+    """Drive the service at ``url`` for ``duration`` seconds with ``users`` concurrent users.
+    ``api_key``: an admin key (the demo chats and posts rewards) when the service has keys."""
     state = DemoState()
     pending: set = set()
-    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="demo", max_retries=0, timeout=120)
-    async with httpx.AsyncClient(base_url=url, timeout=60) as http:
+    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=api_key or "demo", max_retries=0, timeout=120)
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    async with httpx.AsyncClient(base_url=url, timeout=60, headers=headers) as http:
         tasks = [asyncio.create_task(_user(i, client, http, state, duration, n, max_tokens, pending))
                  for i in range(users)]
         watcher = asyncio.create_task(_watch(http, state, duration))
@@ -219,6 +221,6 @@ async def demo_async(url: str, duration: float, users: int, n: int = 4, max_toke
     return state.summary()
 
 
-def run_demo(url: str, duration: float, users: int, live: bool = True) -> dict:
+def run_demo(url: str, duration: float, users: int, live: bool = True, api_key: str | None = None) -> dict:
     """Synchronous entry point for the CLI."""
-    return asyncio.run(demo_async(url, duration, users, live=live))
+    return asyncio.run(demo_async(url, duration, users, live=live, api_key=api_key))

@@ -1,0 +1,165 @@
+"""Experience store throughput and the latency logging adds to a request (issue 4).
+
+In one run, on one freshly started embedded redis-server (AOF on, ``appendfsync everysec``, as
+the service runs it):
+
+1. ``redis-benchmark`` raw rates: SET and XADD with a value the size of one logged experience,
+   ``--clients`` connections, no pipelining: the ceiling of this Redis on this machine.
+2. ``ExperienceStore.log_experiences`` (the LOG Lua script: experience JSON, choice state,
+   group, pending deadline, counters) from one Python process with ``--clients`` concurrent
+   asyncio tasks: experiences logged per second, for ``n`` = 1 and ``n`` = 4 answers per call.
+3. ``ExperienceStore.post_reward`` (the REWARD script, which also releases groups to the ready
+   stream) the same way: rewards posted per second.
+4. Latency of one ``log_experiences`` call, p50/p99, with 1 and with ``--clients`` callers at
+   once. The explorer awaits this call before it returns a non-streaming response (before the
+   last chunk of a stream), so it is exactly the time logging adds to a request.
+
+One Python process drives the store, as one explorer replica does; redis-benchmark is C. The
+experience is realistic for the embedded model's traffic: ``--prompt-tokens`` prompt ids and
+``--response-tokens`` response ids with their logprobs.
+
+    .venv/bin/python benchmarks/store_throughput.py --out benchmarks/results/store_throughput.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import platform
+import random
+import re
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+from serve_rft.buffer.redis_server import start_redis
+from serve_rft.buffer.store import ExperienceStore
+from serve_rft.types import Experience, SamplingInfo
+
+
+def _pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def _experience(cid: str, i: int, prompt_tokens: int, response_tokens: int) -> Experience:
+    rnd = random.Random(f"{cid}:{i}")
+    return Experience(
+        completion_id=cid, choice_index=i, group_id=cid, replica_id="bench",
+        prompt_token_ids=[rnd.randrange(4000) for _ in range(prompt_tokens)],
+        response_token_ids=[rnd.randrange(4000) for _ in range(response_tokens)],
+        behaviour_logprobs=[-rnd.random() * 8 for _ in range(response_tokens)],
+        token_versions=[(3, 0, response_tokens)],
+        sampling=SamplingInfo(temperature=1.0, top_p=1.0, max_tokens=response_tokens),
+        finish_reason="length")
+
+
+def redis_benchmark(port: int, requests: int, clients: int, value_bytes: int) -> dict[str, float]:
+    """Requests per second of redis-benchmark's SET and of XADD with a ``value_bytes`` field."""
+    out = {}
+    base = ["redis-benchmark", "-p", str(port), "-n", str(requests), "-c", str(clients), "-q"]
+    text = subprocess.run(base + ["-t", "set", "-d", str(value_bytes)], capture_output=True, text=True,
+                          check=True).stdout
+    out["SET"] = float(re.search(r"SET: ([\d.]+) requests per second", text).group(1))
+    value = "x" * value_bytes
+    text = subprocess.run(base + ["XADD", "bench:stream", "*", "exp", value], capture_output=True,
+                          text=True, check=True).stdout
+    out["XADD"] = float(re.search(r"([\d.]+) requests per second", text).group(1))
+    return out
+
+
+async def _run_concurrently(clients: int, jobs: list, fn) -> tuple[float, list[float]]:
+    """Run ``fn(job)`` for every job with ``clients`` workers; (wall seconds, per-call seconds)."""
+    queue = list(reversed(jobs))
+    lat: list[float] = []
+
+    async def worker():
+        while queue:
+            job = queue.pop()
+            t0 = time.perf_counter()
+            await fn(job)
+            lat.append(time.perf_counter() - t0)
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(clients)))
+    return time.perf_counter() - t0, lat
+
+
+async def store_rates(url: str, calls: int, clients: int, n: int, prompt_tokens: int,
+                      response_tokens: int) -> dict:
+    """Experiences logged/s and rewards posted/s through `ExperienceStore`, ``n`` per completion."""
+    store = ExperienceStore(url, prefix=f"bench{n}")
+    cids = [f"chatcmpl-{n}-{k}" for k in range(calls)]
+    batches = {cid: [_experience(cid, i, prompt_tokens, response_tokens) for i in range(n)] for cid in cids}
+    wall_log, lat_log = await _run_concurrently(clients, cids, lambda cid: store.log_experiences(batches[cid]))
+    rewards = [(cid, i) for cid in cids for i in range(n)]
+    wall_rw, _ = await _run_concurrently(clients, rewards, lambda ci: store.post_reward(ci[0], ci[1], 1.0))
+    counts = await store.counts()
+    await store.close()
+    assert counts.logged == calls * n and counts.rewarded == calls * n and counts.ready == calls * n, counts
+    return {"n": n, "completions": calls, "experiences": calls * n,
+            "experiences_per_s": calls * n / wall_log, "log_calls_per_s": calls / wall_log,
+            "rewards_per_s": len(rewards) / wall_rw,
+            "log_call_p50_ms": 1000 * _pct(lat_log, 0.5), "log_call_p99_ms": 1000 * _pct(lat_log, 0.99)}
+
+
+async def log_latency(url: str, calls: int, clients: int, prompt_tokens: int, response_tokens: int) -> dict:
+    """p50/p99 of one ``log_experiences`` call (one answer) with ``clients`` callers at once."""
+    store = ExperienceStore(url, prefix=f"lat{clients}")
+    cids = [f"chatcmpl-lat{clients}-{k}" for k in range(calls)]
+    exps = {cid: [_experience(cid, 0, prompt_tokens, response_tokens)] for cid in cids}
+    _, lat = await _run_concurrently(clients, cids, lambda cid: store.log_experiences(exps[cid]))
+    await store.close()
+    return {"concurrent_callers": clients, "calls": calls,
+            "p50_ms": 1000 * _pct(lat, 0.5), "p99_ms": 1000 * _pct(lat, 0.99), "mean_ms": 1000 * sum(lat) / len(lat)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--calls", type=int, default=5000, help="log_experiences calls per measurement")
+    ap.add_argument("--clients", type=int, default=32, help="concurrent callers / connections")
+    ap.add_argument("--prompt-tokens", type=int, default=40)
+    ap.add_argument("--response-tokens", type=int, default=64)
+    ap.add_argument("--bench-requests", type=int, default=100000, help="redis-benchmark -n")
+    ap.add_argument("--out", default="benchmarks/results/store_throughput.json")
+    a = ap.parse_args()
+
+    one = _experience("chatcmpl-size", 0, a.prompt_tokens, a.response_tokens)
+    value_bytes = len(one.model_dump_json())
+    with tempfile.TemporaryDirectory() as tmp:
+        server = start_redis(Path(tmp) / "redis")
+        try:
+            raw = redis_benchmark(server.port, a.bench_requests, a.clients, value_bytes)
+            print("redis-benchmark", raw, flush=True)
+            rates = [asyncio.run(store_rates(server.url, a.calls // n, a.clients, n, a.prompt_tokens,
+                                             a.response_tokens)) for n in (1, 4)]
+            for r in rates:
+                print("store", r, flush=True)
+            latency = [asyncio.run(log_latency(server.url, 2000, c, a.prompt_tokens, a.response_tokens))
+                       for c in (1, a.clients)]
+            for r in latency:
+                print("latency", r, flush=True)
+        finally:
+            server.stop()
+    out = {
+        "command": "python benchmarks/store_throughput.py " + " ".join(
+            f"--{k.replace('_', '-')} {v}" for k, v in vars(a).items() if k != "out"),
+        "machine": f"{platform.machine()}, {platform.node()}",
+        "experience_json_bytes": value_bytes,
+        "redis_benchmark_requests_per_s": raw,
+        "store": rates,
+        "log_latency": latency,
+        "ratios": {
+            "experiences_per_s_n1_over_xadd": rates[0]["experiences_per_s"] / raw["XADD"],
+            "rewards_per_s_over_set": rates[0]["rewards_per_s"] / raw["SET"],
+        },
+    }
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text(json.dumps(out, indent=2))
+    print(json.dumps(out["ratios"], indent=2))
+
+
+if __name__ == "__main__":
+    main()

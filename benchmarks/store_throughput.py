@@ -87,19 +87,47 @@ async def _run_concurrently(clients: int, jobs: list, fn) -> tuple[float, list[f
     return time.perf_counter() - t0, lat
 
 
+async def _server_cost(store: ExperienceStore, wall_s: float) -> dict:
+    """Redis-side cost since the last reset: script calls, microseconds per call, and the share
+    of the wall time the server was busy (used_cpu_user + used_cpu_sys) -- what is not the
+    server is the Python client."""
+    stats = await store.redis.info("commandstats")
+    cpu = await store.redis.info("cpu")
+    script = stats.get("cmdstat_evalsha", {"calls": 0, "usec_per_call": 0.0})
+    busy = cpu["used_cpu_user"] + cpu["used_cpu_sys"]
+    return {"script_calls": int(script["calls"]), "script_usec_per_call": float(script["usec_per_call"]),
+            "server_cpu_s": busy, "server_busy_share": busy / wall_s if wall_s else None}
+
+
+async def _reset(store: ExperienceStore) -> float:
+    await store.redis.config_resetstat()
+    cpu = await store.redis.info("cpu")
+    return cpu["used_cpu_user"] + cpu["used_cpu_sys"]
+
+
 async def store_rates(url: str, calls: int, clients: int, n: int, prompt_tokens: int,
                       response_tokens: int) -> dict:
     """Experiences logged/s and rewards posted/s through `ExperienceStore`, ``n`` per completion."""
     store = ExperienceStore(url, prefix=f"bench{n}")
     cids = [f"chatcmpl-{n}-{k}" for k in range(calls)]
     batches = {cid: [_experience(cid, i, prompt_tokens, response_tokens) for i in range(n)] for cid in cids}
+    await store.log_experiences([_experience("warm", 0, prompt_tokens, response_tokens)])  # load scripts
+    cpu0 = await _reset(store)
     wall_log, lat_log = await _run_concurrently(clients, cids, lambda cid: store.log_experiences(batches[cid]))
+    log_cost = await _server_cost(store, wall_log)
+    log_cost["server_cpu_s"] -= cpu0
+    log_cost["server_busy_share"] = log_cost["server_cpu_s"] / wall_log
     rewards = [(cid, i) for cid in cids for i in range(n)]
+    cpu0 = await _reset(store)
     wall_rw, _ = await _run_concurrently(clients, rewards, lambda ci: store.post_reward(ci[0], ci[1], 1.0))
+    rw_cost = await _server_cost(store, wall_rw)
+    rw_cost["server_cpu_s"] -= cpu0
+    rw_cost["server_busy_share"] = rw_cost["server_cpu_s"] / wall_rw
     counts = await store.counts()
     await store.close()
-    assert counts.logged == calls * n and counts.rewarded == calls * n and counts.ready == calls * n, counts
+    assert counts.logged == calls * n + 1 and counts.rewarded == calls * n and counts.ready == calls * n, counts
     return {"n": n, "completions": calls, "experiences": calls * n,
+            "redis_log": log_cost, "redis_reward": rw_cost,
             "experiences_per_s": calls * n / wall_log, "log_calls_per_s": calls / wall_log,
             "rewards_per_s": len(rewards) / wall_rw,
             "log_call_p50_ms": 1000 * _pct(lat_log, 0.5), "log_call_p99_ms": 1000 * _pct(lat_log, 0.99)}

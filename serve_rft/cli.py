@@ -85,8 +85,15 @@ def up(config: Optional[Path] = ConfigOpt, sets: list[str] = SetOpt, model: Opti
     """
     from serve_rft.service.launcher import ServiceStack, quiet_env, trainer_status, wait_for_signal
 
+    from serve_rft.service.launcher import check_mode
+
     quiet_env()
     cfg = _runnable(_config(config, sets, model, port))
+    try:
+        check_mode(cfg, mode.value)
+    except ValueError as e:
+        console.print(f"[red]config error:[/red] {e}")
+        raise typer.Exit(2) from None
     with ServiceStack(cfg, mode.value) as stack:
         what = f"at {stack.url}" if stack.url else "(training)"
         console.print(f"[green]serve_rft up --mode {mode.value}[/green] {what} "

@@ -89,17 +89,35 @@ class BufferConfig(_Strict):
 
 class TrainerConfig(_Strict):
     enabled: bool = Field(True, description="Run the background trainer.")
-    algorithm: Literal["grpo"] = Field(
+    algorithm: Literal["grpo", "opmd", "opmd_kimi", "reinforce"] = Field(
         "grpo",
-        description="grpo: group-normalised advantages when a group has >= 2 rewarded choices, "
-        "else reward minus a running baseline; PPO clipped ratio vs behaviour logprobs.",
+        description="grpo: group-normalised advantages (singletons: reward - running baseline), "
+        "PPO clipped ratio vs behaviour logprobs. opmd: seed 002 A.3, -1/(1+tau) (r - group mean) "
+        "log pi. opmd_kimi: seed 002 A.1 squared loss vs the behaviour policy. reinforce: reward - "
+        "running baseline for every experience, PPO clipped ratio (serve_rft/trainer/losses.py).",
     )
+    loss_agg: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"] | None = Field(
+        None, description="Token aggregation of the loss; None: token_mean for grpo/reinforce "
+        "(every token weighs the same, DAPO), seq_mean_token_sum for opmd (log pi(y|x) of the answer).")
+    opmd_tau: float = Field(1.0, ge=0, description="OPMD's tau (opmd: >= 0, opmd_kimi: > 0).")
+    kl_coef: float = Field(
+        0.0, ge=0, description="Weight of a k3 KL penalty to the initial weights (a frozen copy is "
+        "kept in memory when > 0); 0: none.")
+    micro_batch_size: int = Field(
+        0, ge=0, description="Experiences per forward/backward (gradient accumulation bounds memory); "
+        "0: the whole batch at once. The gradient equals the unsplit batch's.")
     batch_size: int = Field(32, ge=1, description="Experiences per training step (upper bound).")
     min_batch_size: int = Field(8, ge=1, description="Wait for at least this many ready experiences.")
     batch_wait_s: float = Field(
         2.0, ge=0, description="Wait this long for a full batch before training on >= min_batch_size."
     )
-    lr: float = Field(1e-3, gt=0, description="AdamW learning rate.")
+    lr: float = Field(1e-3, ge=0, description="AdamW learning rate (peak). 0: dummy mode, all the work "
+                      "with fixed weights, for profiling (seed 002 §3.3.1).")
+    lr_warmup_steps: int = Field(0, ge=0, description="Linear warm-up from 0 over this many steps.")
+    lr_schedule: Literal["constant", "cosine"] = Field(
+        "constant", description="After warm-up: constant, or cosine decay to lr * lr_min_ratio at lr_decay_steps.")
+    lr_decay_steps: int = Field(10000, ge=1, description="cosine: steps (after warm-up) to reach the minimum.")
+    lr_min_ratio: float = Field(0.1, ge=0, le=1)
     weight_decay: float = Field(0.0, ge=0)
     clip_low: float = Field(0.2, ge=0, description="PPO ratio clip: 1 - clip_low.")
     clip_high: float = Field(0.28, ge=0, description="PPO ratio clip: 1 + clip_high.")
@@ -121,6 +139,19 @@ class TrainerConfig(_Strict):
         "once a saved state covers them, so a killed trainer resumes from its last state and "
         "trains what came after it again (serve_rft.trainer.state).")
     keep_states: int = Field(2, ge=1, description="Trainer states kept on disk.")
+
+    @model_validator(mode="after")
+    def _kimi_needs_tau(self) -> "TrainerConfig":
+        if self.algorithm == "opmd_kimi" and self.opmd_tau <= 0:
+            raise ValueError("trainer.algorithm=opmd_kimi needs trainer.opmd_tau > 0 (it divides by tau)")
+        return self
+
+    @property
+    def aggregation(self) -> str:
+        """``loss_agg``, or the algorithm's default when it is None."""
+        if self.loss_agg is not None:
+            return self.loss_agg
+        return "seq_mean_token_sum" if self.algorithm.startswith("opmd") else "token_mean"
     seed: int = 0
 
 

@@ -44,6 +44,8 @@ LOG = """
 local P, cid, n, gid = ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4]
 local ttl_p, ttl_l = tonumber(ARGV[6]), tonumber(ARGV[7])
 local cmp = P..':cmp:'..cid
+-- a completion is logged once: a call re-sent after a lost reply (client retry) changes nothing
+if redis.call('EXISTS', cmp) == 1 then return 0 end
 redis.call('HSET', cmp, 'n', n, 'group', gid, 'conv', ARGV[10], 'created', ARGV[8])
 redis.call('EXPIRE', cmp, ttl_l)
 local st = P..':st:'..cid

@@ -136,6 +136,9 @@ class ExperienceStore:
             url, decode_responses=True,
             retry=Retry(ExponentialBackoff(cap=1.0, base=0.05), retries),
             retry_on_error=[RedisConnectionError, RedisTimeoutError])
+        # New-entry reads are not idempotent (a read re-sent after a lost reply would deliver
+        # the next entries and strand the first in the pending list): never retried.
+        self._reader = aioredis.from_url(url, decode_responses=True, retry=Retry(ExponentialBackoff(), 0))
         self.p = prefix
         self.reward_timeout_s = reward_timeout_s
         self.trained_ttl_s = trained_ttl_s
@@ -159,6 +162,7 @@ class ExperienceStore:
 
     async def close(self) -> None:
         await self.redis.aclose()
+        await self._reader.aclose()
 
     async def ping(self) -> bool:
         return bool(await self.redis.ping())
@@ -284,18 +288,25 @@ class ExperienceStore:
             if "BUSYGROUP" not in str(e):
                 raise
 
-    async def read_ready(self, consumer: str, count: int, block_ms: int,
-                         redeliver: bool = False) -> list[RewardedExperience]:
+    async def read_ready(self, consumer: str, count: int, block_ms: int, redeliver: bool = False,
+                         exclude: set[str] | None = None) -> list[RewardedExperience]:
         """Read up to ``count`` released experiences for ``consumer`` of the trainer group
         (after a `sweep`), waiting up to ``block_ms`` ms for new ones.
 
         ``redeliver=True`` re-reads the first ``count`` entries delivered to this consumer but
-        never acknowledged (`delivered` reads all of them).
+        never acknowledged (`delivered` reads all of them). If the connection drops during a read
+        of new entries, Redis may have delivered them with the reply lost: then every delivered,
+        unacknowledged entry whose stream id is not in ``exclude`` (what the caller already
+        holds) is returned instead, possibly more than ``count``.
         """
         await self.sweep()
-        raw = await self._read(consumer, "0" if redeliver else ">", count,
-                               None if redeliver else block_ms)
-        return _parse(raw)
+        if redeliver:
+            return _parse(await self._read(self.redis, consumer, "0", count, None))
+        try:
+            return _parse(await self._read(self._reader, consumer, ">", count, block_ms))
+        except (RedisConnectionError, RedisTimeoutError):
+            held = exclude or set()
+            return [e for e in await self.delivered(consumer) if e.stream_id not in held]
 
     async def delivered(self, consumer: str) -> list[RewardedExperience]:
         """Every entry delivered to ``consumer`` and not yet acknowledged (its pending entries
@@ -304,15 +315,15 @@ class ExperienceStore:
         out: list[RewardedExperience] = []
         start = "0"
         while True:
-            raw = await self._read(consumer, start, 256, None)
+            raw = await self._read(self.redis, consumer, start, 256, None)
             out.extend(_parse(raw))
             if len(raw) < 256:
                 return out
             start = raw[-1][0]
 
-    async def _read(self, consumer: str, start: str, count: int, block_ms: int | None
+    async def _read(self, client, consumer: str, start: str, count: int, block_ms: int | None
                     ) -> list[tuple[str, dict]]:
-        res = await self.redis.xreadgroup(TRAINER_GROUP, consumer, {self._k("ready"): start},
+        res = await client.xreadgroup(TRAINER_GROUP, consumer, {self._k("ready"): start},
                                           count=count, block=block_ms)
         return res[0][1] if res else []
 

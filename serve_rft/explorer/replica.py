@@ -193,7 +193,8 @@ class ExplorerReplica:
             sync_status["trainer"].update(staleness_trained=t["staleness_trained"],
                                           stale_dropped=t["stale_dropped"], error=t["error"],
                                           phase=t["phase"], resumed_from=t["resumed_from"],
-                                          pid=t["pid"])
+                                          pid=t["pid"], redelivered=t["redelivered"],
+                                          resume_acked=t["resume_acked"])
         return JSONResponse(sync_status)
 
     def _trainer(self):

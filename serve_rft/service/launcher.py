@@ -78,6 +78,7 @@ class ServiceStack:
         run_dir.mkdir(parents=True, exist_ok=True)
         cfg.service.run_dir = str(run_dir)
         self.model_path = resolve_model_path(cfg.model.path, cfg.model.cache_dir)
+        check_mode(cfg, self.mode)
         if not cfg.buffer.redis_url:
             self.redis = start_redis(run_dir / "redis")
             cfg.buffer.redis_url = self.redis.url
@@ -134,7 +135,8 @@ class ServiceStack:
                 from ray import serve
 
                 # train mode in a joined cluster leaves Serve and the synchronizer to their owner
-                owned = ["serve_rft_trainer"]
+                # serve mode leaves a trainer that joined (a train process) to its owner
+                owned = [] if self.mode == "serve" else ["serve_rft_trainer"]
                 if self.mode != "train" or self.started_ray:
                     owned.append("serve_rft_synchronizer")
                 try:
@@ -152,6 +154,25 @@ class ServiceStack:
             if self.redis is not None:
                 self.redis.stop()
                 self.redis = None
+
+
+def check_mode(cfg: Config, mode: str) -> None:
+    """Refuse a mode that cannot work with ``cfg``.
+
+    Raises:
+        ValueError: ``train`` joining a running service (``service.ray_address``) without that
+            service's ``buffer.redis_url`` (a second embedded redis-server on the same data
+            directory would corrupt it); ``train`` offline (no ``ray_address``, so no replica
+            will ever ask) with ``sync_style=explorer_driven``, which would never publish.
+    """
+    if mode != "train":
+        return
+    if cfg.service.ray_address and not cfg.buffer.redis_url:
+        raise ValueError("--mode train joining a service (service.ray_address) needs that service's "
+                         "buffer.redis_url (printed by its `serve-rft up`)")
+    if not cfg.service.ray_address and cfg.synchronizer.sync_style.value == "explorer_driven":
+        raise ValueError("offline --mode train has no explorer to drive syncs (sync_style=explorer_driven): use "
+                         "synchronizer.sync_style=fixed or trainer_driven")
 
 
 def _token_auth_for_existing_cluster() -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import time
 from pathlib import Path
@@ -30,11 +31,12 @@ TRAINER_NAME = "serve_rft_trainer"
 
 
 class PolicyTrainer:
-    """The torch side, synchronous: holds the policy model and its optimizer."""
+    """The torch side, synchronous: the policy model, its optimizer and LR schedule, and (with
+    ``kl_coef > 0``) a frozen reference copy of the initial weights."""
 
     def __init__(self, cfg: Config, model_path: str, resume: Path | None = None):
         """Load the policy from ``model_path``, or from the trainer state folder ``resume``
-        (weights, optimizer, RNG, running baseline; `serve_rft.trainer.state`)."""
+        (weights, optimizer, LR schedule, RNG, running baseline; `serve_rft.trainer.state`)."""
         import torch
         from transformers import AutoModelForCausalLM
 
@@ -48,42 +50,110 @@ class PolicyTrainer:
         source = resume if resume is not None else model_path
         self.model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).to(self.device)
         self.model.train()
+        self.ref_model = None
+        if self.cfg.kl_coef > 0:
+            self.ref_model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(self.device)
+            self.ref_model.eval().requires_grad_(False)
         self.pad_id = self.model.config.pad_token_id or 0
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.cfg.lr,
                                            weight_decay=self.cfg.weight_decay)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
         self.baseline = RunningBaseline(self.cfg.baseline_momentum)
-        self.resumed = load_state(resume, self.optimizer) if resume is not None else None
+        self.resumed = load_state(resume, self.optimizer, self.scheduler) if resume is not None else None
         if self.resumed is not None:
             self.baseline.value = self.resumed.baseline
 
+    def _lr_factor(self, step: int) -> float:
+        """Multiplier of ``lr`` at optimizer step ``step``: linear warm-up, then constant or
+        cosine decay to ``lr_min_ratio``."""
+        c = self.cfg
+        if step < c.lr_warmup_steps:
+            return (step + 1) / c.lr_warmup_steps
+        if c.lr_schedule == "constant":
+            return 1.0
+        t = min(1.0, (step - c.lr_warmup_steps) / c.lr_decay_steps)
+        return c.lr_min_ratio + (1 - c.lr_min_ratio) * 0.5 * (1 + math.cos(math.pi * t))
+
     def step(self, batch: list[RewardedExperience]) -> dict[str, float]:
-        """One optimizer step on ``batch``; returns loss / reward / advantage / ratio stats."""
+        """One optimizer step on ``batch`` (``trainer.algorithm``), in micro-batches of
+        ``micro_batch_size`` whose summed gradient equals the whole batch's.
+
+        Returns:
+            loss, reward / advantage / ratio / clip / entropy / KL statistics, the learning
+            rate, ``max_abs_logprob_diff`` (trainer vs behaviour logprobs), seconds.
+        """
         import torch
 
-        from serve_rft.trainer.algorithm import compute_advantages, ppo_clip_loss, response_logprobs
+        from serve_rft.trainer.algorithm import compute_advantages
+        from serve_rft.trainer.losses import group_tau_log_z
 
         t0 = time.perf_counter()
+        c = self.cfg
         exps = [b.experience for b in batch]
         rewards = [b.reward for b in batch]
-        adv = compute_advantages(rewards, [e.group_id for e in exps], self.baseline).to(self.device)
-        logp, mask = response_logprobs(self.model, [e.prompt_token_ids for e in exps],
-                                       [e.response_token_ids for e in exps],
-                                       [e.sampling.temperature for e in exps], self.pad_id)
+        groups = [e.group_id for e in exps]
+        estimator = {"grpo": "grpo", "reinforce": "baseline"}.get(c.algorithm, "group_mean")
+        adv = compute_advantages(rewards, groups, self.baseline, estimator=estimator).to(self.device)
+        tlz = group_tau_log_z(rewards, groups, c.opmd_tau).to(self.device) if c.algorithm == "opmd_kimi" else None
+        n_tokens = float(sum(len(e.response_token_ids) for e in exps))
+        n_seqs = float(len(exps))
+        size = c.micro_batch_size or len(batch)
+        self.optimizer.zero_grad(set_to_none=True)
+        totals: dict[str, float] = {}
+        for start in range(0, len(batch), size):
+            part = slice(start, start + size)
+            loss, stats, tokens = self._micro_step(exps[part], adv[part], rewards[part],
+                                                   tlz[part] if tlz is not None else None, n_tokens, n_seqs)
+            loss.backward()
+            totals["loss"] = totals.get("loss", 0.0) + float(loss.detach())
+            for k, v in stats.items():  # token-weighted means (max for *_max)
+                if k.endswith("_max"):
+                    totals[k] = max(totals.get(k, v), v)
+                else:
+                    totals[k] = totals.get(k, 0.0) + v * tokens / max(n_tokens, 1.0)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), c.grad_clip)
+        lr = self.optimizer.param_groups[0]["lr"]
+        self.optimizer.step()
+        self.scheduler.step()
+        totals.update(grad_norm=float(grad_norm), lr=lr, reward_mean=sum(rewards) / len(rewards),
+                      adv_abs_mean=float(adv.abs().mean()), batch_size=len(batch), tokens=n_tokens,
+                      micro_batches=math.ceil(len(batch) / size), step_seconds=time.perf_counter() - t0)
+        return totals
+
+    def _micro_step(self, exps, adv, rewards, tlz, n_tokens: float, n_seqs: float):
+        """Loss of one micro-batch, normalised by the whole batch's ``n_tokens`` / ``n_seqs``."""
+        import torch
+
+        from serve_rft.trainer.algorithm import response_logprobs
+        from serve_rft.trainer.losses import aggregate, kl_k3, opmd_kimi_loss, opmd_loss, ppo_clip_loss
+
+        c = self.cfg
+        agg = c.aggregation
+        prompts = [e.prompt_token_ids for e in exps]
+        responses = [e.response_token_ids for e in exps]
+        temps = [e.sampling.temperature for e in exps]
+        logp, mask, ent = response_logprobs(self.model, prompts, responses, temps, self.pad_id, with_entropy=True)
         behaviour = torch.zeros_like(logp)
         for i, e in enumerate(exps):
             behaviour[i, : len(e.behaviour_logprobs)] = torch.tensor(e.behaviour_logprobs)
-        loss, stats = ppo_clip_loss(logp, behaviour, adv, mask, self.cfg.clip_low, self.cfg.clip_high)
-        self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
-        self.optimizer.step()
-        with torch.no_grad():
-            diff = ((logp - behaviour).abs() * mask).max()
-        stats.update(loss=float(loss.detach()), grad_norm=float(grad_norm), reward_mean=sum(rewards) / len(rewards),
-                     adv_abs_mean=float(adv.abs().mean()), batch_size=len(batch),
-                     tokens=float(mask.sum()), max_abs_logprob_diff=float(diff),
-                     step_seconds=time.perf_counter() - t0)
-        return stats
+        if c.algorithm in ("grpo", "reinforce"):
+            loss, stats = ppo_clip_loss(logp, behaviour, adv, mask, c.clip_low, c.clip_high, agg, n_tokens, n_seqs)
+        elif c.algorithm == "opmd":
+            loss, stats = opmd_loss(logp, adv, mask, c.opmd_tau, agg, n_tokens, n_seqs)
+        else:
+            loss, stats = opmd_kimi_loss((logp * mask).sum(1), (behaviour * mask).sum(1),
+                                         torch.tensor(rewards, device=logp.device), tlz, c.opmd_tau, n_seqs)
+        tokens = float(mask.sum())
+        here = max(tokens, 1.0)
+        if self.ref_model is not None:
+            with torch.no_grad():
+                ref, _ = response_logprobs(self.ref_model, prompts, responses, temps, self.pad_id)
+            kl = kl_k3(logp, ref)
+            loss = loss + c.kl_coef * aggregate(kl, mask, agg, n_tokens, n_seqs)
+            stats["kl_ref"] = float((kl.detach() * mask).sum() / here)
+        stats["entropy"] = float((ent * mask).sum() / here)
+        stats["max_abs_logprob_diff"] = float(((logp.detach() - behaviour).abs() * mask).max())
+        return loss, stats, tokens
 
 
 @ray.remote(num_cpus=1, max_concurrency=256)  # NCCL: every replica may wait in nccl_reserve
@@ -105,6 +175,8 @@ class Trainer:
         self.unsaved: list[tuple[str, str, int]] = []  # published, no saved state covers them
         self.publishes_since_save = 0
         self.steps_done = 0  # optimizer steps of this process (step_num also counts resumed ones)
+        self.redelivered = 0  # entries delivered to an earlier process, trained again by this one
+        self.resume_acked = 0  # entries an earlier process trained and saved, acknowledged by this one
         self.resumed_from: int | None = None
         self.phase = "starting"
         self.staleness_trained: dict[int, int] = {}  # staleness (versions) -> experiences trained
@@ -119,19 +191,44 @@ class Trainer:
         self._task = asyncio.get_running_loop().create_task(self._run())
 
     async def start(self) -> None:
-        """Wait until the loop has started (it starts in the constructor). Errors end the loop
-        and show in `status`."""
+        """Wait until the loop has started (it starts in the constructor).
+
+        Raises:
+            RuntimeError: setting up failed (model, store, resume); the cause is in the message.
+        """
         while self.phase == "starting" and not self._task.done():
             await asyncio.sleep(0.05)
+        if self._task.done() and self._task.exception() is not None:
+            raise RuntimeError(f"the trainer failed to start: {self.error}")
 
     async def _run(self) -> None:
+        from redis.exceptions import ConnectionError as RedisConnectionError
+        from redis.exceptions import TimeoutError as RedisTimeoutError
+
         from serve_rft.synchronizer.actor import get_synchronizer
+
+        sync = get_synchronizer()
+        try:
+            await self._loop(sync)
+        except (RedisConnectionError, RedisTimeoutError) as e:
+            # Redis gone for longer than buffer.reconnect_s: end the process so Ray restarts
+            # the actor, which resumes from its saved state once Redis is back.
+            log.exception("trainer lost Redis; exiting for Ray to restart it")
+            self.error = repr(e)
+            os._exit(1)
+        except Exception as e:
+            self.error = repr(e)
+            self.phase = "stopped"
+            log.exception("trainer stopped")
+            await sync.set_trainer.remote(ComponentState.STOPPED.value, self.step_num)
+            raise
+
+    async def _loop(self, sync) -> None:
         from serve_rft.synchronizer.methods import make_method
         from serve_rft.synchronizer.styles import trainer_publishes
         from serve_rft.trainer.state import latest_state
 
         cfg = self.cfg
-        sync = get_synchronizer()
         store = ExperienceStore.from_config(cfg.buffer)
         resume = latest_state(self.state_root)
         policy = await asyncio.to_thread(PolicyTrainer, cfg, self.model_path, resume)
@@ -142,58 +239,57 @@ class Trainer:
         await self._resume(policy, method, sync, store)
         await sync.set_trainer.remote(ComponentState.RUNNING.value, self.step_num)
         backlog = await store.delivered(TRAINER_NAME)  # delivered before a restart, not acked
+        self.redelivered = len(backlog)
         scfg = cfg.synchronizer
-        try:
-            while True:
-                if backlog:
-                    batch, backlog = backlog[:cfg.trainer.batch_size], backlog[cfg.trainer.batch_size:]
-                else:
-                    self.phase = "collecting"
-                    batch = await self._collect(store, policy, method, sync)
-                batch = await self._drop_stale(store, batch)
-                if not batch:
-                    continue
-                self.phase = "training"
-                stats = await asyncio.to_thread(policy.step, batch)
-                self.step_num += 1
-                self.steps_done += 1
-                self.unpublished.extend(batch)
-                ages = [self.version - b.experience.min_version for b in batch]
-                for age in ages:
-                    self.staleness_trained[age] = self.staleness_trained.get(age, 0) + 1
-                self.metrics.observe(ages, 0)
-                stats["step"] = self.step_num
-                stats["t"] = time.time()
-                requested = await sync.sync_requested.remote()
-                if trainer_publishes(scfg.sync_style, self.step_num, scfg.sync_interval, requested):
-                    stats["publish_seconds"] = await self._publish(policy, method, sync, store)
-                    stats["window_seconds"] = await self._handshake(method, sync)
-                stats["policy_version"] = self.version
-                self.last_stats = stats
-                await sync.set_trainer.remote(ComponentState.RUNNING.value, self.step_num)
-        except Exception as e:
-            self.error = repr(e)
-            self.phase = "stopped"
-            log.exception("trainer stopped")
-            await sync.set_trainer.remote(ComponentState.STOPPED.value, self.step_num)
-            raise
+        while True:
+            if backlog:
+                batch, backlog = backlog[:cfg.trainer.batch_size], backlog[cfg.trainer.batch_size:]
+            else:
+                self.phase = "collecting"
+                batch = await self._collect(store, policy, method, sync)
+            batch = await self._drop_stale(store, batch)
+            if not batch:
+                continue
+            self.phase = "training"
+            stats = await asyncio.to_thread(policy.step, batch)
+            self.step_num += 1
+            self.steps_done += 1
+            self.unpublished.extend(batch)
+            ages = [self.version - b.experience.min_version for b in batch]
+            for age in ages:
+                self.staleness_trained[age] = self.staleness_trained.get(age, 0) + 1
+            self.metrics.observe(ages, 0)
+            stats["step"] = self.step_num
+            stats["t"] = time.time()
+            requested = await sync.sync_requested.remote()
+            if trainer_publishes(scfg.sync_style, self.step_num, scfg.sync_interval, requested):
+                stats["publish_seconds"] = await self._publish(policy, method, sync, store)
+                stats["window_seconds"] = await self._handshake(method, sync)
+            stats["policy_version"] = self.version
+            self.last_stats = stats
+            await sync.set_trainer.remote(ComponentState.RUNNING.value, self.step_num)
 
     async def _resume(self, policy: PolicyTrainer, method, sync, store: ExperienceStore) -> None:
-        """Continue after a restart: acknowledge what the resumed state covers, number new
-        versions after every version that may exist (the synchronizer's latest, committed
-        checkpoint folders), and publish the resumed weights if nobody serves them yet."""
+        """Continue after a restart: acknowledge what the kept states cover, number new versions
+        after every version that may exist (the durable `published_floor`, the synchronizer's
+        latest, committed checkpoint folders), and publish the resumed weights if nobody can
+        load them: no version yet, or the latest one died with a non-durable method's process."""
+        from serve_rft.trainer.state import published_floor, trained_lists
+
         st = policy.resumed
         if st is not None:
-            await store.ack_entries(st.trained)
+            self.resume_acked, _ = await store.ack_entries(trained_lists(self.state_root))
             self.version = self.step_num = st.version
             self.resumed_from = st.version
-            log.info("resumed from %s (version %d, %d entries acknowledged)", st.path, st.version,
-                     len(st.trained))
+            log.info("resumed from %s (version %d; %d entries acknowledged now)", st.path, st.version,
+                     self.resume_acked)
         latest = await sync.latest.remote()
-        floor = max(latest.version if latest is not None else 0, method.latest_version())
+        floor = max(latest.version if latest is not None else 0, method.latest_version(),
+                    published_floor(self.state_root))
         if floor > self.step_num:  # versions published after the resumed state: their weights
             self.version = self.step_num = floor  # are lost, their entries get trained again
-        if st is not None and (latest is None or latest.version < st.version):
+        stale_handle = latest is not None and not method.durable
+        if stale_handle or (st is not None and (latest is None or latest.version < st.version)):
             await self._publish(policy, method, sync, store, self.step_num + 1)
 
     async def _publish(self, policy, method, sync, store: ExperienceStore,
@@ -206,9 +302,12 @@ class Trainer:
         """
         from serve_rft.trainer.state import save_state
 
+        from serve_rft.trainer.state import record_published
+
         version = self.step_num if version is None else version
         self.step_num = version
         self.phase = "publishing"
+        await asyncio.to_thread(record_published, self.state_root, version)
         floor = await sync.in_use_floor.remote()
         t0 = time.perf_counter()
         handle = await asyncio.to_thread(method.send, policy.model, version, floor)
@@ -223,7 +322,8 @@ class Trainer:
             self.phase = "saving"
             await asyncio.to_thread(
                 save_state, self.state_root, policy.model, policy.optimizer, version, self.step_num,
-                policy.baseline.value, self.unsaved, self.model_path, self.cfg.trainer.keep_states)
+                policy.baseline.value, self.unsaved, self.model_path, self.cfg.trainer.keep_states,
+                policy.scheduler)
             await store.ack_entries(self.unsaved)
             self.unsaved = []
             self.publishes_since_save = 0
@@ -279,8 +379,10 @@ class Trainer:
                     await self._publish(policy, method, sync, store)
                 deadline = time.monotonic() + tcfg.batch_wait_s
                 continue
+            held = {b.stream_id for b in batch} | {b.stream_id for b in self.unpublished} | {
+                sid for sid, _, _ in self.unsaved}
             got = await store.read_ready(TRAINER_NAME, tcfg.batch_size - len(batch),
-                                         block_ms=int(left * 1000) + 1)
+                                         block_ms=int(left * 1000) + 1, exclude=held)
             batch.extend(got)
         return batch
 
@@ -322,6 +424,8 @@ class Trainer:
             "pid": os.getpid(),
             "resumed_from": self.resumed_from,
             "unacked": len(self.unpublished) + len(self.unsaved),
+            "redelivered": self.redelivered,
+            "resume_acked": self.resume_acked,
         }
 
     def latest_published(self) -> PublishedVersion | None:

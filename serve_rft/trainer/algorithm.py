@@ -1,4 +1,5 @@
-"""Advantages and policy-gradient losses, as pure torch functions.
+"""Advantages and the trainer's logprobs of sampled tokens, as pure torch functions (the
+losses are in `serve_rft.trainer.losses`).
 
 Shapes: ``B`` experiences in a batch, ``T`` response tokens (right-padded), ``L`` prompt +
 response tokens.
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
+from typing import Literal
 
 import torch
 
@@ -27,14 +29,22 @@ class RunningBaseline:
             self.value = r if self.value is None else self.momentum * self.value + (1 - self.momentum) * r
 
 
+Estimator = Literal["grpo", "group_mean", "baseline"]
+
+
 def compute_advantages(rewards: list[float], group_ids: list[str], baseline: RunningBaseline,
-                       eps: float = 1e-6) -> torch.Tensor:
+                       eps: float = 1e-6, estimator: Estimator = "grpo") -> torch.Tensor:
     """Per-experience advantages ``[B]``.
 
-    A group with >= 2 rewarded members in the batch gets GRPO's group normalisation,
-    ``A_i = (r_i - mean_g) / (std_g + eps)`` (Shao et al. 2024, DeepSeekMath, eq. 3 outcome
-    supervision); a singleton gets ``A_i = r_i - b`` with the running baseline ``b`` taken
-    before this batch (REINFORCE with baseline). The baseline is then updated with all rewards.
+    - ``grpo``: a group with >= 2 rewarded members in the batch gets GRPO's normalisation
+      ``A_i = (r_i - mean_g) / (std_g + eps)`` (Shao et al. 2024, DeepSeekMath, eq. 3, outcome
+      supervision; unbiased std).
+    - ``group_mean``: ``A_i = r_i - mean_g`` (OPMD's baseline, seed 002 A.3).
+    - ``baseline``: ``A_i = r_i - b`` for every experience (REINFORCE with a running baseline).
+
+    In ``grpo`` and ``group_mean`` a singleton (online traffic usually has ``n = 1``) gets
+    ``r_i - b`` as well. ``b`` is the running baseline taken before this batch; it is then
+    updated with all rewards.
     """
     groups: dict[str, list[int]] = defaultdict(list)
     for i, g in enumerate(group_ids):
@@ -42,57 +52,21 @@ def compute_advantages(rewards: list[float], group_ids: list[str], baseline: Run
     adv = [0.0] * len(rewards)
     b = baseline.value if baseline.value is not None else 0.0
     for members in groups.values():
-        if len(members) >= 2:
+        if len(members) >= 2 and estimator != "baseline":
             rs = [rewards[i] for i in members]
             mean = sum(rs) / len(rs)
             std = math.sqrt(sum((r - mean) ** 2 for r in rs) / (len(rs) - 1))
             for i in members:
-                adv[i] = (rewards[i] - mean) / (std + eps)
+                adv[i] = (rewards[i] - mean) / (std + eps) if estimator == "grpo" else rewards[i] - mean
         else:
-            adv[members[0]] = rewards[members[0]] - b
+            for i in members:
+                adv[i] = rewards[i] - b
     baseline.update(rewards)
     return torch.tensor(adv, dtype=torch.float32)
 
 
-def ppo_clip_loss(logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, advantages: torch.Tensor,
-                  mask: torch.Tensor, clip_low: float = 0.2, clip_high: float = 0.28
-                  ) -> tuple[torch.Tensor, dict[str, float]]:
-    """PPO clipped surrogate with the logged behaviour logprobs as the old policy.
-
-    ``ratio = exp(logp - logp_behaviour)``; per token
-    ``l = -min(ratio * A, clip(ratio, 1 - clip_low, 1 + clip_high) * A)`` (Schulman et al. 2017,
-    eq. 7; asymmetric "clip-higher" bounds from DAPO). Aggregated as the mean over all response
-    tokens of the batch (token-mean), so long responses are not down-weighted per token.
-
-    Args:
-        logprobs: ``[B, T]`` current-policy logprobs of the sampled tokens (with grad).
-        behaviour_logprobs: ``[B, T]`` logprobs logged by vLLM when sampling.
-        advantages: ``[B]``.
-        mask: ``[B, T]`` 1 for response tokens, 0 for padding.
-    Returns:
-        (scalar loss, stats: clip fraction, mean ratio, approx KL to behaviour).
-    """
-    mask = mask.to(logprobs.dtype)
-    log_ratio = (logprobs - behaviour_logprobs) * mask
-    ratio = torch.exp(log_ratio)
-    adv = advantages.unsqueeze(1)
-    unclipped = ratio * adv
-    clipped = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high) * adv
-    per_token = -torch.minimum(unclipped, clipped)
-    n_tokens = mask.sum().clamp(min=1.0)
-    loss = (per_token * mask).sum() / n_tokens
-    with torch.no_grad():
-        clip_frac = (((ratio < 1 - clip_low) | (ratio > 1 + clip_high)).to(mask.dtype) * mask).sum() / n_tokens
-        stats = {
-            "clip_fraction": float(clip_frac),
-            "ratio_mean": float((ratio * mask).sum() / n_tokens),
-            "approx_kl": float(((ratio - 1 - log_ratio) * mask).sum() / n_tokens),
-        }
-    return loss, stats
-
-
 def response_logprobs(model, prompts: list[list[int]], responses: list[list[int]],
-                      temperatures: list[float], pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+                      temperatures: list[float], pad_id: int = 0, with_entropy: bool = False):
     """Logprobs of the response tokens under ``model``, as vLLM's ``processed_logprobs``.
 
     Builds ``[B, L]`` right-padded prompt+response ids, runs the model, takes
@@ -100,8 +74,12 @@ def response_logprobs(model, prompts: list[list[int]], responses: list[list[int]
     gathers each response token's logprob from the position before it.
 
     Returns:
-        (``[B, T]`` logprobs, ``[B, T]`` float mask of real response tokens).
+        (``[B, T]`` logprobs, ``[B, T]`` float mask of real response tokens), and with
+        ``with_entropy`` a third ``[B, T]``: the entropy (nats) of each position's tempered
+        distribution, without grad.
     """
+    from serve_rft.trainer.losses import token_entropy
+
     device = next(model.parameters()).device
     seqs = [p + r for p, r in zip(prompts, responses)]
     L = max(len(s) for s in seqs)
@@ -114,6 +92,7 @@ def response_logprobs(model, prompts: list[list[int]], responses: list[list[int]
     logits = model(input_ids=ids, attention_mask=attn).logits.float()
     out = torch.zeros((len(seqs), T), dtype=torch.float32, device=device)
     mask = torch.zeros((len(seqs), T), dtype=torch.float32, device=device)
+    ent = torch.zeros((len(seqs), T), dtype=torch.float32, device=device)
     for i, (p, r) in enumerate(zip(prompts, responses)):
         if not r:
             continue
@@ -124,4 +103,7 @@ def response_logprobs(model, prompts: list[list[int]], responses: list[list[int]
         tok = torch.tensor(r, dtype=torch.long, device=device)
         out[i, : len(r)] = lp.gather(1, tok.unsqueeze(1)).squeeze(1)
         mask[i, : len(r)] = 1.0
-    return out, mask
+        if with_entropy:
+            with torch.no_grad():
+                ent[i, : len(r)] = token_entropy(step_logits)
+    return (out, mask, ent) if with_entropy else (out, mask)

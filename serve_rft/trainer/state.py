@@ -7,12 +7,16 @@ written like a published version (`serve_rft.trainer.checkpoint`: temp folder, f
 ====================  ==========================================================================
 ``v{version:06d}/``   ``config.json`` + ``model.safetensors`` (``transformers.from_pretrained``
                       loads it) and the tokenizer files of the model it started from
-``optimizer.pt``      ``torch.optim`` state dict
+``optimizer.pt``      ``torch.optim`` state dict (``scheduler.pt``: the LR schedule's)
 ``rng.pt``            torch CPU (and CUDA) RNG state
 ``trainer_state.json`` ``version``, ``step``, ``baseline`` (running reward baseline), ``trained``:
                       ``[stream id, "{cid}:{i}", version]`` for every ready-stream entry trained
                       since the previous saved state
 ====================  ==========================================================================
+
+``PUBLISHED`` (a file in ``root``) holds the highest version number the trainer ever started to
+publish, written (fsynced) before each publish: a restarted trainer numbers new versions after
+it, so a version number never names two different weights, whatever the sync method keeps.
 
 Exactly-once (issue 4): the trainer acknowledges ready entries only after a saved state covers
 them. A trainer killed at any point restarts from its newest state, acknowledges that state's
@@ -32,6 +36,7 @@ from pathlib import Path
 from serve_rft.trainer.checkpoint import MARKER, committed_versions, save_version, version_dir
 
 STATE_FILE = "trainer_state.json"
+PUBLISHED_FILE = "PUBLISHED"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "chat_template.jinja", "vocab.json", "merges.txt", "generation_config.json")
 
@@ -48,7 +53,8 @@ class TrainerState:
 
 
 def save_state(root: str | Path, model, optimizer, version: int, step: int, baseline: float | None,
-               trained: list[tuple[str, str, int]], tokenizer_dir: str | Path | None, keep: int = 2) -> Path:
+               trained: list[tuple[str, str, int]], tokenizer_dir: str | Path | None, keep: int = 2,
+               scheduler=None) -> Path:
     """Save a resumable trainer state as ``root/v{version:06d}`` (committed atomically).
 
     Args:
@@ -64,6 +70,8 @@ def save_state(root: str | Path, model, optimizer, version: int, step: int, base
 
     def extra(folder: Path) -> None:
         torch.save(optimizer.state_dict(), folder / "optimizer.pt")
+        if scheduler is not None:
+            torch.save(scheduler.state_dict(), folder / "scheduler.pt")
         rng = {"cpu": torch.get_rng_state()}
         if torch.cuda.is_available():
             rng["cuda"] = torch.cuda.get_rng_state_all()
@@ -86,8 +94,9 @@ def latest_state(root: str | Path) -> Path | None:
     return version_dir(root, versions[-1]) if versions else None
 
 
-def load_state(path: str | Path, optimizer) -> TrainerState:
-    """Restore ``optimizer`` and the RNG from a state folder and read its bookkeeping.
+def load_state(path: str | Path, optimizer, scheduler=None) -> TrainerState:
+    """Restore ``optimizer``, ``scheduler`` (LR schedule) and the RNG from a state folder and
+    read its bookkeeping.
 
     The weights are loaded by building the model from ``path`` (`from_pretrained`), before the
     optimizer is made for its parameters.
@@ -101,6 +110,8 @@ def load_state(path: str | Path, optimizer) -> TrainerState:
     if not (path / MARKER).exists():
         raise FileNotFoundError(f"{path} is not a committed trainer state")
     optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True))
+    if scheduler is not None and (path / "scheduler.pt").is_file():
+        scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=True))
     rng = torch.load(path / "rng.pt", weights_only=False)
     torch.set_rng_state(rng["cpu"])
     if "cuda" in rng and torch.cuda.is_available():
@@ -109,3 +120,34 @@ def load_state(path: str | Path, optimizer) -> TrainerState:
     return TrainerState(path=path, version=int(meta["version"]), step=int(meta["step"]),
                         baseline=meta["baseline"],
                         trained=[(str(a), str(b), int(c)) for a, b, c in meta["trained"]])
+
+
+def record_published(root: str | Path, version: int) -> None:
+    """Durably record that ``version`` is about to be published (atomic replace + fsync)."""
+    import os
+
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = root / f".{PUBLISHED_FILE}.tmp"
+    with open(tmp, "w") as f:
+        f.write(str(version))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, root / PUBLISHED_FILE)
+
+
+def published_floor(root: str | Path) -> int:
+    """The highest version ever recorded by `record_published` under ``root`` (0 if none)."""
+    path = Path(root) / PUBLISHED_FILE
+    return int(path.read_text()) if path.is_file() else 0
+
+
+def trained_lists(root: str | Path) -> list[tuple[str, str, int]]:
+    """The ``trained`` entries of every kept state, oldest state first. A restarted trainer
+    acknowledges them all again (idempotent), which also repairs an acknowledgement that a
+    crashed Redis lost from its last second of AOF."""
+    out: list[tuple[str, str, int]] = []
+    for v in committed_versions(root):
+        meta = json.loads((version_dir(root, v) / STATE_FILE).read_text())
+        out += [(str(a), str(b), int(c)) for a, b, c in meta["trained"]]
+    return out

@@ -3,7 +3,8 @@ import math
 import pytest
 import torch
 
-from serve_rft.trainer.algorithm import RunningBaseline, compute_advantages, ppo_clip_loss
+from serve_rft.trainer.algorithm import RunningBaseline, compute_advantages
+from serve_rft.trainer.losses import ppo_clip_loss
 
 
 def test_group_normalised_advantages():

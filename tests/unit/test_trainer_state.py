@@ -65,3 +65,15 @@ def test_only_the_newest_states_are_kept(tmp_path, embedded_model):
     for v in range(1, 5):
         save_state(tmp_path, p.model, p.optimizer, v, v, None, [], None, keep=2)
     assert sorted(d.name for d in tmp_path.iterdir()) == ["v000003", "v000004"]
+
+
+def test_published_floor_and_trained_lists_survive_in_the_state_root(tmp_path, embedded_model):
+    from serve_rft.trainer.state import published_floor, record_published, trained_lists
+
+    assert published_floor(tmp_path) == 0
+    record_published(tmp_path, 12)
+    assert published_floor(tmp_path) == 12
+    p = PolicyTrainer(Config(), str(embedded_model))
+    save_state(tmp_path, p.model, p.optimizer, 1, 1, None, [("1-0", "c:0", 1)], None)
+    save_state(tmp_path, p.model, p.optimizer, 2, 2, None, [("2-0", "c:1", 2), ("2-1", "d:0", 2)], None)
+    assert trained_lists(tmp_path) == [("1-0", "c:0", 1), ("2-0", "c:1", 2), ("2-1", "d:0", 2)]

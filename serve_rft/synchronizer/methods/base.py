@@ -32,6 +32,10 @@ class WeightSyncMethod(ABC):
     """True when a transfer needs the trainer in it at the same time (NCCL, seed 000's two-way
     handshake): the trainer then calls ``serve_window`` after each publish."""
 
+    durable: ClassVar[bool] = False
+    """True when a published version stays loadable after the trainer process that published
+    it died (CHECKPOINT folders); a restarted trainer republishes otherwise."""
+
     def prepare(self) -> None:
         """Trainer side, once before the first ``send`` (folders, process groups)."""
 

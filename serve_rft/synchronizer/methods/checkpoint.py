@@ -20,6 +20,7 @@ def _folder_bytes(path: str) -> int:
 
 class CheckpointMethod(WeightSyncMethod):
     name = "checkpoint"
+    durable = True
 
     def __init__(self, root: str | Path, keep: int = 5):
         self.root = Path(root)

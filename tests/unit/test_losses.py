@@ -1,0 +1,140 @@
+"""The policy losses and their aggregation (serve_rft/trainer/losses.py), and the trainer's
+micro-batching, LR schedule and dummy mode."""
+
+import math
+
+import pytest
+import torch
+
+from serve_rft.config import Config
+from serve_rft.trainer.algorithm import RunningBaseline, compute_advantages
+from serve_rft.trainer.losses import (aggregate, group_tau_log_z, kl_k3, opmd_kimi_loss, opmd_loss,
+                                      ppo_clip_loss)
+
+MASK = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])
+PER_TOKEN = torch.tensor([[1.0, 2.0, 3.0], [4.0, 9.0, 9.0]])
+
+
+def test_aggregations():
+    assert float(aggregate(PER_TOKEN, MASK, "token_mean", 4, 2)) == pytest.approx(10 / 4)
+    assert float(aggregate(PER_TOKEN, MASK, "seq_mean_token_mean", 4, 2)) == pytest.approx((2 + 4) / 2)
+    assert float(aggregate(PER_TOKEN, MASK, "seq_mean_token_sum", 4, 2)) == pytest.approx((6 + 4) / 2)
+    with pytest.raises(ValueError):
+        aggregate(PER_TOKEN, MASK, "nope", 4, 2)
+
+
+def test_split_batches_with_batch_normalisers_sum_to_the_whole():
+    logp = torch.randn(2, 3, requires_grad=True)
+    behaviour = logp.detach() + 0.05 * torch.randn(2, 3)
+    adv = torch.tensor([1.0, -0.5])
+    for agg in ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum"):
+        whole, _ = ppo_clip_loss(logp, behaviour, adv, MASK, agg=agg)
+        parts = sum(ppo_clip_loss(logp[i:i + 1], behaviour[i:i + 1], adv[i:i + 1], MASK[i:i + 1], agg=agg,
+                                  n_tokens=4, n_seqs=2)[0] for i in range(2))
+        assert float(whole.detach()) == pytest.approx(float(parts.detach()), abs=1e-6)
+
+
+def test_opmd_gradient_is_the_group_mean_policy_gradient_scaled_by_1_over_1_plus_tau():
+    """Seed 002 A.3: grad J = -1/(1+tau) sum_i (r_i - rbar) grad log pi(y_i|x)."""
+    rewards = [1.0, 0.0, 0.5, 0.5]
+    adv = compute_advantages(rewards, ["g"] * 4, RunningBaseline(), estimator="group_mean")
+    assert adv.tolist() == pytest.approx([0.5, -0.5, 0.0, 0.0])
+    logp = torch.randn(4, 2, requires_grad=True)
+    mask = torch.ones(4, 2)
+    tau = 3.0
+    loss, _ = opmd_loss(logp, adv, mask, tau)
+    loss.backward()
+    expected = -(adv / (1 + tau) / 4).unsqueeze(1).expand(4, 2)  # per token of log pi(y|x) = sum_t
+    assert torch.allclose(logp.grad, expected)
+
+
+def test_opmd_kimi_residual_is_zero_at_the_optimum_and_its_gradient_at_the_reference():
+    """Seed 002 A.1: with pi_theta = pi_ref the residual is r_i - tau log Z_hat; the optimum
+    pi* = pi_ref * exp(r / tau) / Z has residual 0."""
+    tau = 0.5
+    rewards = [1.0, 0.0, 0.2]
+    tlz = group_tau_log_z(rewards, ["g"] * 3, tau)
+    expected = tau * math.log(sum(math.exp(r / tau) for r in rewards) / 3)
+    assert tlz.tolist() == pytest.approx([expected] * 3)
+    r = torch.tensor(rewards)
+    ref = torch.tensor([-3.0, -2.0, -4.0])
+    optimum = ref + (r - tlz) / tau
+    loss, _ = opmd_kimi_loss(optimum, ref, r, tlz, tau)
+    assert float(loss) == pytest.approx(0.0, abs=1e-10)
+    at_ref = ref.clone().requires_grad_(True)
+    loss, _ = opmd_kimi_loss(at_ref, ref, r, tlz, tau)
+    loss.backward()
+    assert torch.allclose(at_ref.grad, -2 * tau * (r - tlz) / 3)
+
+
+def test_baseline_estimator_ignores_groups_and_k3_kl():
+    b = RunningBaseline(momentum=0.5)
+    b.value = 1.0
+    adv = compute_advantages([2.0, 0.0], ["g", "g"], b, estimator="baseline")
+    assert adv.tolist() == [1.0, -1.0]
+    x = torch.tensor([[-1.0, -2.0]])
+    assert float(kl_k3(x, x).abs().max()) == 0.0
+    assert float(kl_k3(x, x - 0.3).min()) > 0.0
+
+
+def _batch(k=0, n=6):
+    from serve_rft.types import Experience, RewardedExperience, SamplingInfo
+
+    return [RewardedExperience(
+        experience=Experience(completion_id=f"c{k}-{i // 3}", choice_index=i % 3, group_id=f"c{k}-{i // 3}",
+                              replica_id="r", prompt_token_ids=[1, 2, 3 + i],
+                              response_token_ids=[10 + i, 20 + i, 30 + i][: 1 + i % 3],
+                              behaviour_logprobs=[-4.0, -4.5, -5.0][: 1 + i % 3], token_versions=[(0, 0, 1 + i % 3)],
+                              sampling=SamplingInfo(temperature=1.0, top_p=1.0, max_tokens=3), finish_reason="length"),
+        reward=float(i % 3), stream_id=f"{k}-{i}") for i in range(n)]
+
+
+def _params(p):
+    return [t.detach().clone() for t in p.model.parameters()]
+
+
+@pytest.mark.parametrize("algorithm", ["grpo", "opmd", "opmd_kimi", "reinforce"])
+def test_micro_batches_give_the_whole_batch_gradient(embedded_model, algorithm):
+    from serve_rft.trainer.actor import PolicyTrainer
+
+    sets = [f"trainer.algorithm={algorithm}", "trainer.kl_coef=0.1", "trainer.lr=0"]  # compare grads
+    from serve_rft.config import load_config
+
+    whole = PolicyTrainer(load_config(None, sets), str(embedded_model))
+    split = PolicyTrainer(load_config(None, sets + ["trainer.micro_batch_size=2"]), str(embedded_model))
+    a, b = whole.step(_batch()), split.step(_batch())
+    assert b["micro_batches"] == 3 and a["micro_batches"] == 1
+    assert a["loss"] == pytest.approx(b["loss"], abs=1e-5)
+    assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
+    for x, y in zip(whole.model.parameters(), split.model.parameters()):
+        assert torch.allclose(x.grad, y.grad, rtol=1e-4, atol=1e-7)
+    assert a["entropy"] > 0 and "kl_ref" in a
+
+
+def test_lr_schedule_and_dummy_mode(embedded_model):
+    from serve_rft.config import load_config
+    from serve_rft.trainer.actor import PolicyTrainer
+
+    p = PolicyTrainer(load_config(None, ["trainer.lr_warmup_steps=4", "trainer.lr_schedule=cosine",
+                                         "trainer.lr_decay_steps=10", "trainer.lr_min_ratio=0.1"]),
+                      str(embedded_model))
+    assert [p._lr_factor(s) for s in (0, 3)] == [0.25, 1.0]
+    assert p._lr_factor(4 + 5) == pytest.approx(0.1 + 0.9 * 0.5)
+    assert p._lr_factor(4 + 10) == pytest.approx(0.1) == p._lr_factor(100)
+    lrs = [p.step(_batch(k))["lr"] for k in range(3)]
+    assert lrs == pytest.approx([0.25e-3, 0.5e-3, 0.75e-3])
+
+    dummy = PolicyTrainer(load_config(None, ["trainer.lr=0"]), str(embedded_model))
+    before = _params(dummy)
+    stats = dummy.step(_batch())
+    assert stats["grad_norm"] > 0  # all the work was done
+    assert all(torch.equal(x, y) for x, y in zip(before, _params(dummy)))  # with fixed weights
+
+
+def test_config_defaults_per_algorithm():
+    from serve_rft.config import load_config
+
+    assert Config().trainer.aggregation == "token_mean"
+    assert load_config(None, ["trainer.algorithm=opmd"]).trainer.aggregation == "seq_mean_token_sum"
+    with pytest.raises(Exception, match="opmd_tau"):
+        load_config(None, ["trainer.algorithm=opmd_kimi", "trainer.opmd_tau=0"])

@@ -132,7 +132,9 @@ class PolicyTrainer:
         prompts = [e.prompt_token_ids for e in exps]
         responses = [e.response_token_ids for e in exps]
         temps = [e.sampling.temperature for e in exps]
-        logp, mask, ent = response_logprobs(self.model, prompts, responses, temps, self.pad_id, with_entropy=True)
+        top_ps = [e.sampling.top_p for e in exps]
+        logp, mask, ent = response_logprobs(self.model, prompts, responses, temps, self.pad_id,
+                                            with_entropy=True, top_ps=top_ps)
         behaviour = torch.zeros_like(logp)
         for i, e in enumerate(exps):
             behaviour[i, : len(e.behaviour_logprobs)] = torch.tensor(e.behaviour_logprobs)
@@ -147,7 +149,8 @@ class PolicyTrainer:
         here = max(tokens, 1.0)
         if self.ref_model is not None:
             with torch.no_grad():
-                ref, _ = response_logprobs(self.ref_model, prompts, responses, temps, self.pad_id)
+                ref, _ = response_logprobs(self.ref_model, prompts, responses, temps, self.pad_id,
+                                           top_ps=top_ps)
             kl = kl_k3(logp, ref)
             loss = loss + c.kl_coef * aggregate(kl, mask, agg, n_tokens, n_seqs)
             stats["kl_ref"] = float((kl.detach() * mask).sum() / here)

@@ -65,13 +65,35 @@ def compute_advantages(rewards: list[float], group_ids: list[str], baseline: Run
     return torch.tensor(adv, dtype=torch.float32)
 
 
+def top_p_keep(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Which tokens nucleus sampling keeps, exactly as vLLM's sampler decides it
+    (``vllm.v1.sample.ops.topk_topp_sampler.apply_top_k_top_p_pytorch``): sort ascending, drop
+    the tokens whose cumulative probability is ``<= 1 - top_p``, always keep the most likely.
+
+    Args:
+        logits: ``[T, V]`` temperature-scaled logits.
+    Returns:
+        ``[T, V]`` bool, True = kept.
+    """
+    sorted_logits, idx = logits.sort(dim=-1, descending=False)
+    cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+    drop_sorted = cum <= 1 - top_p
+    drop_sorted[:, -1] = False
+    drop = torch.zeros_like(drop_sorted).scatter_(-1, idx, drop_sorted)
+    return ~drop
+
+
 def response_logprobs(model, prompts: list[list[int]], responses: list[list[int]],
-                      temperatures: list[float], pad_id: int = 0, with_entropy: bool = False):
+                      temperatures: list[float], pad_id: int = 0, with_entropy: bool = False,
+                      top_ps: list[float] | None = None):
     """Logprobs of the response tokens under ``model``, as vLLM's ``processed_logprobs``.
 
-    Builds ``[B, L]`` right-padded prompt+response ids, runs the model, takes
-    ``log_softmax(logits / T)`` (T = the request's temperature; greedy requests use 1) and
-    gathers each response token's logprob from the position before it.
+    Builds ``[B, L]`` right-padded prompt+response ids, runs the model, and per response token
+    takes ``log_softmax`` of the position before it after vLLM's sampler processing, in vLLM's
+    order: logits / T (T = the request's temperature; greedy requests use 1), then the top-p
+    mask (`top_p_keep`) renormalised. The sampled token is always kept: at the weights that
+    sampled it, it was in the nucleus, so this changes nothing there, and on later weights it
+    keeps its logprob finite (its exact truncated value would be -inf).
 
     Returns:
         (``[B, T]`` logprobs, ``[B, T]`` float mask of real response tokens), and with
@@ -99,8 +121,14 @@ def response_logprobs(model, prompts: list[list[int]], responses: list[list[int]
         temp = temperatures[i] if temperatures[i] > 1e-5 else 1.0
         # logits at position t predict token t+1: response token j sits at len(p)+j.
         step_logits = logits[i, len(p) - 1 : len(p) - 1 + len(r)] / temp
-        lp = torch.log_softmax(step_logits, dim=-1)
         tok = torch.tensor(r, dtype=torch.long, device=device)
+        top_p = top_ps[i] if top_ps is not None else 1.0
+        if top_p < 1.0:
+            with torch.no_grad():
+                keep = top_p_keep(step_logits.detach(), top_p)
+                keep[torch.arange(len(r), device=device), tok] = True
+            step_logits = step_logits.masked_fill(~keep, float("-inf"))
+        lp = torch.log_softmax(step_logits, dim=-1)
         out[i, : len(r)] = lp.gather(1, tok.unsqueeze(1)).squeeze(1)
         mask[i, : len(r)] = 1.0
         if with_entropy:

@@ -162,4 +162,5 @@ def kl_k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
 def token_entropy(logits: torch.Tensor) -> torch.Tensor:
     """Entropy ``-sum_v p_v log p_v`` per position of ``logits [..., V]`` -> ``[...]`` (nats)."""
     logp = torch.log_softmax(logits.float(), dim=-1)
-    return -(logp.exp() * logp).sum(-1)
+    p = logp.exp()
+    return -(p * logp.masked_fill(p == 0, 0.0)).sum(-1)  # masked (-inf) tokens contribute 0

@@ -138,3 +138,15 @@ def test_config_defaults_per_algorithm():
     assert load_config(None, ["trainer.algorithm=opmd"]).trainer.aggregation == "seq_mean_token_sum"
     with pytest.raises(Exception, match="opmd_tau"):
         load_config(None, ["trainer.algorithm=opmd_kimi", "trainer.opmd_tau=0"])
+
+
+@pytest.mark.parametrize("top_p", [0.3, 0.7, 0.9, 0.99])
+def test_top_p_keeps_exactly_what_vllms_sampler_keeps(top_p):
+    from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p_pytorch
+
+    from serve_rft.trainer.algorithm import top_p_keep
+
+    g = torch.Generator().manual_seed(int(top_p * 100))
+    logits = torch.randn(16, 500, generator=g) * 3
+    theirs = apply_top_k_top_p_pytorch(logits.clone(), None, torch.full((16,), top_p), allow_cpu_sync=True)
+    assert torch.equal(top_p_keep(logits, top_p), theirs > float("-inf"))

@@ -151,6 +151,33 @@ def demo(config: Optional[Path] = ConfigOpt, sets: list[str] = SetOpt, model: Op
         raise typer.Exit(1)
 
 
+@cli.command()
+def report(path: Path = typer.Argument(..., help="A `serve-rft demo --report` JSON, or a benchmark "
+                                       "file with `runs` (benchmarks/results/learning.json)."),
+           png: Optional[Path] = typer.Option(None, help="Write the figure here (default: PATH with .png)."),
+           window: int = typer.Option(10, help="Policy versions per point of the reward-per-version curve.")
+           ) -> None:
+    """Render the reward and policy-version timeline of a run as a PNG and a table."""
+    from rich.table import Table
+
+    from serve_rft.demo.report import load_runs, render_png, table_rows
+
+    try:
+        runs = load_runs(path)
+    except (ValueError, OSError, json.JSONDecodeError) as e:
+        console.print(f"[red]error:[/red] {e}")
+        raise typer.Exit(2) from None
+    out = render_png(runs, png or path.with_suffix(".png"), window)
+    for label, rep in runs.items():
+        t = Table(title=f"{label}: mean reward", show_header=True)
+        for col in ("when", "mean reward", "answers"):
+            t.add_column(col)
+        for row in table_rows(rep):
+            t.add_row(*row)
+        Console().print(t)
+    console.print(f"figure: {out}")
+
+
 def main() -> None:
     cli(sys.argv[1:])
 

@@ -150,3 +150,21 @@ def test_top_p_keeps_exactly_what_vllms_sampler_keeps(top_p):
     logits = torch.randn(16, 500, generator=g) * 3
     theirs = apply_top_k_top_p_pytorch(logits.clone(), None, torch.full((16,), top_p), allow_cpu_sync=True)
     assert torch.equal(top_p_keep(logits, top_p), theirs > float("-inf"))
+
+
+def test_only_response_tokens_are_in_the_mask(embedded_model):
+    """Each experience's prompt (for a multi-turn conversation: every earlier turn, user and
+    assistant) is context only; the mask covers exactly its own response tokens."""
+    from transformers import AutoModelForCausalLM
+
+    from serve_rft.trainer.algorithm import response_logprobs
+
+    model = AutoModelForCausalLM.from_pretrained(str(embedded_model), dtype=torch.float32)
+    prompts = [[1, 2, 3, 4, 5, 6, 7], [1, 2]]
+    responses = [[9, 10], [11, 12, 13, 14]]
+    lp, mask = response_logprobs(model, prompts, responses, [1.0, 1.0])
+    assert mask.tolist() == [[1, 1, 0, 0], [1, 1, 1, 1]]
+    assert float(lp[0, 2:].abs().sum()) == 0.0
+    # the response logprobs do not depend on what comes after them in the padded batch
+    alone, _ = response_logprobs(model, prompts[:1], responses[:1], [1.0])
+    assert torch.allclose(alone[0, :2], lp[0, :2], atol=1e-5)

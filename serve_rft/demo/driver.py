@@ -49,6 +49,12 @@ class DemoState:
     replica_timeline: dict[str, list[tuple[float, str, int]]] = field(default_factory=lambda: defaultdict(list))
     status: dict = field(default_factory=dict)
     min_serving: int | None = None
+    max_steps: int | None = None  # stop once the trainer has taken this many steps
+    stopped_at: float | None = None  # seconds since start when max_steps was reached
+    reward_at_stop: float | None = None  # mean reward of the 30 s before stopped_at
+
+    def running(self, deadline: float) -> bool:
+        return self.elapsed() < deadline and self.stopped_at is None
 
     def elapsed(self) -> float:
         return time.monotonic() - self.t0
@@ -85,6 +91,9 @@ class DemoState:
                               "n": len(r)} for b, r in sorted(buckets.items())],
             "replica_timeline": {k: [{"t_s": round(t, 2), "state": s, "policy_version": v} for t, s, v in tl]
                                  for k, tl in self.replica_timeline.items()},
+            "max_steps": self.max_steps,
+            "max_steps_reached_at_s": round(self.stopped_at, 2) if self.stopped_at is not None else None,
+            "reward_at_max_steps": round(self.reward_at_stop, 4) if self.reward_at_stop is not None else None,
         }
 
 
@@ -109,7 +118,7 @@ async def _post_reward(http: httpx.AsyncClient, state: DemoState, cid: str, rewa
 async def _user(uid: int, client: openai.AsyncOpenAI, http: httpx.AsyncClient, state: DemoState,
                 deadline: float, n: int, max_tokens: int, pending: set) -> None:
     rng = random.Random(uid)
-    while state.elapsed() < deadline:
+    while state.running(deadline):
         stream = rng.random() < 0.25
         messages = [{"role": "user", "content": rng.choice(PROMPTS)}]
         t0 = time.monotonic()
@@ -149,13 +158,16 @@ async def _user(uid: int, client: openai.AsyncOpenAI, http: httpx.AsyncClient, s
 
 async def _watch(http: httpx.AsyncClient, state: DemoState, deadline: float) -> None:
     last: dict[str, tuple[str, int]] = {}
-    while state.elapsed() < deadline + 1:
+    while state.running(deadline + 1):
         try:
             st = (await http.get("/v1/status")).json()
         except httpx.HTTPError:
             await asyncio.sleep(0.5)
             continue
         state.status = st
+        if state.max_steps and st.get("trainer", {}).get("step", 0) >= state.max_steps:
+            state.reward_at_stop = state.recent_reward()
+            state.stopped_at = state.elapsed()
         serving = sum(r["state"] == "RUNNING" for r in st["replicas"])
         state.min_serving = serving if state.min_serving is None else min(state.min_serving, serving)
         for r in st["replicas"]:
@@ -191,10 +203,11 @@ def _view(state: DemoState, duration: float):
 
 
 async def demo_async(url: str, duration: float, users: int, n: int = 4, max_tokens: int = 16,
-                     live: bool = True, api_key: str | None = None) -> dict:
-    """Drive the service at ``url`` for ``duration`` seconds with ``users`` concurrent users.
+                     live: bool = True, api_key: str | None = None, max_steps: int | None = None) -> dict:
+    """Drive the service at ``url`` for ``duration`` seconds with ``users`` concurrent users, or
+    until the trainer has taken ``max_steps`` steps.
     ``api_key``: an admin key (the demo chats and posts rewards) when the service has keys."""
-    state = DemoState()
+    state = DemoState(max_steps=max_steps)
     pending: set = set()
     client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=api_key or "demo", max_retries=0, timeout=120)
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -221,6 +234,7 @@ async def demo_async(url: str, duration: float, users: int, n: int = 4, max_toke
     return state.summary()
 
 
-def run_demo(url: str, duration: float, users: int, live: bool = True, api_key: str | None = None) -> dict:
+def run_demo(url: str, duration: float, users: int, live: bool = True, api_key: str | None = None,
+             max_steps: int | None = None) -> dict:
     """Synchronous entry point for the CLI."""
-    return asyncio.run(demo_async(url, duration, users, live=live, api_key=api_key))
+    return asyncio.run(demo_async(url, duration, users, live=live, api_key=api_key, max_steps=max_steps))

@@ -87,6 +87,27 @@ class BufferConfig(_Strict):
         "first reward even if other members have no reward yet, s.")
 
 
+class LoraSettings(_Strict):
+    """Train LoRA adapters (peft) instead of every weight (seed 004, "merge_and_sync")."""
+
+    rank: int = Field(8, ge=1, description="LoRA rank r.")
+    alpha: float = Field(16.0, gt=0, description="LoRA scaling alpha (update scaled by alpha / r).")
+    dropout: float = Field(0.0, ge=0, lt=1)
+    target_modules: list[str] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        description="Linear layers that get adapters (Qwen2/Llama names).")
+    merge_and_sync: bool = Field(
+        True, description="true: publish base + adapter merged as full weights (replicas need no LoRA "
+        "support). false (adapter-only sync into replicas started with LoRA) is not built yet.")
+
+    @model_validator(mode="after")
+    def _merge_only(self) -> "LoraSettings":
+        if not self.merge_and_sync:
+            raise ValueError("trainer.lora.merge_and_sync=false (adapter-only sync) is not built yet; "
+                             "use merge_and_sync=true")
+        return self
+
+
 class TrainerConfig(_Strict):
     enabled: bool = Field(True, description="Run the background trainer.")
     algorithm: Literal["grpo", "opmd", "opmd_kimi", "reinforce"] = Field(
@@ -103,6 +124,8 @@ class TrainerConfig(_Strict):
     kl_coef: float = Field(
         0.0, ge=0, description="Weight of a k3 KL penalty to the initial weights (a frozen copy is "
         "kept in memory when > 0); 0: none.")
+    lora: LoraSettings | None = Field(
+        None, description="LoRA adapters instead of full fine-tuning; None: train every weight.")
     micro_batch_size: int = Field(
         0, ge=0, description="Experiences per forward/backward (gradient accumulation bounds memory); "
         "0: the whole batch at once. The gradient equals the unsplit batch's.")

@@ -47,21 +47,43 @@ class PolicyTrainer:
         torch.manual_seed(cfg.trainer.seed)
         self.cfg = cfg.trainer
         self.device = torch.device(cfg.trainer.device)
-        source = resume if resume is not None else model_path
-        self.model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).to(self.device)
-        self.model.train()
+        def load(path):
+            return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(self.device)
+
+        self.export = None  # LoRA: the plain model that publishes carry (base + adapter merged)
         self.ref_model = None
-        if self.cfg.kl_coef > 0:
-            self.ref_model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(self.device)
-            self.ref_model.eval().requires_grad_(False)
+        if self.cfg.lora is not None:
+            from serve_rft.trainer import lora
+
+            self.model = lora.wrap(load(model_path), self.cfg.lora)  # the base never changes
+            if resume is not None:
+                lora.load_adapter(self.model, resume)
+            self.export = load(model_path)
+            self.export.requires_grad_(False)
+        else:
+            self.model = load(resume if resume is not None else model_path)
+            if self.cfg.kl_coef > 0:  # LoRA's reference is the base: the adapter disabled
+                self.ref_model = load(model_path)
+                self.ref_model.eval().requires_grad_(False)
+        self.model.train()
         self.pad_id = self.model.config.pad_token_id or 0
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.cfg.lr,
-                                           weight_decay=self.cfg.weight_decay)
+        self.optimizer = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad],
+                                           lr=self.cfg.lr, weight_decay=self.cfg.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
         self.baseline = RunningBaseline(self.cfg.baseline_momentum)
         self.resumed = load_state(resume, self.optimizer, self.scheduler) if resume is not None else None
         if self.resumed is not None:
             self.baseline.value = self.resumed.baseline
+
+    def publish_model(self):
+        """The full model a publish carries: the policy itself, or with LoRA the base with the
+        adapter merged in (`serve_rft.trainer.lora.merge_into`)."""
+        if self.export is None:
+            return self.model
+        from serve_rft.trainer import lora
+
+        lora.merge_into(self.model, self.export)
+        return self.export
 
     def _lr_factor(self, step: int) -> float:
         """Multiplier of ``lr`` at optimizer step ``step``: linear warm-up, then constant or
@@ -147,10 +169,15 @@ class PolicyTrainer:
                                          torch.tensor(rewards, device=logp.device), tlz, c.opmd_tau, n_seqs)
         tokens = float(mask.sum())
         here = max(tokens, 1.0)
-        if self.ref_model is not None:
+        if c.kl_coef > 0:
             with torch.no_grad():
-                ref, _ = response_logprobs(self.ref_model, prompts, responses, temps, self.pad_id,
-                                           top_ps=top_ps)
+                if self.ref_model is not None:
+                    ref, _ = response_logprobs(self.ref_model, prompts, responses, temps, self.pad_id,
+                                               top_ps=top_ps)
+                else:
+                    with self.model.disable_adapter():
+                        ref, _ = response_logprobs(self.model, prompts, responses, temps, self.pad_id,
+                                                   top_ps=top_ps)
             kl = kl_k3(logp, ref)
             loss = loss + c.kl_coef * aggregate(kl, mask, agg, n_tokens, n_seqs)
             stats["kl_ref"] = float((kl.detach() * mask).sum() / here)
@@ -313,7 +340,8 @@ class Trainer:
         await asyncio.to_thread(record_published, self.state_root, version)
         floor = await sync.in_use_floor.remote()
         t0 = time.perf_counter()
-        handle = await asyncio.to_thread(method.send, policy.model, version, floor)
+        model = await asyncio.to_thread(policy.publish_model)
+        handle = await asyncio.to_thread(method.send, model, version, floor)
         seconds = time.perf_counter() - t0
         await sync.publish.remote(version, handle)
         self.published = PublishedVersion(version=version, handle=handle)
@@ -324,9 +352,9 @@ class Trainer:
         if self.publishes_since_save >= self.cfg.trainer.save_interval:
             self.phase = "saving"
             await asyncio.to_thread(
-                save_state, self.state_root, policy.model, policy.optimizer, version, self.step_num,
+                save_state, self.state_root, model, policy.optimizer, version, self.step_num,
                 policy.baseline.value, self.unsaved, self.model_path, self.cfg.trainer.keep_states,
-                policy.scheduler)
+                policy.scheduler, policy.model if policy.export is not None else None)
             await store.ack_entries(self.unsaved)
             self.unsaved = []
             self.publishes_since_save = 0

@@ -7,7 +7,8 @@ written like a published version (`serve_rft.trainer.checkpoint`: temp folder, f
 ====================  ==========================================================================
 ``v{version:06d}/``   ``config.json`` + ``model.safetensors`` (``transformers.from_pretrained``
                       loads it) and the tokenizer files of the model it started from
-``optimizer.pt``      ``torch.optim`` state dict (``scheduler.pt``: the LR schedule's)
+``optimizer.pt``      ``torch.optim`` state dict (``scheduler.pt``: the LR schedule's;
+                      ``adapter/``: the LoRA adapter, when training one)
 ``rng.pt``            torch CPU (and CUDA) RNG state
 ``trainer_state.json`` ``version``, ``step``, ``baseline`` (running reward baseline), ``trained``:
                       ``[stream id, "{cid}:{i}", version]`` for every ready-stream entry trained
@@ -54,7 +55,7 @@ class TrainerState:
 
 def save_state(root: str | Path, model, optimizer, version: int, step: int, baseline: float | None,
                trained: list[tuple[str, str, int]], tokenizer_dir: str | Path | None, keep: int = 2,
-               scheduler=None) -> Path:
+               scheduler=None, adapter_model=None) -> Path:
     """Save a resumable trainer state as ``root/v{version:06d}`` (committed atomically).
 
     Args:
@@ -72,6 +73,10 @@ def save_state(root: str | Path, model, optimizer, version: int, step: int, base
         torch.save(optimizer.state_dict(), folder / "optimizer.pt")
         if scheduler is not None:
             torch.save(scheduler.state_dict(), folder / "scheduler.pt")
+        if adapter_model is not None:  # LoRA: model is the merged copy; resume needs the adapter
+            from serve_rft.trainer.lora import save_adapter
+
+            save_adapter(adapter_model, folder)
         rng = {"cpu": torch.get_rng_state()}
         if torch.cuda.is_available():
             rng["cuda"] = torch.cuda.get_rng_state_all()

@@ -199,6 +199,12 @@ def test_training_rolls_new_versions_across_replicas_without_failures(stack):
 def test_behaviour_logprobs_match_the_trainer_on_the_served_version(stack):
     """After rolling syncs, the logged behaviour logprobs of a response equal the trainer's
     recomputation with that policy version's checkpoint (what makes the PPO ratio mean something)."""
+    check_served_logprobs(stack, "checkpoints")
+
+
+def check_served_logprobs(stack, folder: str):
+    """A response served by one trained version has the logprobs of that version's weights,
+    read from ``run_dir/folder/v{version}`` (published checkpoints or trainer states)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -217,7 +223,7 @@ def test_behaviour_logprobs_match_the_trainer_on_the_served_version(stack):
             break
     else:
         pytest.fail(f"no single-version trained response: {exp.token_versions}")
-    ckpt = version_dir(stack.run_dir / "checkpoints", exp.min_version)
+    ckpt = version_dir(stack.run_dir / folder, exp.min_version)
     if not ckpt.exists():
         pytest.fail(f"checkpoint of a served version was pruned: {ckpt}")
     model = AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=torch.float32)

@@ -1,5 +1,6 @@
 """The loop with the MEMORY sync method (versions travel through Ray's object store in
-buckets) and the EXPLORER_DRIVEN style (replicas ask; the trainer answers)."""
+buckets), the EXPLORER_DRIVEN style (replicas ask; the trainer answers), and LoRA training with
+merge_and_sync (each version is base + adapter merged, seed 004)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ pytestmark = pytest.mark.integration
 def stack(redis_server, embedded_model, tmp_path_factory):
     yield from start_stack(redis_server.url, embedded_model, tmp_path_factory.mktemp("run-memory"),
                            ["synchronizer.sync_method=memory", "synchronizer.bucket_bytes=262144",
-                            "synchronizer.sync_style=explorer_driven", "synchronizer.sync_interval=2"])
+                            "synchronizer.sync_style=explorer_driven", "synchronizer.sync_interval=2",
+                            "trainer.lora={rank: 8, alpha: 32}", "trainer.keep_states=1000"])
 
 
 def test_memory_method_rolls_versions_without_failures(stack):
@@ -71,3 +73,14 @@ def test_a_replaced_replica_loads_the_latest_version_before_serving(stack):
     assert new is not None, "no replacement replica registered"
     assert new["policy_version"] >= latest, (new, latest)
     assert failed == 0 and ok > 0
+
+
+def test_lora_versions_serve_the_merged_weights_the_trainer_trained(stack):
+    """With LoRA + merge_and_sync, a replica serving version v has exactly the trainer's base +
+    adapter of v (its saved state holds the merged weights and the adapter)."""
+    from serve_rft.trainer.checkpoint import committed_versions, version_dir
+
+    states = committed_versions(stack.run_dir / "trainer_state")
+    assert states and (version_dir(stack.run_dir / "trainer_state", states[-1]) / "adapter"
+                       / "adapter_model.safetensors").is_file()
+    loop.check_served_logprobs(stack, "trainer_state")

@@ -1,0 +1,78 @@
+"""LoRA adapters for the trainer (peft), synced as merged full weights (seed 004,
+``merge_and_sync=True``: "the LoRA is merged into the base model and then synchronized").
+
+The trainer trains a `peft.PeftModel`; before each publish `merge_into` writes
+``W + delta_W`` (delta from peft's own ``get_delta_weight``: ``B @ A * alpha / r``) into a plain
+copy of the base architecture, which the sync methods publish like any full model. The adapted
+model itself is never merged in place, so repeated publishes add no rounding drift.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+ADAPTER_DIR = "adapter"
+
+
+def wrap(model, settings):
+    """``model`` with trainable LoRA adapters on ``settings.target_modules`` (others frozen).
+
+    Args:
+        settings: `serve_rft.config.LoraSettings`.
+    """
+    from peft import LoraConfig, get_peft_model
+
+    cfg = LoraConfig(r=settings.rank, lora_alpha=settings.alpha, lora_dropout=settings.dropout,
+                     target_modules=list(settings.target_modules), bias="none", task_type="CAUSAL_LM")
+    return get_peft_model(model, cfg)
+
+
+def _plain_name(peft_name: str) -> str:
+    """``base_model.model.model.layers.0.q_proj.base_layer.weight`` -> ``model.layers.0.q_proj.weight``."""
+    name = peft_name.removeprefix("base_model.model.")
+    return name.replace(".base_layer.", ".")
+
+
+@torch.no_grad()
+def merge_into(peft_model, export_model) -> None:
+    """Set ``export_model``'s weights to the adapted model's effective weights
+    (base + LoRA delta per adapted layer, base elsewhere).
+
+    Raises:
+        KeyError: a weight of ``export_model`` has no counterpart (different architecture).
+    """
+    from peft.tuners.lora import LoraLayer
+
+    deltas = {}
+    for name, module in peft_model.named_modules():
+        if isinstance(module, LoraLayer) and module.active_adapters:
+            delta = sum(module.get_delta_weight(a) for a in module.active_adapters if a in module.lora_A)
+            deltas[_plain_name(name + ".base_layer.weight")] = delta
+    base = {_plain_name(n): p for n, p in peft_model.named_parameters() if ".lora_" not in n}
+    for name, p in export_model.named_parameters():
+        src = base[name]
+        p.copy_(src + deltas[name] if name in deltas else src)
+
+
+def save_adapter(peft_model, folder: str | Path) -> None:
+    """Write the adapter (``adapter_model.safetensors`` + ``adapter_config.json``) to ``folder/adapter``."""
+    peft_model.save_pretrained(str(Path(folder) / ADAPTER_DIR))
+
+
+def load_adapter(peft_model, folder: str | Path) -> None:
+    """Load adapter weights saved by `save_adapter` into ``peft_model``.
+
+    Raises:
+        FileNotFoundError: ``folder`` has no adapter.
+    """
+    from peft import set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    path = Path(folder) / ADAPTER_DIR / "adapter_model.safetensors"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} does not exist (the state was not saved with LoRA)")
+    result = set_peft_model_state_dict(peft_model, load_file(str(path)))
+    if result.unexpected_keys:
+        raise ValueError(f"adapter keys that fit no layer: {result.unexpected_keys[:5]}")

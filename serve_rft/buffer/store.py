@@ -288,20 +288,17 @@ class ExperienceStore:
             if "BUSYGROUP" not in str(e):
                 raise
 
-    async def read_ready(self, consumer: str, count: int, block_ms: int, redeliver: bool = False,
+    async def read_ready(self, consumer: str, count: int, block_ms: int,
                          exclude: set[str] | None = None) -> list[RewardedExperience]:
-        """Read up to ``count`` released experiences for ``consumer`` of the trainer group
-        (after a `sweep`), waiting up to ``block_ms`` ms for new ones.
+        """Read up to ``count`` new released experiences for ``consumer`` of the trainer group
+        (after a `sweep`), waiting up to ``block_ms`` ms for them. Entries delivered earlier and
+        never acknowledged are re-read with `delivered`.
 
-        ``redeliver=True`` re-reads the first ``count`` entries delivered to this consumer but
-        never acknowledged (`delivered` reads all of them). If the connection drops during a read
-        of new entries, Redis may have delivered them with the reply lost: then every delivered,
-        unacknowledged entry whose stream id is not in ``exclude`` (what the caller already
-        holds) is returned instead, possibly more than ``count``.
+        If the connection drops during the read, Redis may have delivered entries with the reply
+        lost: then every delivered, unacknowledged entry whose stream id is not in ``exclude``
+        (what the caller already holds) is returned instead, possibly more than ``count``.
         """
         await self.sweep()
-        if redeliver:
-            return _parse(await self._read(self.redis, consumer, "0", count, None))
         try:
             return _parse(await self._read(self._reader, consumer, ">", count, block_ms))
         except (RedisConnectionError, RedisTimeoutError):
@@ -353,10 +350,3 @@ class ExperienceStore:
             args += [stream_id, member, state, version]
         trained, dropped = await self._ack(args=args)
         return int(trained), int(dropped)
-
-    async def delivered_count(self, consumer: str | None = None) -> int:
-        """Entries delivered to the trainer group (or to ``consumer``) but not acknowledged."""
-        info = await self.redis.xpending(self._k("ready"), TRAINER_GROUP)
-        if consumer is None:
-            return int(info["pending"])
-        return sum(int(c["pending"]) for c in info["consumers"] if c["name"] == consumer)

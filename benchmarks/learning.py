@@ -15,29 +15,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from demo_runs import demo_report
 
 
 def run(algorithm: str, duration: float, users: int, extra: list[str]) -> dict:
-    """One demo run with ``trainer.algorithm=algorithm``; returns its JSON summary."""
+    """One demo run with ``trainer.algorithm=algorithm``; returns its figures and JSON summary."""
     from serve_rft.demo.report import plateau
 
-    with tempfile.TemporaryDirectory() as tmp:
-        report = Path(tmp) / "report.json"
-        cmd = [sys.executable, "-m", "serve_rft.cli", "demo", "--duration", str(duration), "--users", str(users),
-               "--no-live", "--report", str(report), "--set", f"trainer.algorithm={algorithm}",
-               "--set", f"service.run_dir={tmp}/run"]
-        for e in extra:
-            cmd += ["--set", e]
-        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=duration + 900)
-        if not report.exists():
-            raise RuntimeError(f"demo failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
-        rep = json.loads(report.read_text())
+    rep = demo_report([f"trainer.algorithm={algorithm}", *extra], duration, users)
     curve = rep["reward_curve"]
     return {"label": algorithm, "algorithm": algorithm, "settings": extra,
             "start_reward": curve[0]["mean_reward"], "plateau_reward": plateau(rep),

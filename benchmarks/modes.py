@@ -22,12 +22,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from demo_runs import demo_report
+
 MODES = {
     "sync_interval=1": ["synchronizer.sync_style=fixed", "synchronizer.sync_interval=1"],
     "sync_interval=2": ["synchronizer.sync_style=fixed", "synchronizer.sync_interval=2"],
@@ -39,16 +38,8 @@ MODES = {
 
 
 def run(label: str, sets: list[str], steps: int, users: int, timeout_s: float) -> dict:
-    with tempfile.TemporaryDirectory() as tmp:
-        report = Path(tmp) / "report.json"
-        cmd = [sys.executable, "-m", "serve_rft.cli", "demo", "--duration", str(timeout_s), "--max-steps", str(steps),
-               "--users", str(users), "--no-live", "--report", str(report), "--set", f"service.run_dir={tmp}/run"]
-        for s in sets:
-            cmd += ["--set", s]
-        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s + 900)
-        if not report.exists():
-            raise RuntimeError(f"{label}: demo failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
-        rep = json.loads(report.read_text())
+    """One demo run with the mode's settings, stopped at trainer step ``steps``."""
+    rep = demo_report(sets, timeout_s, users, max_steps=steps)
     return {"mode": label, "settings": sets, "steps": steps,
             "seconds_to_steps": rep["max_steps_reached_at_s"], "reward_at_steps": rep["reward_at_max_steps"],
             "start_reward": rep["reward_curve"][0]["mean_reward"] if rep["reward_curve"] else None,

@@ -76,22 +76,10 @@ def _perturb(model, seed: int) -> None:
 
 
 async def _logprob_check(engine, model) -> float:
-    from vllm import SamplingParams
-    from vllm.sampling_params import RequestOutputKind
-
-    from serve_rft.trainer.algorithm import response_logprobs
+    from serve_rft.trainer.logprob_check import max_abs_diff
 
     prompt = [1, 87, 306, 201, 343, 78, 316, 308, 275, 691, 2, 201, 1, 347, 829, 935, 201]
-    sp = SamplingParams(temperature=1.0, max_tokens=8, logprobs=0, seed=1,
-                        output_kind=RequestOutputKind.FINAL_ONLY)
-    async for ro in engine.generate(prompt, sp, f"check-{time.time_ns()}"):
-        pass
-    out = ro.outputs[0]
-    ids = list(out.token_ids)
-    lp_vllm = torch.tensor([out.logprobs[i][t].logprob for i, t in enumerate(ids)])
-    with torch.no_grad():
-        lp_hf, _ = response_logprobs(model, [prompt], [ids], [1.0])
-    return float((lp_vllm - lp_hf[0, : len(ids)]).abs().max())
+    return await max_abs_diff(engine, model, prompt, max_tokens=8)
 
 
 async def bench_model(name: str, model_dir: Path, work: Path, bucket_bytes: int) -> list[dict]:

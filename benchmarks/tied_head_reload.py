@@ -21,29 +21,15 @@ PROMPT = [1, 87, 306, 201, 343, 78, 316, 308, 275, 691, 2, 201, 1, 347, 829, 935
 
 async def main() -> dict:
     from transformers import AutoModelForCausalLM
-    from vllm import SamplingParams
-    from vllm.sampling_params import RequestOutputKind
 
     from serve_rft.config import ExplorerConfig, ModelConfig
     from serve_rft.explorer.engine import ExplorerEngine
     from serve_rft.model.embedded import ensure_embedded_model
-    from serve_rft.trainer.algorithm import response_logprobs
+    from serve_rft.trainer.logprob_check import max_abs_diff
 
     base = ensure_embedded_model(ModelConfig().cache_dir)
     work = Path(tempfile.mkdtemp(prefix="srft-tied-"))
     engine = await ExplorerEngine.create(str(base), ExplorerConfig())
-
-    async def diff_vs(model, rid: str) -> float:
-        sp = SamplingParams(temperature=1.0, max_tokens=16, logprobs=0, seed=1,
-                            output_kind=RequestOutputKind.FINAL_ONLY)
-        async for ro in engine.generate(PROMPT, sp, rid):
-            pass
-        out = ro.outputs[0]
-        ids = list(out.token_ids)
-        lp = torch.tensor([out.logprobs[i][t].logprob for i, t in enumerate(ids)])
-        with torch.no_grad():
-            ref, _ = response_logprobs(model, [PROMPT], [ids], [1.0])
-        return float((lp - ref[0, : len(ids)]).abs().max())
 
     results = {}
     try:
@@ -61,7 +47,7 @@ async def main() -> dict:
             await engine.pause("wait")
             await engine.llm.collective_rpc(rpc, kwargs=kwargs)
             await engine.resume()
-            results[rpc] = await diff_vs(model, f"after-{rpc}")
+            results[rpc] = await max_abs_diff(engine, model, PROMPT, max_tokens=16)
     finally:
         engine.shutdown()
     return {"command": ".venv/bin/python benchmarks/tied_head_reload.py",

@@ -10,6 +10,7 @@ benchmarks/logprob_agreement.py.
 
 from __future__ import annotations
 
+import uuid
 from dataclasses import dataclass
 
 import torch
@@ -37,7 +38,7 @@ async def sample(engine, prompts: list[list[int]], temperature: float, top_p: fl
     for k, prompt in enumerate(prompts):
         sp = SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens, logprobs=0,
                             seed=seed + k, output_kind=RequestOutputKind.FINAL_ONLY)
-        async for ro in engine.generate(prompt, sp, f"lp-{seed}-{k}-{temperature}-{top_p}"):
+        async for ro in engine.generate(prompt, sp, f"lp-{uuid.uuid4().hex}"):
             pass
         for o in ro.outputs:
             ids = list(o.token_ids)
@@ -68,3 +69,10 @@ def agreement(samples: list[Sampled], ours: list[torch.Tensor]) -> dict[str, flo
     diffs = torch.cat([(torch.tensor(s.logprobs) - o).abs() for s, o in zip(samples, ours) if s.response])
     return {"max_abs_diff": float(diffs.max()), "mean_abs_diff": float(diffs.mean()),
             "tokens": int(diffs.numel()), "responses": len(samples)}
+
+
+async def max_abs_diff(engine, model, prompt: list[int], max_tokens: int, seed: int = 1) -> float:
+    """One response to ``prompt`` (temperature 1, no top_p): max |vLLM logprob - trainer
+    logprob| over its tokens. How the sync benchmarks check that a load gave the new weights."""
+    samples = await sample(engine, [prompt], 1.0, 1.0, n=1, max_tokens=max_tokens, seed=seed)
+    return agreement(samples, trainer_logprobs(model, samples))["max_abs_diff"]

@@ -66,6 +66,9 @@ class ExplorerConfig(_Strict):
     routing_stats_period_s: float = Field(
         0.25, gt=0, description="How often Ray Serve polls replica routing stats (drain flag), s."
     )
+    max_loras: int = Field(
+        4, ge=1, description="With adapter-only LoRA sync (trainer.lora.merge_and_sync=false): adapters "
+        "(policy versions) one vLLM batch may mix; requests in flight keep the version they started on.")
 
 
 class BufferConfig(_Strict):
@@ -87,6 +90,10 @@ class BufferConfig(_Strict):
         "first reward even if other members have no reward yet, s.")
 
 
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""The ``max_lora_rank`` values vLLM accepts (vllm.config.lora.MaxLoRARanks)."""
+
+
 class LoraSettings(_Strict):
     """Train LoRA adapters (peft) instead of every weight (seed 004, "merge_and_sync")."""
 
@@ -98,14 +105,21 @@ class LoraSettings(_Strict):
         description="Linear layers that get adapters (Qwen2/Llama names).")
     merge_and_sync: bool = Field(
         True, description="true: publish base + adapter merged as full weights (replicas need no LoRA "
-        "support). false (adapter-only sync into replicas started with LoRA) is not built yet.")
+        "support). false: publish only the adapter (adapter_model.safetensors + adapter_config.json); "
+        "replicas start vLLM with LoRA enabled and serve each policy version as the adapter "
+        "`v{version}` over the unchanged base (checkpoint or memory sync; no pause, no reload).")
 
     @model_validator(mode="after")
-    def _merge_only(self) -> "LoraSettings":
-        if not self.merge_and_sync:
-            raise ValueError("trainer.lora.merge_and_sync=false (adapter-only sync) is not built yet; "
-                             "use merge_and_sync=true")
+    def _rank_vllm_serves(self) -> "LoraSettings":
+        if not self.merge_and_sync and self.rank > VLLM_LORA_RANKS[-1]:
+            raise ValueError(f"trainer.lora.rank={self.rank}: vLLM serves adapters up to rank "
+                             f"{VLLM_LORA_RANKS[-1]} (use merge_and_sync=true)")
         return self
+
+    def vllm_max_lora_rank(self) -> int:
+        """The smallest ``max_lora_rank`` vLLM accepts that holds ``rank`` (vLLM allows only
+        `VLLM_LORA_RANKS`)."""
+        return next(r for r in VLLM_LORA_RANKS if r >= self.rank)
 
 
 class TrainerConfig(_Strict):
@@ -155,6 +169,10 @@ class TrainerConfig(_Strict):
     num_threads: int = Field(1, ge=1, description="torch threads of the trainer process.")
     device: Literal["cpu", "cuda"] = Field(
         "cpu", description="Where the trainer's policy model lives (cuda: the actor takes one Ray GPU).")
+    precision: Literal["auto", "fp32", "bf16"] = Field(
+        "auto", description="Forward passes of the trainer: bf16 autocast (weights, optimizer and "
+        "log-softmax stay fp32) or fp32. auto: bf16 on cuda, fp32 on cpu (where the logprob agreement "
+        "with vLLM's fp32 engine is 1e-6).")
     keep_checkpoints: int = Field(5, ge=1, description="Published versions kept on disk.")
     save_interval: int = Field(
         1, ge=1, description="Save the trainer state (weights, optimizer, RNG, version, the ready "
@@ -239,6 +257,19 @@ class Config(_Strict):
                 "synchronizer.sync_method=nccl moves weights GPU to GPU: it needs trainer.device=cuda "
                 "and explorer.num_gpus_per_replica > 0 (on a machine without GPUs use checkpoint or memory)")
         return self
+
+    @model_validator(mode="after")
+    def _adapter_sync_method(self) -> "Config":
+        if self.adapter_sync and self.synchronizer.sync_method is SyncMethod.NCCL:
+            raise ValueError("trainer.lora.merge_and_sync=false syncs adapters as files or buckets: use "
+                             "synchronizer.sync_method=checkpoint or memory (NCCL broadcasts full weights)")
+        return self
+
+    @property
+    def adapter_sync(self) -> bool:
+        """True when replicas serve LoRA adapters over the base (``trainer.lora.merge_and_sync``
+        false) instead of loading full weights."""
+        return self.trainer.lora is not None and not self.trainer.lora.merge_and_sync
 
     @model_validator(mode="after")
     def _always_one_serving(self) -> "Config":

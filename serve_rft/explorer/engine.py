@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import time
+from pathlib import Path
 from typing import AsyncIterator
 
 from serve_rft.config import ExplorerConfig
@@ -27,39 +28,59 @@ def engine_env(cfg: ExplorerConfig) -> None:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 
-def _shm_path() -> str:
-    """A fresh file name in shared memory (tmpfs), or the temp dir where there is none."""
+def _shm_path(kind: str = "bucket", suffix: str = ".safetensors") -> str:
+    """A fresh path in shared memory (tmpfs), or in the temp dir where there is none."""
     import tempfile
     import uuid
 
     root = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-    return os.path.join(root, f"serve-rft-bucket-{os.getpid()}-{uuid.uuid4().hex}.safetensors")
+    return os.path.join(root, f"serve-rft-{kind}-{os.getpid()}-{uuid.uuid4().hex}{suffix}")
+
+
+ADAPTERS_KEPT = 8
+"""Adapter versions an engine keeps registered (requests in flight keep the version they
+started on; vLLM's own LRU cache decides which of them stay loaded)."""
 
 
 class ExplorerEngine:
     """A vLLM `AsyncLLM` serving one policy version at a time.
 
+    Two ways to serve a version: full weights loaded into the model (``policy_version`` labelled
+    in vLLM with ``update_weight_version``, so every token carries the version that produced it),
+    or, with adapter-only LoRA sync (``lora_rank`` set), the unchanged base plus the LoRA adapter
+    of that version, chosen per request: a request keeps the adapter it started with, so all its
+    tokens come from the version it was given.
+
     Attributes:
         policy_version: the version of the weights loaded now (0 = initial weights).
+        adapters: adapter-only sync: policy version -> its `vllm.lora.request.LoRARequest`
+            (the newest `ADAPTERS_KEPT`); version 0 has none (the base itself).
+        adapter_dir: where adapters received in memory are written (removed at shutdown).
         replica_id: the Serve replica this engine belongs to (names its NCCL group).
         world_size: vLLM workers of this engine (tensor x pipeline parallel; 1 here).
         nccl_update_info: names/dtypes/shapes the NCCL receive uses, once the group is joined.
     """
 
-    def __init__(self, llm, policy_version: int = 0, replica_id: str = ""):
+    def __init__(self, llm, policy_version: int = 0, replica_id: str = "", adapter_sync: bool = False):
         self.llm = llm
         self.policy_version = policy_version
         self.replica_id = replica_id
+        self.adapter_sync = adapter_sync
+        self.adapters: dict[int, object] = {}
+        self.adapter_dir = Path(_shm_path("adapters", ""))  # adapters received in memory
         self.world_size = 1
         self.nccl_update_info: dict | None = None
 
     @classmethod
     async def create(cls, model_path: str, cfg: ExplorerConfig, seed: int = 0,
-                     weight_transfer: str | None = None, replica_id: str = "") -> "ExplorerEngine":
+                     weight_transfer: str | None = None, replica_id: str = "",
+                     lora_rank: int | None = None) -> "ExplorerEngine":
         """Start an `AsyncLLM` on ``model_path`` (takes ~15-60 s on CPU) and label version 0.
 
         Args:
             weight_transfer: a vLLM weight-transfer backend to enable (``"nccl"``), or None.
+            lora_rank: serve policy versions as LoRA adapters of up to this rank (one of vLLM's
+                ``max_lora_rank`` values; `LoraSettings.vllm_max_lora_rank`), or None.
         """
         engine_env(cfg)
         from vllm.engine.arg_utils import AsyncEngineArgs
@@ -70,6 +91,9 @@ class ExplorerEngine:
             from vllm.config.weight_transfer import WeightTransferConfig
 
             extra["weight_transfer_config"] = WeightTransferConfig(backend=weight_transfer)
+        if lora_rank is not None:
+            extra.update(enable_lora=True, max_lora_rank=lora_rank, max_loras=cfg.max_loras,
+                         max_cpu_loras=max(ADAPTERS_KEPT, cfg.max_loras))
         args = AsyncEngineArgs(
             model=model_path,
             dtype=cfg.dtype,
@@ -84,16 +108,59 @@ class ExplorerEngine:
             **extra,
         )
         llm = AsyncLLM.from_engine_args(args)
-        engine = cls(llm, 0, replica_id)
+        engine = cls(llm, 0, replica_id, adapter_sync=lora_rank is not None)
         await llm.update_weight_version("0")
         return engine
 
-    def generate(self, prompt_token_ids: list[int], sampling_params, request_id: str) -> AsyncIterator:
-        """Stream vLLM `RequestOutput`s for one request (kind set in ``sampling_params``)."""
+    def generate(self, prompt_token_ids: list[int], sampling_params, request_id: str,
+                 version: int | None = None) -> AsyncIterator:
+        """Stream vLLM `RequestOutput`s for one request (kind set in ``sampling_params``).
+
+        Args:
+            version: adapter-only sync: the policy version to answer with (default: the current
+                one); the caller labels every token with it. Ignored for full-weight sync.
+        Raises:
+            KeyError: adapter-only sync, ``version`` is no longer registered.
+        """
         from vllm.inputs import TokensPrompt
 
+        lora = None
+        if self.adapter_sync:
+            version = self.policy_version if version is None else version
+            lora = self.adapters[version] if version > 0 else None
         return self.llm.generate(TokensPrompt(prompt_token_ids=prompt_token_ids),
-                                 sampling_params, request_id)
+                                 sampling_params, request_id, lora_request=lora)
+
+    async def load_adapter(self, path: str, version: int) -> float:
+        """Adapter-only sync: register the LoRA adapter folder ``path`` (``adapter_config.json``
+        + ``adapter_model.safetensors``) as ``version`` and answer new requests with it. No pause:
+        requests in flight finish on the adapter they started with.
+
+        Returns:
+            Seconds the load took (vLLM reads and validates the adapter).
+        Raises:
+            EngineUnchanged: vLLM refused the adapter (the engine still serves its previous
+                version); ValueError: the engine was started without LoRA, or ``version`` < 1.
+        """
+        from vllm.lora.request import LoRARequest
+
+        from serve_rft.synchronizer.methods.base import EngineUnchanged
+
+        if not self.adapter_sync:
+            raise ValueError("this engine was started without LoRA (lora_rank=None)")
+        if version < 1:
+            raise ValueError(f"adapter versions start at 1 (version 0 is the base), got {version}")
+        t0 = time.perf_counter()
+        request = LoRARequest(lora_name=f"v{version}", lora_int_id=version, lora_path=path)
+        try:
+            await self.llm.add_lora(request)
+        except Exception as e:  # nothing changed: the previous adapter still answers
+            raise EngineUnchanged(f"vLLM refused the adapter of version {version} at {path}: {e!r}") from e
+        self.adapters[version] = request
+        self.policy_version = version
+        for old in sorted(self.adapters)[:-ADAPTERS_KEPT]:
+            del self.adapters[old]  # vLLM's LRU cache (max_cpu_loras) drops its copy by itself
+        return time.perf_counter() - t0
 
     async def pause(self, mode: str) -> float:
         """Stop scheduling: ``wait`` drains in-flight requests, ``keep`` freezes them.
@@ -183,4 +250,7 @@ class ExplorerEngine:
         await self.llm.resume_generation()
 
     def shutdown(self) -> None:
+        import shutil
+
         self.llm.shutdown()
+        shutil.rmtree(self.adapter_dir, ignore_errors=True)

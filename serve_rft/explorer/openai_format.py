@@ -20,7 +20,11 @@ def fingerprint(version: int) -> str:
 
 @dataclass
 class ChoiceAccumulator:
-    """Token ids, sampled-token logprobs and OpenAI logprob entries of one choice, in order."""
+    """Token ids, sampled-token logprobs and OpenAI logprob entries of one choice, in order.
+
+    ``pinned``: every token comes from the version the request started on (adapter-only LoRA
+    sync: a request keeps its adapter), so vLLM's per-token weight-version spans are ignored.
+    """
 
     index: int
     token_ids: list[int] = field(default_factory=list)
@@ -29,6 +33,7 @@ class ChoiceAccumulator:
     content_logprobs: list[dict[str, Any]] = field(default_factory=list)
     finish_reason: str | None = None
     version_spans: list[tuple[int, int, int]] | None = None
+    pinned: bool = False
 
     def add(self, out, top_logprobs: int | None) -> list[dict[str, Any]]:
         """Append a (delta or final) vLLM `CompletionOutput`; returns its OpenAI logprob entries.
@@ -50,7 +55,7 @@ class ChoiceAccumulator:
         self.content_logprobs.extend(entries)
         if out.finish_reason is not None:
             self.finish_reason = out.finish_reason
-        if out.weight_versions:
+        if out.weight_versions and not self.pinned:
             self.version_spans = [(int(s.version), s.start, s.end) for s in out.weight_versions]
         return entries
 

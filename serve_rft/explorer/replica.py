@@ -76,8 +76,10 @@ class ExplorerReplica:
         self.store = ExperienceStore.from_config(self.cfg.buffer)
         self.sync = get_synchronizer()
         nccl = self.cfg.synchronizer.sync_method.value == "nccl"
+        lora_rank = self.cfg.trainer.lora.vllm_max_lora_rank() if self.cfg.adapter_sync else None
         self.engine = await ExplorerEngine.create(model_path, self.cfg.explorer, replica_id=self.replica_id,
-                                                  weight_transfer="nccl" if nccl else None)
+                                                  weight_transfer="nccl" if nccl else None,
+                                                  lora_rank=lora_rank)
         self.draining = False
         self.loaded = {"method": "checkpoint", "path": model_path}  # handle of the served version
         self.experiences_logged = 0  # explorer step = this // synchronizer.explorer_step_experiences
@@ -113,21 +115,25 @@ class ExplorerReplica:
                 await self._apply(order)
 
     async def _apply(self, order: SyncOrder) -> None:
-        """Drain, pause, load, resume; report the outcome to the synchronizer.
+        """Drain, pause, load, resume; report the outcome to the synchronizer. An adapter
+        (adapter-only LoRA sync) is registered without drain or pause: requests in flight finish
+        on the adapter they started with, new ones get the new one.
 
         A failed load restores the previous version's weights (never half old, half new) and is
         reported as a failure; if even the restore fails the exception propagates, the sync loop
         ends and the health check makes Ray Serve replace this replica (which loads the latest
         version before it takes traffic).
         """
-        self.draining = True
+        swap = bool(order.handle.get("adapter"))
+        self.draining = not swap
         previous_handle, previous_version = self.loaded, self.engine.policy_version
         t0 = time.perf_counter()
         try:
-            # Routers read routing stats every `routing_stats_period_s`: announce, then wait.
-            await asyncio.sleep(2 * self.cfg.explorer.routing_stats_period_s + 0.1)
+            if not swap:  # Routers read routing stats every `routing_stats_period_s`: announce, wait.
+                await asyncio.sleep(2 * self.cfg.explorer.routing_stats_period_s + 0.1)
             t_pause = time.perf_counter()
-            await self.engine.pause(order.drain_mode)
+            if not swap:
+                await self.engine.pause(order.drain_mode)
             t_load = time.perf_counter()
             try:
                 info = await load_or_restore(self.engine, order.handle, order.version,
@@ -135,14 +141,16 @@ class ExplorerReplica:
                 self.loaded = order.handle
             except LoadFailed as e:  # previous version restored: serve it, report the failure
                 log.exception("replica %s failed to load version %s", self.replica_id, order.version)
-                await self.engine.resume()
+                if not swap:
+                    await self.engine.resume()
                 await self.sync.failed.remote(self.replica_id, order.version, repr(e.__cause__))
                 self.draining = False
                 return
             except EngineBroken as e:  # stay out of rotation; the health check ends this replica
                 await self.sync.failed.remote(self.replica_id, order.version, repr(e))
                 raise
-            await self.engine.resume()
+            if not swap:
+                await self.engine.resume()
             self.draining = False
         except asyncio.CancelledError:
             self.draining = False
@@ -314,8 +322,8 @@ class ExplorerReplica:
     async def _complete(self, req, cid, prompt_ids, params, sampling) -> JSONResponse:
         created_at = time.time()
         version = self.engine.policy_version
-        accs = {i: fmt.ChoiceAccumulator(i) for i in range(req.n)}
-        async for ro in self.engine.generate(prompt_ids, params, cid):
+        accs = {i: fmt.ChoiceAccumulator(i, pinned=self.engine.adapter_sync) for i in range(req.n)}
+        async for ro in self.engine.generate(prompt_ids, params, cid, version):
             for out in ro.outputs:
                 accs[out.index].add(out, req.top_logprobs)
         choices = list(accs.values())
@@ -337,7 +345,7 @@ class ExplorerReplica:
         created = int(created_at)
         version = self.engine.policy_version
         model = req.model or self.cfg.model.served_name
-        accs = {i: fmt.ChoiceAccumulator(i) for i in range(req.n)}
+        accs = {i: fmt.ChoiceAccumulator(i, pinned=self.engine.adapter_sync) for i in range(req.n)}
 
         def sse(obj: dict) -> str:
             return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
@@ -347,7 +355,7 @@ class ExplorerReplica:
                 {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                  "finish_reason": None}]))
         try:
-            async for ro in self.engine.generate(prompt_ids, params, cid):
+            async for ro in self.engine.generate(prompt_ids, params, cid, version):
                 for out in ro.outputs:
                     entries = accs[out.index].add(out, req.top_logprobs)
                     if out.text or entries:

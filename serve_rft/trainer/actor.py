@@ -47,6 +47,7 @@ class PolicyTrainer:
         torch.manual_seed(cfg.trainer.seed)
         self.cfg = cfg.trainer
         self.device = torch.device(cfg.trainer.device)
+        self.bf16 = cfg.trainer.precision == "bf16" or (cfg.trainer.precision == "auto" and self.device.type == "cuda")
         def load(path):
             return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(self.device)
 
@@ -75,15 +76,23 @@ class PolicyTrainer:
         if self.resumed is not None:
             self.baseline.value = self.resumed.baseline
 
-    def publish_model(self):
-        """The full model a publish carries: the policy itself, or with LoRA the base with the
-        adapter merged in (`serve_rft.trainer.lora.merge_into`)."""
+    def full_model(self):
+        """The policy as a plain transformers model: the model itself, or with LoRA the base
+        with the adapter merged in (`serve_rft.trainer.lora.merge_into`). Trainer states hold it."""
         if self.export is None:
             return self.model
         from serve_rft.trainer import lora
 
         lora.merge_into(self.model, self.export)
         return self.export
+
+    def publish_model(self):
+        """What a publish carries: `full_model`, or with adapter-only LoRA sync
+        (``lora.merge_and_sync=false``) the `peft.PeftModel`, whose adapter alone the sync
+        methods move."""
+        if self.cfg.lora is not None and not self.cfg.lora.merge_and_sync:
+            return self.model
+        return self.full_model()
 
     def _lr_factor(self, step: int) -> float:
         """Multiplier of ``lr`` at optimizer step ``step``: linear warm-up, then constant or
@@ -142,6 +151,13 @@ class PolicyTrainer:
                       micro_batches=math.ceil(len(batch) / size), step_seconds=time.perf_counter() - t0)
         return totals
 
+    def _autocast(self):
+        """bf16 autocast for forward passes (``trainer.precision``: bf16, or auto on CUDA); the
+        weights, the optimizer and the logits' log-softmax stay fp32."""
+        import torch
+
+        return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16, enabled=self.bf16)
+
     def _micro_step(self, exps, adv, rewards, tlz, n_tokens: float, n_seqs: float):
         """Loss of one micro-batch, normalised by the whole batch's ``n_tokens`` / ``n_seqs``."""
         import torch
@@ -155,8 +171,9 @@ class PolicyTrainer:
         responses = [e.response_token_ids for e in exps]
         temps = [e.sampling.temperature for e in exps]
         top_ps = [e.sampling.top_p for e in exps]
-        logp, mask, ent = response_logprobs(self.model, prompts, responses, temps, self.pad_id,
-                                            with_entropy=True, top_ps=top_ps)
+        with self._autocast():
+            logp, mask, ent = response_logprobs(self.model, prompts, responses, temps, self.pad_id,
+                                                with_entropy=True, top_ps=top_ps)
         behaviour = torch.zeros_like(logp)
         for i, e in enumerate(exps):
             behaviour[i, : len(e.behaviour_logprobs)] = torch.tensor(e.behaviour_logprobs)
@@ -170,7 +187,7 @@ class PolicyTrainer:
         tokens = float(mask.sum())
         here = max(tokens, 1.0)
         if c.kl_coef > 0:
-            with torch.no_grad():
+            with torch.no_grad(), self._autocast():
                 if self.ref_model is not None:
                     ref, _ = response_logprobs(self.ref_model, prompts, responses, temps, self.pad_id,
                                                top_ps=top_ps)
@@ -330,9 +347,8 @@ class Trainer:
         Returns:
             Seconds the method's ``send`` took.
         """
-        from serve_rft.trainer.state import save_state
-
-        from serve_rft.trainer.state import record_published
+        from serve_rft.trainer.lora import is_adapter_model
+        from serve_rft.trainer.state import record_published, save_state
 
         version = self.step_num if version is None else version
         self.step_num = version
@@ -351,8 +367,10 @@ class Trainer:
         self.publishes_since_save += 1
         if self.publishes_since_save >= self.cfg.trainer.save_interval:
             self.phase = "saving"
+            # adapter-only sync published the adapter; the state holds full (merged) weights
+            full = await asyncio.to_thread(policy.full_model) if is_adapter_model(model) else model
             await asyncio.to_thread(
-                save_state, self.state_root, model, policy.optimizer, version, self.step_num,
+                save_state, self.state_root, full, policy.optimizer, version, self.step_num,
                 policy.baseline.value, self.unsaved, self.model_path, self.cfg.trainer.keep_states,
                 policy.scheduler, policy.model if policy.export is not None else None)
             await store.ack_entries(self.unsaved)

@@ -1,5 +1,6 @@
 """LoRA adapters for the trainer (peft), synced as merged full weights (seed 004,
-``merge_and_sync=True``: "the LoRA is merged into the base model and then synchronized").
+``merge_and_sync=True``: "the LoRA is merged into the base model and then synchronized") or as
+the adapter alone (``merge_and_sync=False``: replicas serve it with vLLM's LoRA support).
 
 The trainer trains a `peft.PeftModel`; before each publish `merge_into` writes
 ``W + delta_W`` (delta from peft's own ``get_delta_weight``: ``B @ A * alpha / r``) into a plain
@@ -54,6 +55,38 @@ def merge_into(peft_model, export_model) -> None:
     for name, p in export_model.named_parameters():
         src = base[name]
         p.copy_(src + deltas[name] if name in deltas else src)
+
+
+def is_adapter_model(model) -> bool:
+    """True for a `peft.PeftModel`: publishing it syncs only its adapter (``merge_and_sync=false``)."""
+    return hasattr(model, "peft_config")
+
+
+def adapter_tensors(peft_model) -> tuple[dict[str, torch.Tensor], str]:
+    """The adapter as ``save_pretrained`` writes it: its tensors (peft's checkpoint names, CPU,
+    contiguous) and the text of its ``adapter_config.json``."""
+    import tempfile
+
+    from peft import get_peft_model_state_dict
+
+    tensors = {k: v.detach().to("cpu", copy=True).contiguous()
+               for k, v in get_peft_model_state_dict(peft_model).items()}
+    with tempfile.TemporaryDirectory() as d:  # peft's own serialisation of its config
+        peft_model.peft_config["default"].save_pretrained(d)
+        config = (Path(d) / "adapter_config.json").read_text()
+    return tensors, config
+
+
+def write_adapter(folder: str | Path, tensors: dict[str, torch.Tensor], config: str) -> Path:
+    """Write an adapter folder (``adapter_model.safetensors`` + ``adapter_config.json``) that
+    vLLM's LoRA loader and `peft.PeftModel.from_pretrained` read."""
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(folder / "adapter_model.safetensors"))
+    (folder / "adapter_config.json").write_text(config)
+    return folder
 
 
 def save_adapter(peft_model, folder: str | Path) -> None:

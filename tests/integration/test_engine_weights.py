@@ -107,3 +107,102 @@ def test_checkpoint_and_memory_loads_give_exactly_the_new_policy(embedded_model,
     assert results["checkpoint"] < 1e-4, results
     assert results["memory"] < 1e-4, results
     assert results["restored"] < 1e-4, results
+
+
+def _trained_adapter(embedded_model, seed, rank=8):
+    """A peft model whose LoRA B matrices are random (so the adapter changes the policy)."""
+    from transformers import AutoModelForCausalLM
+
+    from serve_rft.config import LoraSettings
+    from serve_rft.trainer import lora
+
+    torch.manual_seed(seed)
+    model = lora.wrap(AutoModelForCausalLM.from_pretrained(str(embedded_model), dtype=torch.float32),
+                      LoraSettings(rank=rank, alpha=2.0 * rank, merge_and_sync=False))
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.05)
+    return model
+
+
+def test_adapter_only_sync_serves_each_version_as_its_adapter(embedded_model, tmp_path):
+    """An engine started with LoRA: an adapter published by CHECKPOINT or MEMORY answers with
+    exactly base + adapter; a request started on version 1 keeps version 1's adapter while
+    version 2 is registered (no pause); an adapter vLLM refuses leaves the engine unchanged."""
+    import ray
+
+    from serve_rft.config import ExplorerConfig
+    from serve_rft.explorer.engine import ExplorerEngine
+    from serve_rft.synchronizer.methods import CheckpointMethod, LoadFailed, MemoryMethod, load_or_restore
+    from serve_rft.trainer import lora
+
+    from transformers import AutoModelForCausalLM
+
+    def merged(peft_model):
+        out = AutoModelForCausalLM.from_pretrained(str(embedded_model), dtype=torch.float32)
+        lora.merge_into(peft_model, out)
+        return out
+
+    a1, a2 = _trained_adapter(embedded_model, 1), _trained_adapter(embedded_model, 2)
+    ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False)
+    try:
+        async def go():
+            from vllm import SamplingParams
+            from vllm.sampling_params import RequestOutputKind
+
+            engine = await ExplorerEngine.create(str(embedded_model), ExplorerConfig(), lora_rank=8)
+            try:
+                res = {}
+                ids0, lp0, _ = await _sample(engine, "base")
+                base = AutoModelForCausalLM.from_pretrained(str(embedded_model), dtype=torch.float32)
+                res["base"] = float((lp0 - _hf_logprobs(base, ids0)).abs().max())
+                ck = CheckpointMethod(tmp_path / "ck")
+                h1 = ck.send(a1, 1)
+                info = await ck.receive(engine, h1, 1)
+                assert engine.policy_version == 1 and 0 < info["bytes"] < 500_000
+                ids1, lp1, _ = await _sample(engine, "v1")
+                res["checkpoint"] = float((lp1 - _hf_logprobs(merged(a1), ids1)).abs().max())
+
+                # a long request on version 1; version 2 arrives (memory) while it runs.
+                # (ignore_eos, not min_tokens: min_tokens masks EOS, which shifts vLLM's
+                # processed logprobs by -log(1 - p_eos))
+                sp = SamplingParams(temperature=1.0, max_tokens=200, ignore_eos=True, logprobs=0, seed=5,
+                                    output_kind=RequestOutputKind.FINAL_ONLY)
+
+                async def long_request():
+                    async for ro in engine.generate(PROMPT, sp, "long", version=1):
+                        pass
+                    return ro.outputs[0], asyncio.get_running_loop().time()
+
+                task = asyncio.create_task(long_request())
+                await asyncio.sleep(0.3)
+                mem = MemoryMethod()
+                await mem.receive(engine, mem.send(a2, 2), 2)
+                swapped_at = asyncio.get_running_loop().time()
+                out, finished_at = await task
+                assert finished_at > swapped_at, "the request must span the adapter swap"
+                ids_long = list(out.token_ids)
+                lp_long = torch.tensor([out.logprobs[i][t].logprob for i, t in enumerate(ids_long)])
+                res["in_flight_kept_v1"] = float((lp_long - _hf_logprobs(merged(a1), ids_long)).abs().max())
+                assert len(ids_long) == 200
+                assert float((lp_long - _hf_logprobs(merged(a2), ids_long)).abs().max()) > 0.05
+                ids2, lp2, _ = await _sample(engine, "v2")
+                res["memory"] = float((lp2 - _hf_logprobs(merged(a2), ids2)).abs().max())
+
+                # rank 16 > the engine's max_lora_rank 8: refused, version 2 keeps serving
+                h3 = ck.send(_trained_adapter(embedded_model, 3, rank=16), 3)
+                with pytest.raises(LoadFailed):
+                    await load_or_restore(engine, h3, 3, {"method": "memory"}, 2)
+                assert engine.policy_version == 2 and 3 not in engine.adapters
+                ids4, lp4, _ = await _sample(engine, "v2-again")
+                res["after_refusal"] = float((lp4 - _hf_logprobs(merged(a2), ids4)).abs().max())
+                return res
+            finally:
+                engine.shutdown()
+
+        results = asyncio.run(go())
+    finally:
+        ray.shutdown()
+    print(results)
+    assert all(v < 1e-4 for v in results.values()), results

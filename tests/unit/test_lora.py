@@ -1,5 +1,6 @@
-"""LoRA training with merge_and_sync (seed 004): the published full model equals base + adapter,
-only the adapter trains, and a saved state resumes exactly."""
+"""LoRA training (seed 004): with merge_and_sync the published full model equals base + adapter;
+without, only the adapter is published (as a folder or a memory object) and it rebuilds the same
+policy; only the adapter trains, and a saved state resumes exactly."""
 
 import pytest
 import torch
@@ -60,6 +61,65 @@ def test_lora_kl_uses_the_base_as_reference(embedded_model):
     assert p.step(_batch(2))["kl_ref"] > 0
 
 
-def test_adapter_only_sync_is_refused_until_built():
-    with pytest.raises(Exception, match="merge_and_sync"):
-        load_config(None, ["trainer.lora={merge_and_sync: false}"])
+ADAPTER_ONLY = ["trainer.lora={rank: 4, alpha: 8, merge_and_sync: false}", "trainer.lr=0.01"]
+
+
+def _rebuilt(embedded_model, folder):
+    """base + the adapter folder, as peft (and vLLM) would load it."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(str(embedded_model), dtype=torch.float32)
+    return PeftModel.from_pretrained(base, str(folder))
+
+
+def test_adapter_only_sync_publishes_the_adapter_alone(embedded_model, tmp_path):
+    """CHECKPOINT writes only adapter files (no full weights); MEMORY carries the same tensors
+    and config; either folder + the base gives the trained policy, and the trainer state still
+    holds full merged weights."""
+    import asyncio
+
+    import ray
+
+    from serve_rft.synchronizer.methods import CheckpointMethod, MemoryMethod
+
+    cfg = load_config(None, ADAPTER_ONLY)
+    assert cfg.adapter_sync and cfg.trainer.lora.vllm_max_lora_rank() == 8
+    p = PolicyTrainer(cfg, str(embedded_model))
+    for k in range(2):
+        p.step(_batch(k))
+    ids = [1, 5, 9, 33, 70, 2]
+    want = _logits(p.model, ids)
+    handle = CheckpointMethod(tmp_path / "ckpt").send(p.publish_model(), 3)
+    folder = tmp_path / "ckpt" / "v000003"
+    assert handle == {"method": "checkpoint", "path": str(folder), "adapter": True}
+    assert (folder / "adapter_config.json").is_file() and not (folder / "model.safetensors").exists()
+    assert torch.allclose(_logits(_rebuilt(embedded_model, folder), ids), want, atol=1e-5)
+
+    class Engine:  # what MemoryMethod.receive asks of an ExplorerEngine for an adapter
+        adapter_dir = tmp_path / "shm"
+        adapters: dict = {}
+
+        async def load_adapter(self, path, version):
+            self.adapters[version] = path
+            return 0.0
+
+    ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False)
+    try:
+        mh = MemoryMethod().send(p.publish_model(), 3)
+        assert mh["adapter"] and 0 < mh["bytes"] < 200_000
+        engine = Engine()
+        asyncio.run(MemoryMethod().receive(engine, mh, 3))
+    finally:
+        ray.shutdown()
+    assert torch.allclose(_logits(_rebuilt(embedded_model, engine.adapters[3]), ids), want, atol=1e-5)
+    full = p.full_model()
+    assert not hasattr(full, "peft_config") and torch.allclose(_logits(full, ids), want, atol=1e-5)
+
+
+def test_adapter_only_sync_config_errors():
+    with pytest.raises(Exception, match="checkpoint or memory"):
+        load_config(None, ["trainer.lora={merge_and_sync: false}", "synchronizer.sync_method=nccl",
+                           "trainer.device=cuda", "explorer.num_gpus_per_replica=1"])
+    with pytest.raises(Exception, match="up to rank 512"):
+        load_config(None, ["trainer.lora={merge_and_sync: false, rank: 600}"])

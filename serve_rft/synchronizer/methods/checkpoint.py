@@ -3,7 +3,10 @@
 The trainer writes ``v{version:06d}/`` atomically (temp folder, fsync, rename, ``COMMITTED``
 marker; `serve_rft.trainer.checkpoint`), keeps the newest ``keep`` and every version a replica
 still serves; each replica's vLLM worker reloads from the folder. Works across machines that
-share the folder.
+share the folder. With adapter-only LoRA sync the trainer publishes its `peft.PeftModel`, whose
+``save_pretrained`` writes only the adapter (``adapter_config.json`` +
+``adapter_model.safetensors``); replicas register such a folder as a vLLM LoRA adapter instead of
+reloading weights.
 """
 
 from __future__ import annotations
@@ -38,11 +41,14 @@ class CheckpointMethod(WeightSyncMethod):
     def send(self, model, version: int, in_use_floor: int | None = None) -> dict[str, Any]:
         from serve_rft.trainer.checkpoint import save_version
 
+        from serve_rft.trainer.lora import is_adapter_model
+
         path = save_version(model, self.root, version, self.keep, in_use_floor)
-        return {"method": self.name, "path": str(path)}
+        return {"method": self.name, "path": str(path), "adapter": is_adapter_model(model)}
 
     async def receive(self, engine, handle: dict[str, Any], version: int) -> dict[str, float]:
-        """Load a committed version folder (or the initial model directory, version 0).
+        """Load a committed version folder (or the initial model directory, version 0); an
+        adapter folder is registered as the engine's LoRA adapter of ``version``.
 
         Raises:
             FileNotFoundError: the folder is not committed (no ``COMMITTED`` marker).
@@ -52,5 +58,8 @@ class CheckpointMethod(WeightSyncMethod):
         path = Path(handle["path"])
         if version > 0 and not (path / MARKER).exists():
             raise FileNotFoundError(f"{path} is not a committed version (no {MARKER} marker)")
-        seconds = await engine.load_checkpoint(str(path), version)
+        if handle.get("adapter"):
+            seconds = await engine.load_adapter(str(path), version)
+        else:
+            seconds = await engine.load_checkpoint(str(path), version)
         return {"seconds": seconds, "bytes": float(_folder_bytes(handle["path"]))}

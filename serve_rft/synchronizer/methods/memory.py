@@ -7,6 +7,10 @@ fetches one bucket at a time and hands it to its vLLM worker (through a shared-m
 re-processed as soon as all its tensors arrived), so the replica's extra memory is about one
 bucket, not a second model. The object store holds one
 copy per version that some replica still references; Ray frees it once no handle refers to it.
+
+With adapter-only LoRA sync the trainer publishes its `peft.PeftModel`: one object holds the
+adapter's tensors and config; a replica writes it to a folder in shared memory and registers it
+as the LoRA adapter of the version (`ExplorerEngine.load_adapter`).
 """
 
 from __future__ import annotations
@@ -49,6 +53,12 @@ class MemoryMethod(WeightSyncMethod):
     def send(self, model, version: int, in_use_floor: int | None = None) -> dict[str, Any]:
         import ray
 
+        from serve_rft.trainer.lora import adapter_tensors, is_adapter_model
+
+        if is_adapter_model(model):
+            tensors, config = adapter_tensors(model)
+            return {"method": self.name, "adapter": True, "buckets": [ray.put((tensors, config))],
+                    "bytes": sum(t.numel() * t.element_size() for t in tensors.values())}
         refs, total = [], 0
         for bucket in iter_buckets(checkpoint_tensors(model), self.bucket_bytes):
             total += sum(t.numel() * t.element_size() for _, t in bucket)
@@ -57,6 +67,9 @@ class MemoryMethod(WeightSyncMethod):
 
     async def receive(self, engine, handle: dict[str, Any], version: int) -> dict[str, float]:
         t0 = time.perf_counter()
+        if handle.get("adapter"):
+            await _receive_adapter(engine, handle, version)
+            return {"seconds": time.perf_counter() - t0, "bytes": float(handle["bytes"])}
         await engine.begin_update()
         for ref in handle["buckets"]:
             bucket = await ref
@@ -64,3 +77,29 @@ class MemoryMethod(WeightSyncMethod):
             del bucket
         await engine.finish_update(version)
         return {"seconds": time.perf_counter() - t0, "bytes": float(handle["bytes"])}
+
+
+async def _receive_adapter(engine, handle: dict[str, Any], version: int) -> None:
+    """Write the adapter to a folder and register it; drop folders of versions the engine no
+    longer keeps.
+
+    Raises:
+        EngineUnchanged: the adapter could not be fetched, written or loaded.
+    """
+    import asyncio
+    import shutil
+
+    from serve_rft.synchronizer.methods.base import EngineUnchanged
+    from serve_rft.trainer.lora import write_adapter
+
+    root = engine.adapter_dir
+    try:
+        tensors, config = await handle["buckets"][0]
+        folder = await asyncio.to_thread(write_adapter, root / f"v{version:06d}", tensors, config)
+    except Exception as e:  # nothing reached the engine
+        raise EngineUnchanged(f"adapter of version {version} not received: {e!r}") from e
+    await engine.load_adapter(str(folder), version)
+    keep = {f"v{v:06d}" for v in engine.adapters}
+    for d in root.iterdir():
+        if d.name not in keep:
+            shutil.rmtree(d, ignore_errors=True)

@@ -81,7 +81,8 @@ def up(config: Optional[Path] = ConfigOpt, sets: list[str] = SetOpt, model: Opti
        ) -> None:
     """Run the service (or one role of it) in the foreground until SIGINT/SIGTERM.
 
-    Prints one JSON line once up: url (empty in train mode), redis_url, ray_address, mode.
+    Prints one JSON line once up: url (empty in train mode), redis_url, ray_address, mode,
+    metrics_url (Ray's Prometheus endpoint; empty when joining a cluster).
     """
     from serve_rft.service.launcher import ServiceStack, quiet_env, trainer_status, wait_for_signal
 
@@ -100,7 +101,7 @@ def up(config: Optional[Path] = ConfigOpt, sets: list[str] = SetOpt, model: Opti
                       f"(model {stack.model_path}, started in {stack.startup_seconds:.1f} s)")
         print(json.dumps({"url": stack.url, "startup_seconds": stack.startup_seconds,
                           "ray_address": stack.ray_address, "redis_url": stack.cfg.buffer.redis_url,
-                          "mode": mode.value}), flush=True)
+                          "mode": mode.value, "metrics_url": stack.metrics_url}), flush=True)
         done = None
         if mode is Mode.train and max_steps > 0:
             def done() -> bool:
@@ -178,6 +179,49 @@ def report(path: Path = typer.Argument(..., help="A `serve-rft demo --report` JS
             t.add_row(*row)
         Console().print(t)
     console.print(f"figure: {out}")
+
+
+@cli.command()
+def status(url: str = typer.Option("http://127.0.0.1:8000", help="The service's base URL."),
+           interval: float = typer.Option(2.0, help="Seconds between refreshes."),
+           once: bool = typer.Option(False, "--once", help="Print one snapshot and exit."),
+           api_key: Optional[str] = typer.Option(None, envvar="SERVE_RFT_API_KEY",
+                                                 help="Bearer key for a service with API keys on.")) -> None:
+    """Live table of a running service from /v1/status: replicas (state, policy version, last
+    sync), experience counts and rates, trainer step and staleness. Ctrl-C ends it."""
+    import httpx
+    from rich.live import Live
+
+    from serve_rft.service.status_view import rates, render
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+    def fetch() -> dict:
+        try:
+            r = httpx.get(f"{url.rstrip('/')}/v1/status", headers=headers, timeout=10)
+        except httpx.HTTPError as e:
+            console.print(f"[red]cannot reach {url}:[/red] {e}")
+            raise typer.Exit(1) from None
+        if r.status_code != 200:
+            console.print(f"[red]{url}/v1/status answered {r.status_code}:[/red] {r.text[:300]}")
+            raise typer.Exit(1)
+        return r.json()
+
+    prev, t_prev = None, 0.0
+    cur = fetch()
+    t_cur = time.monotonic()
+    if once:
+        Console().print(render(cur, rates(None, cur, 0.0)))
+        return
+    with Live(render(cur, rates(None, cur, 0.0)), console=Console(), refresh_per_second=4) as live:
+        try:
+            while True:
+                time.sleep(interval)
+                prev, t_prev = cur, t_cur
+                cur, t_cur = fetch(), time.monotonic()
+                live.update(render(cur, rates(prev, cur, t_cur - t_prev)))
+        except KeyboardInterrupt:
+            pass
 
 
 def main() -> None:

@@ -61,6 +61,9 @@ class ExplorerConfig(_Strict):
     max_num_seqs: int = Field(64, ge=1, description="vLLM scheduler: concurrent sequences per replica.")
     max_ongoing_requests: int = Field(64, ge=1, description="Ray Serve: in-flight requests per replica.")
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    gpu_memory_utilization: float = Field(
+        0.9, gt=0, le=1, description="GPU machines: share of the GPU's memory one vLLM replica may use "
+        "(weights + KV cache); lower it when replicas and the trainer share a GPU.")
     max_n: int = Field(16, ge=1, description="Largest accepted `n` (choices per request).")
     default_max_tokens: int = Field(64, ge=1, description="max_tokens when a request gives none.")
     routing_stats_period_s: float = Field(
@@ -169,6 +172,9 @@ class TrainerConfig(_Strict):
     num_threads: int = Field(1, ge=1, description="torch threads of the trainer process.")
     device: Literal["cpu", "cuda"] = Field(
         "cpu", description="Where the trainer's policy model lives (cuda: the actor takes one Ray GPU).")
+    num_gpus: float = Field(
+        1.0, gt=0, le=1, description="Ray GPUs the trainer actor takes with device=cuda (a fraction "
+        "shares one GPU with replicas: configs/single_gpu.yaml).")
     precision: Literal["auto", "fp32", "bf16"] = Field(
         "auto", description="Forward passes of the trainer: bf16 autocast (weights, optimizer and "
         "log-softmax stay fp32) or fp32. auto: bf16 on cuda, fp32 on cpu (where the logprob agreement "
@@ -231,6 +237,9 @@ class ServiceConfig(_Strict):
     run_dir: str = Field("runs/default", description="Checkpoints, redis data and logs live here.")
     ray_address: str | None = Field(None, description="Existing Ray cluster. None: start one.")
     ray_num_cpus: int = Field(8, ge=1, description="Logical CPUs of a locally started Ray.")
+    metrics_port: int = Field(
+        8080, ge=0, le=65535, description="Prometheus endpoint (/metrics) of a locally started Ray "
+        "(Ray's metrics export port; 0 picks a free one). A joined cluster keeps its own.")
     api_keys: list[str] = Field(
         default_factory=lambda: _env_list("SERVE_RFT_API_KEYS"),
         description="Inference keys (chat, models). Empty and no admin_keys: no auth.")

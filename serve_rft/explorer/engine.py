@@ -104,6 +104,7 @@ class ExplorerEngine:
             max_logprobs=20,
             seed=seed,
             disable_log_stats=True,
+            gpu_memory_utilization=cfg.gpu_memory_utilization,
             worker_extension_cls="serve_rft.explorer.worker_ext.PolicyWeightsExtension",
             **extra,
         )

@@ -26,6 +26,7 @@ from serve_rft.explorer import openai_format as fmt
 from serve_rft.explorer import rewards_api
 from serve_rft.explorer.auth import ApiKeys
 from serve_rft.explorer.protocol import ApiError, ChatCompletionRequest, parse_reward_body
+from serve_rft.observability.explorer_metrics import ExplorerMetrics
 from serve_rft.synchronizer.methods import EngineBroken, LoadFailed, load_or_restore, receiver_for
 from serve_rft.types import SamplingInfo, SyncOrder
 
@@ -90,6 +91,8 @@ class ExplorerReplica:
             self.loaded = latest.handle
         await self.sync.register.remote(self.replica_id, self.engine.policy_version)
         self._sync_task = asyncio.create_task(self._sync_loop())
+        self.metrics = ExplorerMetrics(self.replica_id)
+        self._counts_task = asyncio.create_task(self._export_store_counts())
 
     # -- Ray Serve hooks ---------------------------------------------------------------
     def record_routing_stats(self) -> dict[str, Any]:
@@ -105,6 +108,17 @@ class ExplorerReplica:
         engine = getattr(self, "engine", None)
         if engine is not None:
             engine.shutdown()
+
+    async def _export_store_counts(self, period_s: float = 5.0) -> None:
+        """Refresh the store-count gauges every ``period_s`` (a Redis outage only skips a beat)."""
+        import redis.exceptions
+
+        while True:
+            try:
+                self.metrics.store_counts(await self.store.counts())
+            except redis.exceptions.RedisError:  # the store retries on its own; next beat
+                pass
+            await asyncio.sleep(period_s)
 
     # -- weight sync ---------------------------------------------------------------------
     async def _sync_loop(self) -> None:
@@ -226,6 +240,12 @@ class ExplorerReplica:
     @app.post("/v1/rewards")
     async def rewards(self, request: Request) -> JSONResponse:
         """Post rewards (forms: `serve_rft.explorer.protocol.parse_reward_body`)."""
+        t0 = time.perf_counter()
+        response = await self._rewards(request)
+        self.metrics.request("rewards", response.status_code, time.perf_counter() - t0)
+        return response
+
+    async def _rewards(self, request: Request) -> JSONResponse:
         if (refused := self._refused(request)) is not None:
             return refused
         try:
@@ -240,6 +260,7 @@ class ExplorerReplica:
             results = await rewards_api.post_rewards(self.store, req)
         except ApiError as e:
             return _error(e)
+        self.metrics.reward_results(results)
         return JSONResponse({"object": "list", "data": results})
 
     @app.get("/v1/experiences/{completion_id}")
@@ -254,6 +275,13 @@ class ExplorerReplica:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request):
+        t0 = time.perf_counter()
+        response = await self._chat(request, t0)
+        if not isinstance(response, StreamingResponse):  # a stream records itself when it ends
+            self.metrics.request("chat", response.status_code, time.perf_counter() - t0)
+        return response
+
+    async def _chat(self, request: Request, t0: float):
         if (refused := self._refused(request)) is not None:
             return refused
         try:
@@ -268,7 +296,7 @@ class ExplorerReplica:
             return _error(e)
         cid = f"chatcmpl-{uuid.uuid4().hex}"
         if req.stream:
-            return StreamingResponse(self._stream(req, cid, prompt_ids, params, sampling),
+            return StreamingResponse(self._stream(req, cid, prompt_ids, params, sampling, t0),
                                      media_type="text/event-stream",
                                      headers=self._headers(self.engine.policy_version))
         return await self._complete(req, cid, prompt_ids, params, sampling)
@@ -318,6 +346,7 @@ class ExplorerReplica:
         await self.store.log_experiences(exps, group_size=req.group_size if group else None,
                                          conversation_id=req.conversation_id)
         self.experiences_logged += len(exps)
+        self.metrics.served(len(prompt_ids), sum(len(c.token_ids) for c in accs), len(exps))
 
     async def _complete(self, req, cid, prompt_ids, params, sampling) -> JSONResponse:
         created_at = time.time()
@@ -340,7 +369,9 @@ class ExplorerReplica:
         full = self.tokenizer.decode(c.token_ids, skip_special_tokens=True)
         return full[len(c.text):] if full.startswith(c.text) else ""
 
-    async def _stream(self, req, cid, prompt_ids, params, sampling) -> AsyncIterator[str]:
+    async def _stream(self, req, cid, prompt_ids, params, sampling, t0: float) -> AsyncIterator[str]:
+        """SSE chunks of one streamed completion; records its metrics when it ends (``t0``: the
+        request's arrival, `time.perf_counter`)."""
         created_at = time.time()
         created = int(created_at)
         version = self.engine.policy_version
@@ -354,10 +385,14 @@ class ExplorerReplica:
             yield sse(fmt.chunk(cid, model, created, version, [
                 {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                  "finish_reason": None}]))
+        first_token = True
         try:
             async for ro in self.engine.generate(prompt_ids, params, cid, version):
                 for out in ro.outputs:
                     entries = accs[out.index].add(out, req.top_logprobs)
+                    if first_token and out.token_ids:
+                        self.metrics.first_token(time.perf_counter() - t0)
+                        first_token = False
                     if out.text or entries:
                         yield sse(fmt.chunk(cid, model, created, version, [{
                             "index": out.index, "delta": {"content": out.text},
@@ -374,6 +409,7 @@ class ExplorerReplica:
             await self._log(req, cid, prompt_ids, choices, sampling, created_at, version)
         except Exception as e:  # engine failure mid-stream: tell the client, in-band
             log.exception("stream %s failed", cid)
+            self.metrics.request("chat_stream", 500, time.perf_counter() - t0)
             yield sse(ApiError(500, f"generation failed: {e!r}", type_="server_error").body())
             yield "data: [DONE]\n\n"
             return
@@ -386,6 +422,7 @@ class ExplorerReplica:
             yield sse(fmt.chunk(cid, model, created, version, [], usage={
                 "prompt_tokens": len(prompt_ids), "completion_tokens": done,
                 "total_tokens": len(prompt_ids) + done}))
+        self.metrics.request("chat_stream", 200, time.perf_counter() - t0)
         yield "data: [DONE]\n\n"
 
 

@@ -1,13 +1,19 @@
-"""Trainer metrics: staleness of what was trained, stale-dropped experiences.
+"""Trainer metrics: step time and loss / reward / advantage statistics, staleness of what was
+trained, stale-dropped experiences.
 
 Owned by the `Trainer` actor; exported through Ray's metrics API (Prometheus).
 """
 
 from __future__ import annotations
 
-from ray.util.metrics import Counter, Histogram
+from ray.util.metrics import Counter, Gauge, Histogram
 
 STALENESS_BUCKETS = [0.5, 1.5, 2.5, 4.5, 8.5, 16.5, 32.5, 64.5]
+STEP_SECONDS_BUCKETS = [0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0]
+STEP_STATS = ("loss", "reward_mean", "adv_abs_mean", "ratio_mean", "ratio_max", "clip_fraction",
+              "approx_kl", "kl_ref", "entropy", "grad_norm", "lr", "max_abs_logprob_diff", "batch_size",
+              "tokens")
+"""`PolicyTrainer.step` statistics exported as ``serve_rft_trainer_stat{stat=...}`` (last step)."""
 
 
 class TrainerMetrics:
@@ -22,6 +28,26 @@ class TrainerMetrics:
                                      description="Experiences dropped for exceeding max_staleness.")
         self.trained = Counter("serve_rft_trained_experiences_total",
                                description="Experiences trained on.")
+        self.steps = Counter("serve_rft_trainer_steps_total", description="Optimizer steps taken.")
+        self.step_seconds = Histogram("serve_rft_trainer_step_seconds",
+                                      description="Seconds of one optimizer step (forward, backward, update).",
+                                      boundaries=STEP_SECONDS_BUCKETS)
+        self.publish_seconds = Histogram("serve_rft_trainer_publish_seconds",
+                                         description="Seconds the sync method's send took per publish.",
+                                         boundaries=STEP_SECONDS_BUCKETS)
+        self.stat = Gauge("serve_rft_trainer_stat", description="The last step's statistics (see STEP_STATS).",
+                          tag_keys=("stat",))
+
+    def step(self, stats: dict) -> None:
+        """Record one `PolicyTrainer.step` result (plus ``publish_seconds`` if it published)."""
+        self.steps.inc()
+        if "step_seconds" in stats:
+            self.step_seconds.observe(stats["step_seconds"])
+        if "publish_seconds" in stats:
+            self.publish_seconds.observe(stats["publish_seconds"])
+        for name in STEP_STATS:
+            if isinstance(stats.get(name), (int, float)):
+                self.stat.set(float(stats[name]), tags={"stat": name})
 
     def observe(self, staleness: list[int], dropped: int) -> None:
         for s in staleness:

@@ -54,6 +54,7 @@ class ServiceStack:
         self.url = ""
         self.model_path: Path | None = None
         self.started_ray = False
+        self.metrics_url = ""  # Ray's Prometheus endpoint when this process started Ray
         self.startup_seconds = 0.0
         self.ray_address = ""
 
@@ -95,9 +96,13 @@ class ServiceStack:
                 ray.init(address=cfg.service.ray_address, log_to_driver=False)
             else:
                 # address="local": always a new cluster, never one another process started
+                if cfg.service.metrics_port == 0:
+                    cfg.service.metrics_port = free_port()
                 ray.init(address="local", num_cpus=cfg.service.ray_num_cpus, include_dashboard=False,
-                         log_to_driver=False, runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
+                         log_to_driver=False, runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}},
+                         _metrics_export_port=cfg.service.metrics_port)
                 self.started_ray = True
+                self.metrics_url = f"http://127.0.0.1:{cfg.service.metrics_port}/metrics"
         self.ray_address = ray.get_runtime_context().gcs_address
         if self.mode == "train":
             start_training(cfg, self.model_path)

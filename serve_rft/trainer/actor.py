@@ -313,6 +313,7 @@ class Trainer:
                 stats["publish_seconds"] = await self._publish(policy, method, sync, store)
                 stats["window_seconds"] = await self._handshake(method, sync)
             stats["policy_version"] = self.version
+            self.metrics.step(stats)
             self.last_stats = stats
             await sync.set_trainer.remote(ComponentState.RUNNING.value, self.step_num)
 
@@ -486,7 +487,7 @@ def get_or_create_trainer(cfg: Config, model_path: str):
     """The named trainer actor (detached), created if it does not exist yet."""
     from serve_rft.synchronizer.actor import NAMESPACE
 
-    gpus = 1 if cfg.trainer.device == "cuda" else 0
+    gpus = cfg.trainer.num_gpus if cfg.trainer.device == "cuda" else 0
     # max_restarts=-1: Ray restarts a trainer whose process died; it resumes from its state.
     return Trainer.options(name=TRAINER_NAME, namespace=NAMESPACE, get_if_exists=True, num_gpus=gpus,
                            lifetime="detached", max_restarts=-1, max_task_retries=-1,

@@ -32,6 +32,7 @@ class Stack:
     proc: subprocess.Popen
     ray_address: str
     startup_seconds: float
+    metrics_url: str = ""
 
 
 def _pump(stream, sink: list[str], log_path: Path) -> None:
@@ -51,7 +52,7 @@ def start_stack(redis_url: str, model_path: Path, run_dir: Path, overrides: list
     cmd = [sys.executable, "-m", "serve_rft.cli", "up", "--port", "0", *args,
            "--set", f"buffer.redis_url={redis_url}",
            "--set", f"buffer.key_prefix={prefix}",
-           "--set", f"service.run_dir={run_dir}",
+           "--set", f"service.run_dir={run_dir}", "--set", "service.metrics_port=0",
            "--set", "trainer.min_batch_size=8", "--set", "trainer.batch_size=32",
            "--set", "trainer.batch_wait_s=1.0"]
     for o in overrides:
@@ -74,7 +75,7 @@ def start_stack(redis_url: str, model_path: Path, run_dir: Path, overrides: list
         time.sleep(0.5)
     yield Stack(url=info["url"], redis_url=redis_url, prefix=prefix, model_path=model_path,
                 run_dir=run_dir, proc=proc, startup_seconds=info["startup_seconds"],
-                ray_address=info["ray_address"])
+                ray_address=info["ray_address"], metrics_url=info.get("metrics_url", ""))
     proc.send_signal(signal.SIGINT)
     try:
         proc.wait(timeout=120)

@@ -353,3 +353,42 @@ def test_fuzzed_requests_get_4xx_never_5xx_and_the_service_survives(stack):
     client = openai.OpenAI(base_url=f"{u}/v1", api_key="x", max_retries=0)
     assert client.chat.completions.create(model="serve-rft", messages=[{"role": "user", "content": "ok"}],
                                           max_tokens=2).choices
+
+
+def test_locust_smoke_run_has_no_errors_and_metrics_are_exported(stack, tmp_path):
+    """CI's smoke load test: the locustfile's users (chat, streaming, delayed rewards) for 20 s
+    against the stack with --max-fail-ratio 0; then Ray's Prometheus endpoint carries the
+    replica, store and trainer metrics."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    out = tmp_path / "locust"
+    proc = subprocess.run(
+        [sys.executable, "-m", "locust", "-f", str(root / "loadtests" / "locustfile.py"), "--headless",
+         "-u", "5", "-r", "5", "-t", "20s", "--host", stack.url, "--only-summary",
+         "--json-file", str(out), "--csv", str(out), "--max-fail-ratio", "0", "--max-p99-s", "60"],
+        capture_output=True, text=True, timeout=180, env={**os.environ, "SERVE_RFT_API_KEY": "x"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    stats = {s["name"]: s for s in json.loads(Path(f"{out}.json").read_text())}
+    assert {"chat", "chat_stream", "rewards"} <= set(stats), stats.keys()
+    assert all(s["num_failures"] == 0 and s["num_requests"] > 0 for s in stats.values()), stats
+    assert Path(f"{out}_stats.csv").is_file()
+
+    want = ['ray_serve_rft_requests_total{', 'route="chat"', 'route="chat_stream"', 'route="rewards"',
+            'ray_serve_rft_request_seconds_bucket', 'ray_serve_rft_time_to_first_token_seconds_count',
+            'kind="completion"', 'ray_serve_rft_experiences{', 'state="trained"', 'ray_serve_rft_rewards_total',
+            'ray_serve_rft_experiences_logged_total', 'ray_serve_rft_trainer_step_seconds_count',
+            'stat="loss"', 'ray_serve_rft_sync_seconds_count', 'ray_serve_rft_trained_staleness_versions_count']
+    assert stack.metrics_url
+    deadline = time.monotonic() + 90
+    text = ""
+    while time.monotonic() < deadline:
+        text = httpx.get(stack.metrics_url, timeout=10).text
+        if all(w in text for w in want):
+            break
+        time.sleep(2)
+    missing = [w for w in want if w not in text]
+    assert not missing, (missing, [ln for ln in text.splitlines() if "serve_rft" in ln][:40])

@@ -55,3 +55,18 @@ def test_shipped_default_config_equals_the_code_defaults():
     shipped = load_config(Path(__file__).parents[2] / "configs" / "default.yaml")
     skip = {"model": {"cache_dir"}}
     assert shipped.model_dump(exclude=skip) == Config().model_dump(exclude=skip)
+
+
+@pytest.mark.parametrize("name", ["single_gpu.yaml", "cluster.yaml"])
+def test_shipped_gpu_and_cluster_configs_are_valid(name):
+    """configs/single_gpu.yaml and cluster.yaml load (no unknown field, every cross-field rule
+    holds): replicas and trainer on GPUs, adapter-only LoRA on one GPU, NCCL on the cluster."""
+    from pathlib import Path
+
+    cfg = load_config(Path(__file__).parents[2] / "configs" / name)
+    assert cfg.trainer.device == "cuda" and cfg.explorer.num_gpus_per_replica > 0
+    if name == "single_gpu.yaml":  # everything on one GPU: the fractions fit in 1
+        assert cfg.explorer.num_replicas * cfg.explorer.num_gpus_per_replica + cfg.trainer.num_gpus <= 1
+        assert cfg.adapter_sync
+    else:
+        assert cfg.service.ray_address and cfg.buffer.redis_url

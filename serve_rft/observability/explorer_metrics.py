@@ -1,0 +1,62 @@
+"""Explorer replica metrics: requests, latency, tokens, experiences, rewards.
+
+Owned by each `ExplorerReplica`; exported through Ray's metrics API (Ray's Prometheus endpoint,
+names prefixed ``ray_``). Tags are low-cardinality: the replica id (a handful), the route
+(chat / chat_stream / rewards), the HTTP status, the token kind, the experience state. The policy
+version is not a tag (it grows without bound): it is the `serve_rft_replica_policy_version` gauge
+(`serve_rft.observability.sync_metrics`), and each response carries it in a header.
+"""
+
+from __future__ import annotations
+
+from ray.util.metrics import Counter, Gauge, Histogram
+
+LATENCY_BUCKETS = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0]
+EXPERIENCE_STATES = ("pending", "held", "ready", "logged", "rewarded", "trained", "expired", "stale_dropped")
+
+
+class ExplorerMetrics:
+    """Counters and histograms of one replica (all tagged with its id)."""
+
+    def __init__(self, replica_id: str):
+        self.tags = {"replica": replica_id}
+        self.requests = Counter("serve_rft_requests_total", description="HTTP requests answered.",
+                                tag_keys=("replica", "route", "status"))
+        self.latency = Histogram("serve_rft_request_seconds", description="End-to-end request latency, s.",
+                                 boundaries=LATENCY_BUCKETS, tag_keys=("replica", "route"))
+        self.ttft = Histogram("serve_rft_time_to_first_token_seconds",
+                              description="Streaming: request arrival to the first content chunk, s.",
+                              boundaries=LATENCY_BUCKETS, tag_keys=("replica",))
+        self.tokens = Counter("serve_rft_tokens_total", description="Prompt and completion tokens served.",
+                              tag_keys=("replica", "kind"))
+        self.logged = Counter("serve_rft_experiences_logged_total",
+                              description="Experiences written to the store.", tag_keys=("replica",))
+        self.rewards = Counter("serve_rft_rewards_total", description="Rewards posted, by result.",
+                               tag_keys=("replica", "result"))
+        self.experiences = Gauge("serve_rft_experiences",
+                                 description="Store counts by state (each replica reports the same "
+                                 "store: aggregate with max by (state)).", tag_keys=("replica", "state"))
+
+    def request(self, route: str, status: int, seconds: float) -> None:
+        self.requests.inc(tags={**self.tags, "route": route, "status": str(status)})
+        if status < 400:
+            self.latency.observe(seconds, tags={**self.tags, "route": route})
+
+    def first_token(self, seconds: float) -> None:
+        self.ttft.observe(seconds, tags=self.tags)
+
+    def served(self, prompt_tokens: int, completion_tokens: int, experiences: int) -> None:
+        self.tokens.inc(prompt_tokens, tags={**self.tags, "kind": "prompt"})
+        if completion_tokens:
+            self.tokens.inc(completion_tokens, tags={**self.tags, "kind": "completion"})
+        if experiences:
+            self.logged.inc(experiences, tags=self.tags)
+
+    def reward_results(self, results: list[dict]) -> None:
+        for r in results:
+            self.rewards.inc(tags={**self.tags, "result": str(r.get("status", "unknown"))})
+
+    def store_counts(self, counts) -> None:
+        """Set the state gauges from a `StoreCounts`."""
+        for state in EXPERIENCE_STATES:
+            self.experiences.set(float(getattr(counts, state)), tags={**self.tags, "state": state})

@@ -32,6 +32,7 @@ class ChoiceAccumulator:
     text: str = ""
     content_logprobs: list[dict[str, Any]] = field(default_factory=list)
     finish_reason: str | None = None
+    stop_reason: int | str | None = None
     version_spans: list[tuple[int, int, int]] | None = None
     pinned: bool = False
 
@@ -55,6 +56,7 @@ class ChoiceAccumulator:
         self.content_logprobs.extend(entries)
         if out.finish_reason is not None:
             self.finish_reason = out.finish_reason
+            self.stop_reason = getattr(out, "stop_reason", None)
         if out.weight_versions and not self.pinned:
             self.version_spans = [(int(s.version), s.start, s.end) for s in out.weight_versions]
         return entries
@@ -93,22 +95,35 @@ def finish_reason(reason: str | None) -> str | None:
 
 def chat_response(cid: str, model: str, created: int, version: int, choices: list[ChoiceAccumulator],
                   prompt_tokens: int, want_logprobs: bool) -> dict[str, Any]:
-    """A ``chat.completion`` object."""
+    """A ``chat.completion`` object, shaped like vLLM's own server's (OpenAI's fields, null where
+    unused, plus vLLM's ``stop_reason`` / ``token_ids`` / ``reasoning``; checked against vLLM by
+    tests/integration/conformance.py)."""
     out_choices = []
     for c in sorted(choices, key=lambda c: c.index):
         out_choices.append({
             "index": c.index,
-            "message": {"role": "assistant", "content": c.text},
+            "message": {"role": "assistant", "content": c.text, "refusal": None, "annotations": None,
+                        "audio": None, "function_call": None, "reasoning": None},
             "logprobs": {"content": c.content_logprobs} if want_logprobs else None,
             "finish_reason": finish_reason(c.finish_reason),
+            "stop_reason": c.stop_reason,
+            "token_ids": None,
         })
     completion_tokens = sum(len(c.token_ids) for c in choices)
     return {
         "id": cid, "object": "chat.completion", "created": created, "model": model,
-        "system_fingerprint": fingerprint(version), "choices": out_choices,
+        "system_fingerprint": fingerprint(version), "choices": out_choices, "service_tier": None,
         "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                  "total_tokens": prompt_tokens + completion_tokens},
+                  "total_tokens": prompt_tokens + completion_tokens,
+                  "prompt_tokens_details": None, "completion_tokens_details": None},
     }
+
+
+def stream_choice(index: int, delta: dict[str, Any], logprobs: dict | None = None,
+                  finish: str | None = None, stop_reason: int | str | None = None) -> dict[str, Any]:
+    """One choice of a ``chat.completion.chunk`` (vLLM's stream choice fields)."""
+    return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish,
+            "stop_reason": stop_reason, "token_ids": None}
 
 
 def chunk(cid: str, model: str, created: int, version: int, choices: list[dict[str, Any]],

@@ -200,7 +200,8 @@ class ExplorerReplica:
         name = self.cfg.model.served_name
         return JSONResponse({"object": "list", "data": [
             {"id": name, "object": "model", "created": 0, "owned_by": "serve_rft",
-             "root": self.model_path, "max_model_len": self.cfg.explorer.max_model_len}]})
+             "root": self.model_path, "parent": None, "max_model_len": self.cfg.explorer.max_model_len,
+             "permission": []}]})
 
     @app.get("/v1/status")
     async def status(self, request: Request) -> JSONResponse:
@@ -383,8 +384,7 @@ class ExplorerReplica:
 
         for i in range(req.n):
             yield sse(fmt.chunk(cid, model, created, version, [
-                {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                 "finish_reason": None}]))
+                fmt.stream_choice(i, {"role": "assistant", "content": ""})]))
         first_token = True
         try:
             async for ro in self.engine.generate(prompt_ids, params, cid, version):
@@ -394,18 +394,16 @@ class ExplorerReplica:
                         self.metrics.first_token(time.perf_counter() - t0)
                         first_token = False
                     if out.text or entries:
-                        yield sse(fmt.chunk(cid, model, created, version, [{
-                            "index": out.index, "delta": {"content": out.text},
-                            "logprobs": {"content": entries} if req.logprobs else None,
-                            "finish_reason": None}]))
+                        yield sse(fmt.chunk(cid, model, created, version, [fmt.stream_choice(
+                            out.index, {"content": out.text},
+                            {"content": entries} if req.logprobs else None)]))
             choices = list(accs.values())
             for c in choices:  # vLLM's incremental detokenizer holds back a trailing partial
                 tail = self._unflushed_tail(c, req)  # UTF-8 sequence: send what the full text has
                 if tail:
                     c.text += tail
-                    yield sse(fmt.chunk(cid, model, created, version, [{
-                        "index": c.index, "delta": {"content": tail}, "logprobs": None,
-                        "finish_reason": None}]))
+                    yield sse(fmt.chunk(cid, model, created, version, [
+                        fmt.stream_choice(c.index, {"content": tail})]))
             await self._log(req, cid, prompt_ids, choices, sampling, created_at, version)
         except Exception as e:  # engine failure mid-stream: tell the client, in-band
             log.exception("stream %s failed", cid)
@@ -414,9 +412,9 @@ class ExplorerReplica:
             yield "data: [DONE]\n\n"
             return
         for c in choices:  # finish reasons only after the experiences are stored
-            yield sse(fmt.chunk(cid, model, created, version, [
-                {"index": c.index, "delta": {}, "logprobs": None,
-                 "finish_reason": fmt.finish_reason(c.finish_reason)}]))
+            yield sse(fmt.chunk(cid, model, created, version, [fmt.stream_choice(
+                c.index, {"content": ""}, finish=fmt.finish_reason(c.finish_reason),
+                stop_reason=c.stop_reason)]))
         if req.stream_options and req.stream_options.include_usage:
             done = sum(len(c.token_ids) for c in choices)
             yield sse(fmt.chunk(cid, model, created, version, [], usage={

@@ -392,3 +392,17 @@ def test_locust_smoke_run_has_no_errors_and_metrics_are_exported(stack, tmp_path
         time.sleep(2)
     missing = [w for w in want if w not in text]
     assert not missing, (missing, [ln for ln in text.splitlines() if "serve_rft" in ln][:40])
+
+
+def test_responses_have_vllms_shape(stack, embedded_model, tmp_path):
+    """Conformance: chat, stream chunks, models and errors have the JSON shape of vLLM's own
+    OpenAI server's answers to the same requests (tests/integration/conformance.py)."""
+    from benchmarks.plain_vllm import start_vllm, stop
+    from serve_rft.buffer.redis_server import free_port
+    from tests.integration.conformance import check
+
+    proc, vllm_url = start_vllm(str(embedded_model), free_port(), tmp_path / "vllm.log")
+    try:
+        check(stack.url, vllm_url, stack.run_dir / "conformance.json")
+    finally:
+        stop(proc)

@@ -40,7 +40,8 @@ def test_accumulates_deltas_logprobs_and_version_spans():
                                  0.0, 0)
     assert exps[0].min_version == 0 and exps[0].response_token_ids == [5, 7]
     body = fmt.chat_response("cid", "m", 0, 0, [acc], 2, want_logprobs=True)
-    assert body["usage"] == {"prompt_tokens": 2, "completion_tokens": 2, "total_tokens": 4}
+    assert body["usage"] == {"prompt_tokens": 2, "completion_tokens": 2, "total_tokens": 4,
+                             "prompt_tokens_details": None, "completion_tokens_details": None}
     assert body["system_fingerprint"] == "policy-v0"
     assert len(body["choices"][0]["logprobs"]["content"]) == 2
 

@@ -1,0 +1,149 @@
+"""Where the gap to plain vLLM comes from (issue 6): CPU seconds per process of each server under
+the same load, and the cost of the behaviour logprobs our replica asks vLLM for.
+
+1. For serve_rft (``serve-rft up --mode serve``, one replica) and vLLM's own server: run the
+   `vs_vllm.run_load` load at ``--concurrency`` for ``--duration`` s and sum each process's CPU
+   seconds (psutil, the server's whole process tree), grouped by role (vLLM engine core / worker,
+   Ray Serve replica, Ray Serve proxy, API server, Ray system processes, redis-server), per
+   1,000 output tokens.
+2. One `AsyncLLM` in this process, no HTTP: output tokens/s with ``logprobs=0`` (what every
+   serve_rft request computes) and without.
+
+    .venv/bin/python benchmarks/gap_profile.py [--concurrency 16] [--duration 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import tempfile
+import time
+import uuid
+from collections import defaultdict
+from pathlib import Path
+
+import psutil
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from plain_vllm import start_vllm, stop  # noqa: E402
+from vs_vllm import run_load, start_ours  # noqa: E402
+
+
+def _role(p: psutil.Process) -> str:
+    try:
+        name = " ".join(p.cmdline())[:200] or p.name()
+    except psutil.Error:
+        return "gone"
+    for key, role in (("VLLM::Worker", "vllm worker"), ("VLLM::EngineCor", "vllm engine core"),
+                      ("ServeReplica", "ray serve replica (+ AsyncLLM front end)"),
+                      ("ProxyActor", "ray serve proxy"), ("ServeController", "ray serve controller"),
+                      ("redis-server", "redis-server"), ("api_server", "vllm api server (+ AsyncLLM front end)"),
+                      ("raylet", "ray system"), ("gcs_server", "ray system"), ("ray::", "ray other actors"),
+                      ("serve_rft.cli", "serve-rft up driver")):
+        if key in name:
+            return role
+    return "other"
+
+
+def _cpu(root: psutil.Process) -> dict[int, tuple[str, float]]:
+    out = {}
+    for p in [root, *root.children(recursive=True)]:
+        try:
+            t = p.cpu_times()
+            out[p.pid] = (_role(p), t.user + t.system)
+        except psutil.Error:
+            pass
+    return out
+
+
+def cpu_split(url: str, root_pid: int, concurrency: int, duration: float, max_tokens: int) -> dict:
+    """CPU seconds per role during one load run, and per 1,000 output tokens."""
+    root = psutil.Process(root_pid)
+    before = _cpu(root)
+    load = asyncio.run(run_load(url, concurrency, duration, max_tokens))
+    after = _cpu(root)
+    by_role: dict[str, float] = defaultdict(float)
+    for pid, (role, t) in after.items():
+        by_role[role] += t - before.get(pid, (role, 0.0))[1]
+    tokens = load["output_tokens_per_s"] * load["seconds"]
+    return {"output_tokens_per_s": load["output_tokens_per_s"], "seconds": load["seconds"],
+            "cpu_s_by_role": dict(sorted(by_role.items(), key=lambda kv: -kv[1])),
+            "cpu_s_per_1k_tokens": {k: 1000 * v / tokens for k, v in by_role.items()},
+            "cpu_s_per_1k_tokens_total": 1000 * sum(by_role.values()) / tokens}
+
+
+async def engine_logprob_cost(model: str, seconds: float = 8.0) -> dict:
+    """One request at a time on an in-process engine: tokens/s with and without logprobs=0."""
+    from transformers import AutoTokenizer
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    from serve_rft.config import ExplorerConfig
+    from serve_rft.explorer.engine import ExplorerEngine
+
+    tok = AutoTokenizer.from_pretrained(model)
+    prompt = tok.apply_chat_template([{"role": "user", "content": "Tell me a story about the sea."}],
+                                     add_generation_prompt=True, tokenize=True, return_dict=False)
+    engine = await ExplorerEngine.create(model, ExplorerConfig())
+    out: dict[str, list[float]] = {"logprobs_0": [], "no_logprobs": []}
+    try:
+        for _ in range(2):
+            for key, lp in (("logprobs_0", 0), ("no_logprobs", None)):
+                sp = SamplingParams(temperature=1.0, max_tokens=64, logprobs=lp,
+                                    output_kind=RequestOutputKind.FINAL_ONLY)
+                toks, t0 = 0, time.perf_counter()
+                while time.perf_counter() - t0 < seconds:
+                    async for ro in engine.generate(prompt, sp, uuid.uuid4().hex):
+                        pass
+                    toks += len(ro.outputs[0].token_ids)
+                out[key].append(toks / (time.perf_counter() - t0))
+    finally:
+        engine.shutdown()
+    return {k: max(v) for k, v in out.items()}
+
+
+def main() -> None:
+    from serve_rft.buffer.redis_server import free_port
+    from serve_rft.config import ModelConfig
+    from serve_rft.model.embedded import ensure_embedded_model
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--concurrency", type=int, default=16)
+    ap.add_argument("--duration", type=float, default=20.0)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--out", default="benchmarks/results/gap_profile.json")
+    a = ap.parse_args()
+    os.environ["OMP_NUM_THREADS"] = "1"  # the in-process engine: as in a 1-CPU Ray replica
+    model = str(ensure_embedded_model(ModelConfig().cache_dir))
+    work = Path(tempfile.mkdtemp(prefix="srft-gap-"))
+    res: dict = {}
+    proc, url = start_ours(work / "run", work / "ours.log")
+    try:
+        asyncio.run(run_load(url, a.concurrency, 5.0, a.max_tokens))
+        res["serve_rft"] = cpu_split(url, proc.pid, a.concurrency, a.duration, a.max_tokens)
+    finally:
+        stop(proc)
+    proc, url = start_vllm(model, free_port(), work / "vllm.log")
+    try:
+        asyncio.run(run_load(url, a.concurrency, 5.0, a.max_tokens))
+        res["vllm"] = cpu_split(url, proc.pid, a.concurrency, a.duration, a.max_tokens)
+    finally:
+        stop(proc)
+    import ray
+
+    ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False)
+    try:
+        res["in_process_engine_c1_tokens_per_s"] = asyncio.run(engine_logprob_cost(model))
+    finally:
+        ray.shutdown()
+    out = {"command": f".venv/bin/python benchmarks/gap_profile.py --concurrency {a.concurrency} "
+                      f"--duration {a.duration:g} --max-tokens {a.max_tokens}", "cpus": os.cpu_count(), **res}
+    Path(a.out).write_text(json.dumps(out, indent=2))
+    print(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,157 @@
+"""Conformance with vLLM's own OpenAI server: the same OpenAI requests against serve_rft and
+vLLM's server (same install, same embedded model) give responses of the same JSON shape: chat
+(n, logprobs), stream chunks, models, errors (issue 6). The test is
+`tests/integration/test_stack.py::test_responses_have_vllms_shape` (it shares that module's
+stack); the shape diff is unit-tested in tests/unit/test_conformance_shape.py.
+
+The shape of a JSON value is its type skeleton (objects by key, lists by their elements' shapes,
+scalars by type). A key vLLM sends that we lack, or a shared key of another type, is a
+difference; a ``null`` against a value is not (optional fields). What we send beyond vLLM (our
+extensions) is allowed. Differences that are deliberate are listed in `ALLOWED` with the reason.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+_VLLM_ONLY = "a vLLM-only extension serve_rft does not serve (prompt extras, KV / EC transfer for " \
+             "disaggregated serving, MoE routing, per-request engine metrics)"
+ALLOWED: dict[str, str] = {
+    **{f"{case}:$.{field}: missing": _VLLM_ONLY
+       for case in ("chat", "chat_n_logprobs", "chat_stop_length")
+       for field in ("prompt_logprobs", "prompt_token_ids", "prompt_text", "kv_transfer_params",
+                     "ec_transfer_params", "metrics", "choices[].routed_experts")},
+    "stream_role:$.prompt_token_ids: missing": _VLLM_ONLY,
+    "stream_role:$.prompt_text: missing": _VLLM_ONLY,
+    "error_too_long:$.error.code: number expected, got str":
+        "OpenAI's API names the error (code 'context_length_exceeded'); vLLM repeats the HTTP status",
+}
+"""``case:difference`` -> why it is accepted."""
+
+
+def shape(value: Any) -> Any:
+    """The type skeleton of a JSON value: dict -> {key: shape}, list -> [merged element shapes],
+    scalars -> "str" / "number" / "bool" / "null"."""
+    if isinstance(value, dict):
+        return {k: shape(v) for k, v in value.items()}
+    if isinstance(value, list):
+        merged: Any = None
+        for v in value:
+            merged = _merge(merged, shape(v))
+        return [merged] if value else []
+    if isinstance(value, bool):
+        return "bool"
+    if isinstance(value, (int, float)):
+        return "number"
+    if value is None:
+        return "null"
+    return "str"
+
+
+def _merge(a: Any, b: Any) -> Any:
+    if a is None or a == "null":
+        return b
+    if b == "null":
+        return a
+    if isinstance(a, dict) and isinstance(b, dict):
+        return {k: _merge(a.get(k), b.get(k)) for k in a.keys() | b.keys()}
+    if isinstance(a, list) and isinstance(b, list):
+        return [_merge(a[0] if a else None, b[0] if b else None)] if (a or b) else []
+    return a
+
+
+def differences(ours: Any, theirs: Any, path: str = "$") -> list[str]:
+    """Where ``ours`` lacks or mistypes what ``theirs`` (vLLM) has."""
+    if theirs == "null" or ours == "null":
+        return []
+    if isinstance(theirs, dict):
+        if not isinstance(ours, dict):
+            return [f"{path}: object expected, got {ours!r}"]
+        out = []
+        for k, v in theirs.items():
+            if k not in ours:
+                out.append(f"{path}.{k}: missing")
+            else:
+                out += differences(ours[k], v, f"{path}.{k}")
+        return out
+    if isinstance(theirs, list):
+        if not isinstance(ours, list):
+            return [f"{path}: list expected, got {ours!r}"]
+        if theirs and ours:
+            return differences(ours[0], theirs[0], f"{path}[]")
+        return []
+    return [] if ours == theirs else [f"{path}: {theirs} expected, got {ours}"]
+
+
+CASES: list[tuple[str, str, str, Any]] = [
+    # (name, method, path, body)
+    ("chat", "POST", "/v1/chat/completions",
+     {"model": "serve-rft", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}),
+    ("chat_n_logprobs", "POST", "/v1/chat/completions",
+     {"model": "serve-rft", "messages": [{"role": "system", "content": "be brief"},
+                                          {"role": "user", "content": "hello"}],
+      "max_tokens": 6, "n": 2, "logprobs": True, "top_logprobs": 2, "temperature": 0.8, "seed": 1}),
+    ("chat_stop_length", "POST", "/v1/chat/completions",
+     {"model": "serve-rft", "messages": [{"role": "user", "content": "x"}], "max_tokens": 1}),
+    ("models", "GET", "/v1/models", None),
+    ("error_not_json", "POST", "/v1/chat/completions", b"{not json"),
+    ("error_no_messages", "POST", "/v1/chat/completions", {"model": "serve-rft", "max_tokens": 4}),
+    ("error_bad_temperature", "POST", "/v1/chat/completions",
+     {"model": "serve-rft", "messages": [{"role": "user", "content": "x"}], "temperature": "hot"}),
+    ("error_too_long", "POST", "/v1/chat/completions",
+     {"model": "serve-rft", "messages": [{"role": "user", "content": "x"}], "max_tokens": 100000}),
+]
+STREAM = {"model": "serve-rft", "messages": [{"role": "user", "content": "stream"}], "max_tokens": 6,
+          "stream": True, "stream_options": {"include_usage": True}, "logprobs": True, "top_logprobs": 1}
+
+
+def _call(base: str, method: str, path: str, body: Any) -> tuple[int, Any]:
+    if isinstance(body, bytes):
+        r = httpx.request(method, base + path, content=body, headers={"content-type": "application/json"},
+                          timeout=120)
+    else:
+        r = httpx.request(method, base + path, json=body, timeout=120)
+    return r.status_code, r.json()
+
+
+def _stream_chunks(base: str) -> dict[str, Any]:
+    """Shapes of the first chunk (role), a content chunk, the finish chunk and the usage chunk."""
+    chunks = []
+    with httpx.stream("POST", base + "/v1/chat/completions", json=STREAM, timeout=120) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunks.append(json.loads(line[6:]))
+    role = chunks[0]
+    content = next(c for c in chunks if c["choices"] and c["choices"][0]["delta"].get("content"))
+    finish = next(c for c in chunks if c["choices"] and c["choices"][0].get("finish_reason"))
+    usage = chunks[-1]
+    assert usage["choices"] == [] and usage["usage"]
+    return {"role": shape(role), "content": shape(content), "finish": shape(finish), "usage": shape(usage)}
+
+
+def check(ours_url: str, vllm_url: str, report_path: Path) -> None:
+    """Send every case and the stream to both servers; assert the same success / 4xx outcome
+    and no shape difference outside `ALLOWED` (the whole report is written to ``report_path``)."""
+    stack_url, plain_vllm = ours_url, vllm_url
+    found: dict[str, list[str]] = {}
+    statuses = {}
+    for name, method, path, body in CASES:
+        ours_status, ours = _call(stack_url, method, path, body)
+        theirs_status, theirs = _call(plain_vllm, method, path, body)
+        statuses[name] = (ours_status, theirs_status)
+        found[name] = differences(shape(ours), shape(theirs))
+    ours_stream, theirs_stream = _stream_chunks(stack_url), _stream_chunks(plain_vllm)
+    for part in ours_stream:
+        found[f"stream_{part}"] = differences(ours_stream[part], theirs_stream[part])
+    report = {k: [d for d in v if f"{k}:{d}" not in ALLOWED] for k, v in found.items()}
+    report_path.write_text(json.dumps({"statuses": statuses, "diffs": report}, indent=1))
+    for name, (ours_status, theirs_status) in statuses.items():
+        assert (ours_status < 400) == (theirs_status < 400), (name, ours_status, theirs_status)
+        if name.startswith("error"):
+            assert ours_status // 100 == 4 and theirs_status // 100 == 4, (name, ours_status, theirs_status)
+    assert not any(report.values()), json.dumps(report, indent=1)

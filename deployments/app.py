@@ -1,18 +1,36 @@
-"""Ray Serve application builder for `serve run` / `serve deploy` (see serve_config.yaml).
+"""Ray Serve entry points for `serve run` / `serve deploy` / `serve build` (see serve_config.yaml).
 
-``args`` (the config file's ``args:``) may hold ``config`` (a run-config YAML path) and
-``overrides`` (a list of ``section.field=value``). ``buffer.redis_url`` must point at a running
-Redis: under `serve deploy` nothing else starts one (``serve-rft up`` does).
+- `app_builder` (the config file's ``import_path``): ``args`` may hold ``config`` (a run-config
+  YAML path) and ``overrides`` (a list of ``section.field=value``). ``buffer.redis_url`` must point
+  at a running Redis: under `serve deploy` nothing else starts one (``serve-rft up`` does).
+- `app`: the application of ``configs/default.yaml`` (Redis at 127.0.0.1:6379), importable with
+  no side effects, for ``serve build deployments.app:app``, which prints the deployment options
+  (replicas, actor options, max_ongoing_requests) that serve_config.yaml repeats.
+
+Either way the explorer replicas create the synchronizer and trainer actors when they start
+(`serve_rft.service.app.ensure_control`).
 """
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from serve_rft.config import load_config
-from serve_rft.model.embedded import resolve_model_path
-from serve_rft.service.app import build_app
+from serve_rft.service.app import build_app, preflight
+
+DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "default.yaml"
+DEFAULT_REDIS = "redis://127.0.0.1:6379/0"
 
 
 def app_builder(args: dict):
+    """The application of ``args["config"]`` + ``args["overrides"]``.
+
+    Raises:
+        ValueError: a config this machine cannot run (`preflight`), or no ``buffer.redis_url``.
+    """
     cfg = load_config(args.get("config"), list(args.get("overrides", [])))
-    model_path = resolve_model_path(cfg.model.path, cfg.model.cache_dir)
-    return build_app(cfg, model_path)
+    preflight(cfg)
+    return build_app(cfg)
+
+
+app = build_app(load_config(DEFAULT_CONFIG, [f"buffer.redis_url={DEFAULT_REDIS}"]))

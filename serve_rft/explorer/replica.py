@@ -62,20 +62,24 @@ def _error(e: ApiError) -> JSONResponse:
 class ExplorerReplica:
     """The Serve deployment class (decorated in `serve_rft.service.app`)."""
 
-    async def __init__(self, config_json: str, model_path: str):
+    async def __init__(self, config_json: str, model_path: str | None):
         from ray import serve
         from transformers import AutoTokenizer
 
         from serve_rft.explorer.engine import ExplorerEngine
-        from serve_rft.synchronizer.actor import get_synchronizer
+        from serve_rft.service.app import ensure_control
 
         self.cfg = Config.model_validate_json(config_json)
+        if model_path is None:
+            from serve_rft.model.embedded import resolve_model_path
+
+            model_path = str(resolve_model_path(self.cfg.model.path, self.cfg.model.cache_dir))
         self.api_keys = ApiKeys(self.cfg.service.api_keys, self.cfg.service.admin_keys)
         self.model_path = model_path
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.store = ExperienceStore.from_config(self.cfg.buffer)
-        self.sync = get_synchronizer()
+        self.sync = ensure_control(self.cfg, model_path)  # `serve deploy`: nobody else starts them
         nccl = self.cfg.synchronizer.sync_method.value == "nccl"
         lora_rank = self.cfg.trainer.lora.vllm_max_lora_rank() if self.cfg.adapter_sync else None
         self.engine = await ExplorerEngine.create(model_path, self.cfg.explorer, replica_id=self.replica_id,

@@ -1,8 +1,10 @@
 """The Ray Serve application: explorer replicas + the synchronizer and trainer actors.
 
-`build_app` is what both `serve-rft up` and `serve deploy` (deployments/app.py) call. It
-creates the control actors (named, detached, ``get_if_exists``) and returns the bound explorer
-deployment, whose replicas find the synchronizer by name.
+`build_app` is what both `serve-rft up` and `serve deploy` / `serve run` / `serve build`
+(deployments/app.py) call: it only binds the explorer deployment (no side effects, so `serve
+build` can import it). The control actors (synchronizer, trainer; named, detached,
+``get_if_exists``) are created by `ensure_control`, which every explorer replica calls when it
+starts; `serve-rft up` calls `start_training` first to surface a trainer that cannot start.
 """
 
 from __future__ import annotations
@@ -82,22 +84,33 @@ def start_training(cfg: Config, model_path: str | Path):
     return trainer
 
 
-def build_app(cfg: Config, model_path: str | Path):
-    """Create the synchronizer and (if enabled) the trainer, start training, bind the explorers.
+def ensure_control(cfg: Config, model_path: str | Path):
+    """Create (or find) the synchronizer and, if ``trainer.enabled``, the trainer; the trainer
+    starts its loop on its own (`Trainer` begins in ``__init__``). Called by every explorer
+    replica at start; idempotent (named actors, ``get_if_exists``).
 
-    Requires ``cfg.buffer.redis_url`` to be set (the launcher starts an embedded Redis).
-
-    Raises:
-        ValueError: no Redis URL, or a configuration this machine cannot run (`preflight`).
+    Returns:
+        The synchronizer's handle.
     """
     from serve_rft.synchronizer.actor import get_or_create_synchronizer
+    from serve_rft.trainer.actor import get_or_create_trainer
 
+    sync = get_or_create_synchronizer(cfg.synchronizer, cfg.explorer.num_replicas)
+    if cfg.trainer.enabled:
+        get_or_create_trainer(cfg, str(model_path))
+    return sync
+
+
+def build_app(cfg: Config, model_path: str | Path | None = None):
+    """The explorer deployment bound to its arguments (nothing starts until Serve deploys it).
+
+    Requires ``cfg.buffer.redis_url`` to be set (the launcher starts an embedded Redis).
+    ``model_path`` None: each replica resolves ``cfg.model`` itself (the embedded model is built
+    once per machine, atomically).
+
+    Raises:
+        ValueError: no Redis URL.
+    """
     if not cfg.buffer.redis_url:
         raise ValueError("buffer.redis_url must be set to build the application")
-    preflight(cfg)
-    model_path = str(model_path)
-    if cfg.trainer.enabled:
-        start_training(cfg, model_path)
-    else:
-        get_or_create_synchronizer(cfg.synchronizer, cfg.explorer.num_replicas)
-    return explorer_deployment(cfg).bind(cfg.model_dump_json(), model_path)
+    return explorer_deployment(cfg).bind(cfg.model_dump_json(), None if model_path is None else str(model_path))

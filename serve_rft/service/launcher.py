@@ -89,7 +89,7 @@ class ServiceStack:
         import ray
         from ray import serve
 
-        from serve_rft.service.app import APP_NAME, build_app, start_training
+        from serve_rft.service.app import APP_NAME, build_app, ensure_control, start_training
 
         if not ray.is_initialized():
             if cfg.service.ray_address:
@@ -107,6 +107,10 @@ class ServiceStack:
         if self.mode == "train":
             start_training(cfg, self.model_path)
         else:
+            if cfg.trainer.enabled:  # a trainer that cannot start fails `up` here, with its error
+                start_training(cfg, self.model_path)
+            else:
+                ensure_control(cfg, self.model_path)
             serve.start(http_options={"host": cfg.service.host, "port": cfg.service.port})
             app = build_app(cfg, self.model_path)
             serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)

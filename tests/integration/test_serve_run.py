@@ -1,0 +1,76 @@
+"""`serve run deployments/serve_config.yaml` (Ray Serve's own CLI, no serve-rft launcher) brings
+up a working service: the replicas create the synchronizer and the trainer, chat requests are
+answered and logged, rewards are accepted, the trainer publishes a version."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+pytestmark = pytest.mark.integration
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_serve_run_accepts_the_shipped_config(redis_server, embedded_model, tmp_path):
+    from serve_rft.buffer.redis_server import free_port
+
+    cfg = yaml.safe_load((ROOT / "deployments" / "serve_config.yaml").read_text())
+    port = free_port()
+    cfg["http_options"]["port"] = port
+    app = cfg["applications"][0]
+    app["args"]["config"] = str(ROOT / app["args"]["config"])
+    app["args"]["overrides"] = [f"buffer.redis_url={redis_server.url}", f"service.run_dir={tmp_path / 'run'}",
+                                "buffer.key_prefix=serve-run", "trainer.min_batch_size=4",
+                                "trainer.batch_wait_s=0.5"]
+    app["deployments"][0]["num_replicas"] = 1  # the config file's value wins over the run config's
+    config_path = tmp_path / "serve_config.yaml"
+    config_path.write_text(yaml.safe_dump(cfg))
+    serve = Path(sys.executable).parent / "serve"
+    log = open(tmp_path / "serve-run.log", "w")
+    proc = subprocess.Popen([str(serve), "run", str(config_path), "--app-dir", str(ROOT)], cwd=ROOT,
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 400
+        while time.monotonic() < deadline:
+            assert proc.poll() is None, (tmp_path / "serve-run.log").read_text()[-4000:]
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(1)
+        else:
+            pytest.fail("serve run not healthy:\n" + (tmp_path / "serve-run.log").read_text()[-4000:])
+        version = 0
+        with httpx.Client(base_url=url, timeout=60) as c:
+            deadline = time.monotonic() + 240
+            while version < 1 and time.monotonic() < deadline:
+                r = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+                                                         "max_tokens": 6, "n": 2})
+                assert r.status_code == 200, r.text
+                body = r.json()
+                rewards = {"completion_id": body["id"], "rewards": [1.0, 0.0]}
+                assert c.post("/v1/rewards", json=rewards).status_code == 200
+                st = c.get("/v1/status").json()
+                version = st["policy_version"]
+        assert version >= 1, st
+        assert st["experiences"]["logged"] > 0 and st["trainer"]["state"] in ("RUNNING", "REQUIRE_SYNC")
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGINT)
+            try:
+                proc.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        log.close()

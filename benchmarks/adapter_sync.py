@@ -27,19 +27,9 @@ PROMPT = [1, 87, 306, 201, 343, 78, 316, 308, 275, 691, 2, 201, 1, 347, 829, 935
 
 
 def _adapter_model(base: str, rank: int, seed: int):
-    from transformers import AutoModelForCausalLM
+    from serve_rft.trainer.lora import random_adapter
 
-    from serve_rft.config import LoraSettings
-    from serve_rft.trainer import lora
-
-    torch.manual_seed(seed)
-    model = lora.wrap(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32),
-                      LoraSettings(rank=rank, alpha=2.0 * rank, merge_and_sync=False))
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if "lora_B" in n:
-                p.normal_(0, 0.05)
-    return model
+    return random_adapter(base, rank, seed)
 
 
 def _merged(base: str, peft_model):

@@ -57,6 +57,24 @@ def merge_into(peft_model, export_model) -> None:
         p.copy_(src + deltas[name] if name in deltas else src)
 
 
+def random_adapter(base_dir: str | Path, rank: int, seed: int, std: float = 0.05):
+    """The model in ``base_dir`` wrapped with a rank-``rank`` adapter whose ``B`` matrices are
+    N(0, ``std``) instead of zero, so it changes the policy at once (tests and benchmarks: a
+    stand-in for a trained adapter)."""
+    from transformers import AutoModelForCausalLM
+
+    from serve_rft.config import LoraSettings
+
+    torch.manual_seed(seed)
+    model = wrap(AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32),
+                 LoraSettings(rank=rank, alpha=2.0 * rank, merge_and_sync=False))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, std)
+    return model
+
+
 def is_adapter_model(model) -> bool:
     """True for a `peft.PeftModel`: publishing it syncs only its adapter (``merge_and_sync=false``)."""
     return hasattr(model, "peft_config")

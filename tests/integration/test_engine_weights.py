@@ -111,19 +111,9 @@ def test_checkpoint_and_memory_loads_give_exactly_the_new_policy(embedded_model,
 
 def _trained_adapter(embedded_model, seed, rank=8):
     """A peft model whose LoRA B matrices are random (so the adapter changes the policy)."""
-    from transformers import AutoModelForCausalLM
+    from serve_rft.trainer.lora import random_adapter
 
-    from serve_rft.config import LoraSettings
-    from serve_rft.trainer import lora
-
-    torch.manual_seed(seed)
-    model = lora.wrap(AutoModelForCausalLM.from_pretrained(str(embedded_model), dtype=torch.float32),
-                      LoraSettings(rank=rank, alpha=2.0 * rank, merge_and_sync=False))
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if "lora_B" in n:
-                p.normal_(0, 0.05)
-    return model
+    return random_adapter(embedded_model, rank, seed)
 
 
 def test_adapter_only_sync_serves_each_version_as_its_adapter(embedded_model, tmp_path):

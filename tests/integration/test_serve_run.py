@@ -4,8 +4,6 @@ answered and logged, rewards are accepted, the trainer publishes a version."""
 
 from __future__ import annotations
 
-import os
-import signal
 import subprocess
 import sys
 import time
@@ -21,6 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_serve_run_accepts_the_shipped_config(redis_server, embedded_model, tmp_path):
+    from benchmarks.plain_vllm import stop
     from serve_rft.buffer.redis_server import free_port
 
     cfg = yaml.safe_load((ROOT / "deployments" / "serve_config.yaml").read_text())
@@ -66,11 +65,5 @@ def test_serve_run_accepts_the_shipped_config(redis_server, embedded_model, tmp_
         assert version >= 1, st
         assert st["experiences"]["logged"] > 0 and st["trainer"]["state"] in ("RUNNING", "REQUIRE_SYNC")
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGINT)
-            try:
-                proc.wait(timeout=120)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+        stop(proc)  # SIGINT to its process group (serve run ends Serve and its Ray), then SIGKILL
         log.close()

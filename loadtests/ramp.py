@@ -12,6 +12,7 @@ step's (more users past it only add latency).
 from __future__ import annotations
 
 import json
+import sys
 import time
 
 from locust import LoadTestShape, events
@@ -70,7 +71,7 @@ def _write(environment, **_kw) -> None:
     if not _steps:
         return
     ends = [s["start"] for s in _steps[1:]] + [time.monotonic()]
-    out = summarize(_steps, ends)
+    out = {"command": " ".join(["locust", *sys.argv[1:]]), **summarize(_steps, ends)}
     print(json.dumps(out, indent=1))
     if opts is not None and opts.ramp_out:
         with open(opts.ramp_out, "w") as f:

@@ -8,8 +8,12 @@ the same load, and the cost of the behaviour logprobs our replica asks vLLM for.
    1,000 output tokens.
 2. One `AsyncLLM` in this process, no HTTP: output tokens/s with ``logprobs=0`` (what every
    serve_rft request computes) and without.
+3. With ``--py-spy`` (needs ``.venv/bin/pip install py-spy``; not a project dependency): a
+   py-spy profile of the Serve replica during serve_rft's load run, as shares of its busy
+   samples (idle waits left out) whose stack passes through serve_rft's code, through vLLM's
+   output processing, through Starlette, and the rest (Ray Serve's machinery, asyncio).
 
-    .venv/bin/python benchmarks/gap_profile.py [--concurrency 16] [--duration 20]
+    .venv/bin/python benchmarks/gap_profile.py [--concurrency 16] [--duration 20] [--py-spy]
 """
 
 from __future__ import annotations
@@ -59,12 +63,53 @@ def _cpu(root: psutil.Process) -> dict[int, tuple[str, float]]:
     return out
 
 
-def cpu_split(url: str, root_pid: int, concurrency: int, duration: float, max_tokens: int) -> dict:
-    """CPU seconds per role during one load run, and per 1,000 output tokens."""
+IDLE_LEAVES = ("select", "wait", "poll", "recv", "sleep", "_worker", "Thread.run", "main_loop",
+               "_run_user_code_event_loop", "acquire")
+PROFILE_GROUPS = (("serve_rft", "serve_rft/"), ("vllm output processing", "vllm/v1/engine/"),
+                  ("starlette", "starlette/"))
+
+
+def pyspy_shares(raw_path: Path) -> dict:
+    """Shares of busy samples in a py-spy ``--format raw`` file by `PROFILE_GROUPS` (first
+    match in a stack wins), the rest as ``ray serve and other``."""
+    counts: dict[str, int] = defaultdict(int)
+    busy = 0
+    for line in raw_path.read_text().splitlines():
+        if not line.strip():
+            continue
+        stack, n = line.rsplit(" ", 1)
+        frames = stack.split(";")
+        if not frames[-1].strip() or any(k in frames[-1].split(" (")[0] for k in IDLE_LEAVES):
+            continue
+        busy += int(n)
+        group = next((g for g, key in PROFILE_GROUPS if any(key in f for f in frames)), "ray serve and other")
+        counts[group] += int(n)
+    return {"busy_samples": busy, **{g: counts[g] / busy if busy else 0.0
+                                     for g in [*(g for g, _ in PROFILE_GROUPS), "ray serve and other"]}}
+
+
+def cpu_split(url: str, root_pid: int, concurrency: int, duration: float, max_tokens: int,
+              py_spy_out: Path | None = None) -> dict:
+    """CPU seconds per role during one load run, and per 1,000 output tokens; with
+    ``py_spy_out`` also a py-spy profile of the Serve replica (`pyspy_shares`)."""
+    import shutil
+    import subprocess
+
     root = psutil.Process(root_pid)
     before = _cpu(root)
+    spy = None
+    if py_spy_out is not None:
+        replica = next(p for p in root.children(recursive=True) if _role(p).startswith("ray serve replica"))
+        exe = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+        spy = subprocess.Popen([exe, "record", "-d", str(int(duration) - 2), "-r", "50", "-f", "raw",
+                                "-o", str(py_spy_out), "-p", str(replica.pid)],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     load = asyncio.run(run_load(url, concurrency, duration, max_tokens))
     after = _cpu(root)
+    profile = None
+    if spy is not None:
+        spy.wait(timeout=60)
+        profile = pyspy_shares(py_spy_out)
     by_role: dict[str, float] = defaultdict(float)
     for pid, (role, t) in after.items():
         by_role[role] += t - before.get(pid, (role, 0.0))[1]
@@ -72,7 +117,8 @@ def cpu_split(url: str, root_pid: int, concurrency: int, duration: float, max_to
     return {"output_tokens_per_s": load["output_tokens_per_s"], "seconds": load["seconds"],
             "cpu_s_by_role": dict(sorted(by_role.items(), key=lambda kv: -kv[1])),
             "cpu_s_per_1k_tokens": {k: 1000 * v / tokens for k, v in by_role.items()},
-            "cpu_s_per_1k_tokens_total": 1000 * sum(by_role.values()) / tokens}
+            "cpu_s_per_1k_tokens_total": 1000 * sum(by_role.values()) / tokens,
+            **({"replica_py_spy_shares": profile} if profile is not None else {})}
 
 
 async def engine_logprob_cost(model: str, seconds: float = 8.0) -> dict:
@@ -114,6 +160,7 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--duration", type=float, default=20.0)
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--py-spy", action="store_true", help="also profile the Serve replica (pip install py-spy)")
     ap.add_argument("--out", default="benchmarks/results/gap_profile.json")
     a = ap.parse_args()
     os.environ["OMP_NUM_THREADS"] = "1"  # the in-process engine: as in a 1-CPU Ray replica
@@ -123,7 +170,8 @@ def main() -> None:
     proc, url = start_ours(work / "run", work / "ours.log")
     try:
         asyncio.run(run_load(url, a.concurrency, 5.0, a.max_tokens))
-        res["serve_rft"] = cpu_split(url, proc.pid, a.concurrency, a.duration, a.max_tokens)
+        res["serve_rft"] = cpu_split(url, proc.pid, a.concurrency, a.duration, a.max_tokens,
+                                     work / "replica.pyspy.txt" if a.py_spy else None)
     finally:
         stop(proc)
     proc, url = start_vllm(model, free_port(), work / "vllm.log")
@@ -140,7 +188,7 @@ def main() -> None:
     finally:
         ray.shutdown()
     out = {"command": f".venv/bin/python benchmarks/gap_profile.py --concurrency {a.concurrency} "
-                      f"--duration {a.duration:g} --max-tokens {a.max_tokens}", "cpus": os.cpu_count(), **res}
+                      f"--duration {a.duration:g} --max-tokens {a.max_tokens}" + (" --py-spy" if a.py_spy else ""), "cpus": os.cpu_count(), **res}
     Path(a.out).write_text(json.dumps(out, indent=2))
     print(json.dumps(out, indent=1))
 

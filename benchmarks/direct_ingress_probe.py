@@ -5,7 +5,8 @@ Starts ``serve-rft up --mode serve`` (one replica) with Ray Serve's direct ingre
 replica itself listens on ``RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT`` (30000). Runs the same
 streaming load (`vs_vllm.run_load`) through the proxy and straight to the replica, alternating,
 ``--rounds`` times per concurrency level. Not a product path: with several replicas nothing
-routes across the replicas' ports, and drain-aware routing lives in the proxy.
+routes across the replicas' ports, and drain-aware routing lives in the proxy. This probe led to
+``service.ingress=haproxy`` (serve_rft/service/ingress.py), which is now the default.
 
     .venv/bin/python benchmarks/direct_ingress_probe.py [--levels 1 16] [--rounds 2] [--duration 10]
 """
@@ -36,7 +37,7 @@ def main() -> None:
     os.environ["RAY_SERVE_ENABLE_DIRECT_INGRESS"] = "1"  # inherited by serve-rft up and its Ray
     port = int(os.environ.get("RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT", "30000"))
     work = Path(tempfile.mkdtemp(prefix="srft-direct-"))
-    proc, proxy_url = start_ours(work / "run", work / "ours.log")
+    proc, proxy_url = start_ours(work / "run", work / "ours.log", ingress="proxy")
     direct_url = f"http://127.0.0.1:{port}"
     rows = []
     try:

@@ -4,7 +4,7 @@ the same load, and the cost of the behaviour logprobs our replica asks vLLM for.
 1. For serve_rft (``serve-rft up --mode serve``, one replica) and vLLM's own server: run the
    `vs_vllm.run_load` load at ``--concurrency`` for ``--duration`` s and sum each process's CPU
    seconds (psutil, the server's whole process tree), grouped by role (vLLM engine core / worker,
-   Ray Serve replica, Ray Serve proxy, API server, Ray system processes, redis-server), per
+   Ray Serve replica, Ray Serve proxy or HAProxy (``--ingress``), API server, Ray system processes, redis-server), per
    1,000 output tokens.
 2. One `AsyncLLM` in this process, no HTTP: output tokens/s with ``logprobs=0`` (what every
    serve_rft request computes) and without.
@@ -43,7 +43,8 @@ def _role(p: psutil.Process) -> str:
         return "gone"
     for key, role in (("VLLM::Worker", "vllm worker"), ("VLLM::EngineCor", "vllm engine core"),
                       ("ServeReplica", "ray serve replica (+ AsyncLLM front end)"),
-                      ("ProxyActor", "ray serve proxy"), ("ServeController", "ray serve controller"),
+                      ("ProxyActor", "ray serve proxy"), ("HAProxyManager", "ray serve haproxy manager"),
+                      ("haproxy", "haproxy"), ("ServeController", "ray serve controller"),
                       ("redis-server", "redis-server"), ("api_server", "vllm api server (+ AsyncLLM front end)"),
                       ("raylet", "ray system"), ("gcs_server", "ray system"), ("ray::", "ray other actors"),
                       ("serve_rft.cli", "serve-rft up driver")):
@@ -161,13 +162,15 @@ def main() -> None:
     ap.add_argument("--duration", type=float, default=20.0)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--py-spy", action="store_true", help="also profile the Serve replica (pip install py-spy)")
+    ap.add_argument("--ingress", choices=["haproxy", "proxy"], default="haproxy",
+                    help="our front door (service.ingress)")
     ap.add_argument("--out", default="benchmarks/results/gap_profile.json")
     a = ap.parse_args()
     os.environ["OMP_NUM_THREADS"] = "1"  # the in-process engine: as in a 1-CPU Ray replica
     model = str(ensure_embedded_model(ModelConfig().cache_dir))
     work = Path(tempfile.mkdtemp(prefix="srft-gap-"))
     res: dict = {}
-    proc, url = start_ours(work / "run", work / "ours.log")
+    proc, url = start_ours(work / "run", work / "ours.log", a.ingress)
     try:
         asyncio.run(run_load(url, a.concurrency, 5.0, a.max_tokens))
         res["serve_rft"] = cpu_split(url, proc.pid, a.concurrency, a.duration, a.max_tokens,
@@ -188,7 +191,8 @@ def main() -> None:
     finally:
         ray.shutdown()
     out = {"command": f".venv/bin/python benchmarks/gap_profile.py --concurrency {a.concurrency} "
-                      f"--duration {a.duration:g} --max-tokens {a.max_tokens}" + (" --py-spy" if a.py_spy else ""), "cpus": os.cpu_count(), **res}
+                      f"--duration {a.duration:g} --max-tokens {a.max_tokens} --ingress {a.ingress} --out {a.out}"
+                      + (" --py-spy" if a.py_spy else ""), "cpus": os.cpu_count(), **res}
     Path(a.out).write_text(json.dumps(out, indent=2))
     print(json.dumps(out, indent=1))
 

@@ -1,8 +1,9 @@
 """serve_rft side by side with plain vLLM (issue 6): same model, same machine, same load
 generator and concurrency levels, runs interleaved A B A B so the machine's drift cancels.
 
-A = ``serve-rft up --mode serve`` with one explorer replica (Ray Serve proxy -> replica -> vLLM
-`AsyncLLM`; every choice logged to Redis with its behaviour logprobs; no trainer).
+A = ``serve-rft up --mode serve`` with one explorer replica (``--ingress haproxy``, the default:
+HAProxy -> the replica's own HTTP server -> vLLM `AsyncLLM`; ``--ingress proxy``: Ray Serve's
+Python proxy -> replica; every choice logged to Redis with its behaviour logprobs; no trainer).
 B = vLLM's own OpenAI server from the same install with the engine settings our replica uses
 (`plain_vllm.start_vllm`).
 
@@ -11,7 +12,7 @@ requests back to back for ``duration`` seconds (``max_tokens`` fixed, usage incl
 TTFT (first content chunk), end-to-end seconds and completion tokens. Reported per level: output
 tokens/s, requests/s, TTFT and e2e p50/p99, and ours / vLLM's per A-B pair (median of pairs).
 
-    .venv/bin/python benchmarks/vs_vllm.py [--levels 1 4 16] [--rounds 3] [--duration 20]
+    .venv/bin/python benchmarks/vs_vllm.py [--levels 1 4 16] [--rounds 3] [--duration 20] [--ingress proxy]
 """
 
 from __future__ import annotations
@@ -37,11 +38,12 @@ PROMPTS = ["Say something nice.", "Tell me a story about the sea.", "Name an ani
            "Describe a grey sky over a quiet town in a few words."]
 
 
-def start_ours(run_dir: Path, log: Path) -> tuple[subprocess.Popen, str]:
-    """``serve-rft up --mode serve`` with one replica (its own embedded redis-server)."""
+def start_ours(run_dir: Path, log: Path, ingress: str = "haproxy") -> tuple[subprocess.Popen, str]:
+    """``serve-rft up --mode serve`` with one replica (its own embedded redis-server) behind
+    ``ingress`` (``service.ingress``: haproxy or proxy)."""
     cmd = [sys.executable, "-m", "serve_rft.cli", "up", "--mode", "serve", "--port", "0",
            "--set", "explorer.num_replicas=1", "--set", f"service.run_dir={run_dir}",
-           "--set", "service.metrics_port=0"]
+           "--set", "service.metrics_port=0", "--set", f"service.ingress={ingress}"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=open(log, "w"), text=True,
                             start_new_session=True, cwd=ROOT)
     for line in proc.stdout:
@@ -142,6 +144,8 @@ def main() -> None:
     ap.add_argument("--modes", nargs="+", default=["stream", "non_stream"])
     ap.add_argument("--vllm-threads", type=int, default=1,
                     help="OMP_NUM_THREADS of the vLLM server (ours: 1, Ray's default for a 1-CPU replica)")
+    ap.add_argument("--ingress", choices=["haproxy", "proxy"], default="haproxy",
+                    help="our front door (service.ingress)")
     ap.add_argument("--out", default="benchmarks/results/vs_vllm.json")
     a = ap.parse_args()
     model = str(ensure_embedded_model(ModelConfig().cache_dir))
@@ -149,7 +153,7 @@ def main() -> None:
     vllm_proc, vllm_url = start_vllm(model, free_port(), work / "vllm.log", a.vllm_threads)
     ours_proc = None
     try:
-        ours_proc, ours_url = start_ours(work / "run", work / "ours.log")
+        ours_proc, ours_url = start_ours(work / "run", work / "ours.log", a.ingress)
         for url in (ours_url, vllm_url):  # warm-up
             asyncio.run(run_load(url, max(a.levels), 5.0, a.max_tokens))
         results = {}
@@ -171,7 +175,7 @@ def main() -> None:
     out = {"command": f".venv/bin/python benchmarks/vs_vllm.py --levels {' '.join(map(str, a.levels))} "
                       f"--rounds {a.rounds} --duration {a.duration:g} --max-tokens {a.max_tokens} "
                       f"--modes {' '.join(a.modes)} "
-                      f"--vllm-threads {a.vllm_threads}",
+                      f"--vllm-threads {a.vllm_threads} --ingress {a.ingress} --out {a.out}",
            "model": model, "cpus": os.cpu_count(), "results": results}
     Path(a.out).write_text(json.dumps(out, indent=2))
     print(json.dumps({k: {kk: vv for kk, vv in v.items() if kk != "runs"} for k, v in results.items()}, indent=1))

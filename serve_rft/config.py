@@ -234,6 +234,11 @@ def _env_list(name: str) -> list[str]:
 class ServiceConfig(_Strict):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535, description="HTTP port; 0 picks a free one.")
+    ingress: Literal["haproxy", "proxy"] = Field(
+        "haproxy", description="Front door of a locally started Ray: haproxy = Ray Serve's HAProxy "
+        "mode (requests go straight to a replica's own HTTP server; a draining replica's refusals are "
+        "retried elsewhere), proxy = Ray Serve's Python proxy with DrainAwareRouter. A joined "
+        "cluster keeps the mode it was started with (serve_rft/service/ingress.py).")
     run_dir: str = Field("runs/default", description="Checkpoints, redis data and logs live here.")
     ray_address: str | None = Field(None, description="Existing Ray cluster. None: start one.")
     ray_num_cpus: int = Field(8, ge=1, description="Logical CPUs of a locally started Ray.")

@@ -93,11 +93,16 @@ class PublishedVersion:
 
 @dataclass
 class SyncOrder:
-    """The synchronizer's answer to a replica's poll: load this version now (synchronizer -> replica)."""
+    """The synchronizer's answer to a replica's poll: load this version now (synchronizer -> replica).
+
+    ``others_serving``: another replica was RUNNING when the sync was granted, so (behind HAProxy)
+    this one may refuse new requests while it drains instead of holding them.
+    """
 
     version: int
     handle: dict[str, Any]
     drain_mode: str
+    others_serving: bool = False
 
 
 class SyncEvent(BaseModel):

@@ -1,10 +1,14 @@
 """An explorer replica: the OpenAI HTTP API over one vLLM engine, logging every experience.
 
-One Ray Serve replica = one `ExplorerEngine`. Requests arrive through Ray Serve's proxy (routed
-around draining replicas by `serve_rft.explorer.router.DrainAwareRouter`). Each completion's
-choices are written to the `ExperienceStore` before the response ends. A background task
-long-polls the `Synchronizer`; when granted a sync it announces a drain (routing stats), pauses
-vLLM, reloads the weights of the new policy version, resumes and reports back.
+One Ray Serve replica = one `ExplorerEngine`. Requests arrive from HAProxy straight to this
+replica's own HTTP server (Ray Serve's HAProxy mode, the default: serve_rft.service.ingress) or
+through Ray Serve's Python proxy, routed around draining replicas by
+`serve_rft.explorer.router.DrainAwareRouter`. Each completion's choices are written to the
+`ExperienceStore` before the response ends. A background task long-polls the `Synchronizer`; when
+granted a sync it drains (behind HAProxy: new chat requests get 503 and HAProxy re-sends them to
+another replica, or, with no other replica serving, they wait; behind the proxy: it announces the
+drain in its routing stats), pauses vLLM, reloads the weights of the new policy version, resumes
+and reports back.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from serve_rft.explorer.protocol import ApiError, ChatCompletionRequest, parse_r
 from serve_rft.observability.explorer_metrics import ExplorerMetrics
 from serve_rft.synchronizer.methods import EngineBroken, LoadFailed, load_or_restore, receiver_for
 from serve_rft.types import SamplingInfo, SyncOrder
+from serve_rft.service.ingress import haproxy_enabled, refusals_are_retried
 
 log = logging.getLogger("serve_rft.explorer")
 
@@ -86,6 +91,10 @@ class ExplorerReplica:
                                                   weight_transfer="nccl" if nccl else None,
                                                   lora_rank=lora_rank)
         self.draining = False
+        self.drain_refuses = False  # while draining, answer new chat requests 503 (HAProxy retries them)
+        self.refused_in_drain = 0
+        self.haproxy = haproxy_enabled()  # no Serve router reads routing stats: no announce wait
+        self.refusals_retried = refusals_are_retried()
         self.loaded = {"method": "checkpoint", "path": model_path}  # handle of the served version
         self.experiences_logged = 0  # explorer step = this // synchronizer.explorer_step_experiences
         self.last_sync: dict[str, float] = {}
@@ -143,12 +152,15 @@ class ExplorerReplica:
         version before it takes traffic).
         """
         swap = bool(order.handle.get("adapter"))
+        # Behind HAProxy a refusal is re-sent to another replica: refuse if one is serving, else hold.
+        self.drain_refuses = self.refusals_retried and order.others_serving
+        self.refused_in_drain = 0
         self.draining = not swap
         previous_handle, previous_version = self.loaded, self.engine.policy_version
         t0 = time.perf_counter()
         try:
-            if not swap:  # Routers read routing stats every `routing_stats_period_s`: announce, wait.
-                await asyncio.sleep(2 * self.cfg.explorer.routing_stats_period_s + 0.1)
+            if not swap and not self.haproxy:  # Serve routers read routing stats every
+                await asyncio.sleep(2 * self.cfg.explorer.routing_stats_period_s + 0.1)  # period: wait
             t_pause = time.perf_counter()
             if not swap:
                 await self.engine.pause(order.drain_mode)
@@ -175,7 +187,8 @@ class ExplorerReplica:
             raise
         t_end = time.perf_counter()
         self.last_sync = {"drain_s": t_pause - t0, "pause_s": t_load - t_pause,
-                          "load_s": info["seconds"], "bytes": info["bytes"], "total_s": t_end - t0}
+                          "load_s": info["seconds"], "bytes": info["bytes"], "total_s": t_end - t0,
+                          "refused": self.refused_in_drain}
         # NCCL loads the trainer's current version, which may be newer than the order's.
         await self.sync.synced.remote(self.replica_id, self.engine.policy_version, self.last_sync)
 
@@ -289,6 +302,13 @@ class ExplorerReplica:
     async def _chat(self, request: Request, t0: float):
         if (refused := self._refused(request)) is not None:
             return refused
+        if self.draining and self.drain_refuses:
+            # Read the whole body first: HAProxy re-sends a request only once it was fully sent.
+            await request.body()
+            self.refused_in_drain += 1
+            e = ApiError(503, f"replica {self.replica_id} is loading new weights; retry on another replica",
+                         type_="service_unavailable", code="replica_draining")
+            return JSONResponse(e.body(), status_code=503, headers={"Retry-After": "1"})
         try:
             body = await _json_body(request)
             try:

@@ -12,29 +12,34 @@ from __future__ import annotations
 from pathlib import Path
 
 from serve_rft.config import Config
+from serve_rft.service.ingress import haproxy_enabled
 
 APP_NAME = "serve_rft"
 
 
 def explorer_deployment(cfg: Config):
-    """The `ExplorerReplica` class as a Serve deployment with its routing and scaling options."""
+    """The `ExplorerReplica` class as a Serve deployment with its routing and scaling options
+    (`DrainAwareRouter` unless this process runs Ray Serve's HAProxy mode: serve_rft.service.ingress)."""
     from ray import serve
     from ray.serve.config import RequestRouterConfig
 
     from serve_rft.explorer.replica import ExplorerReplica, app
 
     ecfg = cfg.explorer
+    routing = {}
+    if not haproxy_enabled():  # HAProxy balances by itself and refuses a custom Serve router
+        routing["request_router_config"] = RequestRouterConfig(
+            request_router_class="serve_rft.explorer.router.DrainAwareRouter",
+            request_routing_stats_period_s=ecfg.routing_stats_period_s,
+            request_routing_stats_timeout_s=max(1.0, 4 * ecfg.routing_stats_period_s),
+        )
     return serve.deployment(
         serve.ingress(app)(ExplorerReplica),
         name="explorer",
         num_replicas=ecfg.num_replicas,
         ray_actor_options={"num_cpus": ecfg.num_cpus_per_replica, "num_gpus": ecfg.num_gpus_per_replica},
         max_ongoing_requests=ecfg.max_ongoing_requests,
-        request_router_config=RequestRouterConfig(
-            request_router_class="serve_rft.explorer.router.DrainAwareRouter",
-            request_routing_stats_period_s=ecfg.routing_stats_period_s,
-            request_routing_stats_timeout_s=max(1.0, 4 * ecfg.routing_stats_period_s),
-        ),
+        **routing,
         health_check_period_s=10,
         health_check_timeout_s=60,
         graceful_shutdown_timeout_s=30,

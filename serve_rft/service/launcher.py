@@ -27,6 +27,7 @@ import httpx
 
 from serve_rft.buffer.redis_server import RedisServer, free_port, start_redis
 from serve_rft.config import Config
+from serve_rft.service.ingress import HAPROXY_FLAG, haproxy_env
 from serve_rft.model.embedded import resolve_model_path
 
 log = logging.getLogger("serve_rft.service")
@@ -98,6 +99,11 @@ class ServiceStack:
                 # address="local": always a new cluster, never one another process started
                 if cfg.service.metrics_port == 0:
                     cfg.service.metrics_port = free_port()
+                if cfg.service.ingress == "haproxy":  # Ray's processes inherit this environment
+                    for key, value in haproxy_env().items():
+                        os.environ.setdefault(key, value)
+                else:
+                    os.environ.pop(HAPROXY_FLAG, None)
                 ray.init(address="local", num_cpus=cfg.service.ray_num_cpus, include_dashboard=False,
                          log_to_driver=False, runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}},
                          _metrics_export_port=cfg.service.metrics_port)

@@ -168,7 +168,8 @@ class SyncState:
             return None
         r.sync_started = now
         self._set(r, ComponentState.REQUIRE_SYNC, now)
-        return SyncOrder(version=self.latest.version, handle=self.latest.handle, drain_mode=self.drain_mode)
+        return SyncOrder(version=self.latest.version, handle=self.latest.handle, drain_mode=self.drain_mode,
+                         others_serving=self.serving() >= 1)
 
     def synced(self, replica_id: str, version: int, now: float | None = None,
                timings: dict[str, float] | None = None) -> None:

@@ -138,9 +138,12 @@ def test_bad_input_gets_openai_errors(stack):
     assert httpx.get(f"{u}/health").status_code == 200
 
 
-def test_training_rolls_new_versions_across_replicas_without_failures(stack):
+def test_training_rolls_new_versions_across_replicas_without_failures(stack, expect_refusals: bool = True):
     """Load + rewards until two trainer versions reached every replica; no request fails and
-    at least one replica is RUNNING at every recorded state change."""
+    at least one replica is RUNNING at every recorded state change. ``expect_refusals``: syncs
+    drain replicas in ``wait`` mode, so behind HAProxy (leastconn sends new requests to the
+    draining replica as its in-flight ones finish) some were refused there and re-sent. Not so
+    for adapter-only LoRA (no drain) or ``keep`` (frozen requests keep its connection count up)."""
     t_start = time.time()
     outcomes: list[tuple[bool, str, int]] = []
 
@@ -194,6 +197,16 @@ def test_training_rolls_new_versions_across_replicas_without_failures(stack):
     assert len(served) == 2, "both replicas served traffic"
     assert max(o[2] for o in outcomes) >= 1, "responses came from trained policy versions"
     assert st["version_lag_s"], "version lag is measured"
+    # Behind HAProxy (the default ingress) a draining replica refused new requests with 503 and
+    # HAProxy re-sent them to the serving replica: refusals happened, yet no request failed.
+    if not expect_refusals:
+        return
+    deadline, refused = time.monotonic() + 60, 0.0
+    while time.monotonic() < deadline and not refused:
+        refused = sum(float(ln.rsplit(" ", 1)[1]) for ln in httpx.get(stack.metrics_url, timeout=10).text.splitlines()
+                      if ln.startswith("ray_serve_rft_requests_total{") and 'status="503"' in ln)
+        time.sleep(2)
+    assert refused > 0, "no request reached a draining replica: the drain path was not exercised"
 
 
 def test_behaviour_logprobs_match_the_trainer_on_the_served_version(stack):
@@ -392,6 +405,21 @@ def test_locust_smoke_run_has_no_errors_and_metrics_are_exported(stack, tmp_path
         time.sleep(2)
     missing = [w for w in want if w not in text]
     assert not missing, (missing, [ln for ln in text.splitlines() if "serve_rft" in ln][:40])
+
+
+def test_haproxy_is_the_ingress_and_re_sends_refused_requests(stack):
+    """The default ingress: Ray Serve's HAProxy owns the service port, retries a 503 on another
+    replica and buffers the whole request first (serve_rft/service/ingress.py)."""
+    import glob
+    from pathlib import Path
+
+    port = stack.url.rsplit(":", 1)[1]
+    newest_first = sorted(glob.glob("/tmp/haproxy-serve/*/haproxy.cfg"), key=lambda p: -Path(p).stat().st_mtime)
+    ours = [c for c in map(lambda p: Path(p).read_text(), newest_first) if f"bind 127.0.0.1:{port}\n" in c]
+    assert ours, f"no HAProxy config binds port {port}"
+    assert "retry-on conn-failure 503\n    option http-buffer-request\n" in ours[0]
+    assert "option redispatch 1" in ours[0]
+    assert ours[0].count("server SERVE_REPLICA") == 2  # both replicas behind it
 
 
 def test_responses_have_vllms_shape(stack, embedded_model, tmp_path):

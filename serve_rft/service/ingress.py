@@ -8,8 +8,9 @@ object store, which was the largest part of the gap to plain vLLM (benchmarks/ga
 benchmarks/direct_ingress_probe.py). HAProxy cannot run a Serve request router, so drain-aware
 routing works differently there: a replica that is about to load new weights answers new chat
 requests ``503`` while another replica is serving, and HAProxy retries them on another replica
-(``retry-on conn-failure 503`` + ``option redispatch 1``, which avoids the server that refused);
-with no other replica serving it holds them (engine paused) until its weights are loaded.
+(``retry-on conn-failure 503`` + ``option redispatch 1``, which avoids the server that refused, +
+``option http-buffer-request``, see `RETRY_ON`); with no other replica serving it holds them
+(engine paused) until its weights are loaded.
 
 ``service.ingress: proxy`` keeps Ray Serve's Python proxy and `DrainAwareRouter`.
 
@@ -56,12 +57,11 @@ def haproxy_env() -> dict[str, str]:
 
     Ports HAProxy and the fallback proxy would otherwise take at fixed numbers (stats 8404,
     Prometheus exporter 9101, fallback proxy 8500; HAProxy binds them on every interface) are
-    free ones, so several stacks can share a
-    machine. ``retry-on conn-failure 503`` + ``option http-buffer-request`` (`RETRY_ON`) make
-    HAProxy re-send a request a draining replica refused (nothing was processed; request bodies
-    fit HAProxy's buffer). HAProxy's own
-    per-request metrics pipeline is off: replicas export ``serve_rft_requests_total`` and the
-    latency histograms themselves. Worker threads: at most the machine's cores, at most 4.
+    free ones, so several stacks can share a machine. ``retry-on conn-failure 503`` + ``option
+    http-buffer-request`` (`RETRY_ON`) make HAProxy re-send a request a draining replica refused
+    (nothing was processed; request bodies fit HAProxy's buffer). HAProxy's own per-request
+    metrics pipeline is off: replicas export ``serve_rft_requests_total`` and the latency
+    histograms themselves. Worker threads: at most the machine's cores, at most 4.
 
     Returns:
         Variable -> value; callers apply it with ``os.environ.setdefault`` so an operator's own

@@ -135,7 +135,8 @@ def main() -> None:
         base = a.model
     res = asyncio.run(run(base, a.rank, a.repeats, a.requests, a.max_tokens))
     res = {"command": ".venv/bin/python benchmarks/adapter_sync.py" + (f" --model {a.model}" if a.model else "")
-           + f" --rank {a.rank} --repeats {a.repeats}", "model": base, **res}
+           + f" --rank {a.rank} --repeats {a.repeats} --requests {a.requests} --max-tokens {a.max_tokens}"
+           f" --out {a.out}", "model": base, **res}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(res, indent=2))
     print(json.dumps({k: v for k, v in res.items() if not isinstance(v, dict)} |

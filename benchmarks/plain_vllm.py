@@ -1,5 +1,7 @@
 """Start and stop vLLM's own OpenAI server (the plain-vLLM baseline) with our replica's engine
-settings. Used by benchmarks/vs_vllm.py and tests/integration/test_conformance.py."""
+settings, and the helpers the benchmarks and tests share (`wait_http`, `stop`, `pct`). Used by
+benchmarks/vs_vllm.py, gap_profile.py, direct_ingress_probe.py, zero_downtime.py and
+tests/integration/test_stack.py::test_responses_have_vllms_shape, test_serve_run.py."""
 
 from __future__ import annotations
 
@@ -30,6 +32,12 @@ def wait_http(url: str, proc: subprocess.Popen, timeout_s: float = 600) -> None:
             pass
         time.sleep(1)
     raise TimeoutError(url)
+
+
+def pct(xs: list[float], q: float) -> float | None:
+    """The ``q`` quantile (0..1) of ``xs`` by rank (no interpolation); None for no values."""
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else None
 
 
 def start_vllm(model: str, port: int, log: Path, threads: int = 1) -> tuple[subprocess.Popen, str]:

@@ -7,8 +7,8 @@ Python proxy -> replica; every choice logged to Redis with its behaviour logprob
 B = vLLM's own OpenAI server from the same install with the engine settings our replica uses
 (`plain_vllm.start_vllm`).
 
-The load generator (`run_load`): ``concurrency`` asyncio workers, each sending streaming chat
-requests back to back for ``duration`` seconds (``max_tokens`` fixed, usage included); per request
+The load generator (`run_load`): ``concurrency`` asyncio workers, each sending chat requests
+(streaming or not: ``--modes``) back to back for ``duration`` seconds (``max_tokens`` fixed, usage included); per request
 TTFT (first content chunk), end-to-end seconds and completion tokens. Reported per level: output
 tokens/s, requests/s, TTFT and e2e p50/p99, and ours / vLLM's per A-B pair (median of pairs).
 
@@ -31,7 +31,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from plain_vllm import start_vllm, stop  # noqa: E402
+from plain_vllm import pct, start_vllm, stop  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = ["Say something nice.", "Tell me a story about the sea.", "Name an animal.",
@@ -50,11 +50,6 @@ def start_ours(run_dir: Path, log: Path, ingress: str = "haproxy") -> tuple[subp
         if line.startswith('{"url"'):
             return proc, json.loads(line)["url"]
     raise RuntimeError(f"serve-rft up exited with {proc.wait()} (see {log})")
-
-
-def _pct(xs: list[float], q: float) -> float | None:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else None
 
 
 async def run_load(url: str, concurrency: int, duration: float, max_tokens: int, stream: bool = True,
@@ -119,8 +114,8 @@ async def run_load(url: str, concurrency: int, duration: float, max_tokens: int,
     e2e, ttfts = [r[0] for r in rows], [r[1] for r in rows if r[1] is not None]
     return {"seconds": secs, "requests": len(rows), "errors": len(errors), "error_samples": errors[:3],
             "output_tokens_per_s": sum(r[2] for r in rows) / secs, "requests_per_s": len(rows) / secs,
-            "ttft_p50_s": _pct(ttfts, 0.5), "ttft_p99_s": _pct(ttfts, 0.99),
-            "e2e_p50_s": _pct(e2e, 0.5), "e2e_p99_s": _pct(e2e, 0.99),
+            "ttft_p50_s": pct(ttfts, 0.5), "ttft_p99_s": pct(ttfts, 0.99),
+            "e2e_p50_s": pct(e2e, 0.5), "e2e_p99_s": pct(e2e, 0.99),
             "mean_completion_tokens": statistics.mean(r[2] for r in rows) if rows else 0.0}
 
 

@@ -26,13 +26,8 @@ from pathlib import Path
 import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _pct(xs: list[float], q: float) -> float | None:
-    if not xs:
-        return None
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from plain_vllm import pct  # noqa: E402
 
 
 def _sync_windows(events: list[dict]) -> list[tuple[float, float]]:
@@ -98,7 +93,7 @@ def run_mode(drain_mode: str, duration: float, users: int, rate: float, run_dir:
 
     during = [r["seconds"] for r in chats if r["ok"] and overlaps(r)]
     outside = [r["seconds"] for r in chats if r["ok"] and not overlaps(r)]
-    p = {k: _pct(v, q) for k, v, q in [("during_p50", during, 0.5), ("during_p99", during, 0.99),
+    p = {k: pct(v, q) for k, v, q in [("during_p50", during, 0.5), ("during_p99", during, 0.99),
                                         ("outside_p50", outside, 0.5), ("outside_p99", outside, 0.99)]}
     return {
         "drain_mode": drain_mode,
@@ -111,7 +106,7 @@ def run_mode(drain_mode: str, duration: float, users: int, rate: float, run_dir:
         "versions_published": len({e["policy_version"] for e in events if e["component"] == "trainer"}),
         "min_running_replicas_sampled": min(n for _, n, _ in samples) if samples else None,
         "status_samples": len(samples),
-        "sync_window_s": {"p50": _pct([b - a for a, b in windows], 0.5), "max": max((b - a for a, b in windows), default=None)},
+        "sync_window_s": {"p50": pct([b - a for a, b in windows], 0.5), "max": max((b - a for a, b in windows), default=None)},
         "latency_s": p,
         "p50_ratio_during_vs_outside": (p["during_p50"] / p["outside_p50"]) if during and outside else None,
         "p99_ratio_during_vs_outside": (p["during_p99"] / p["outside_p99"]) if during and outside else None,
@@ -128,7 +123,8 @@ def main() -> None:
     ap.add_argument("--rate", type=float, default=1.0, help="requests/s per user")
     ap.add_argument("--modes", default="wait,keep")
     ap.add_argument("--ingress", choices=["haproxy", "proxy"], default="haproxy", help="service.ingress")
-    ap.add_argument("--run-dir", default="runs/bench-zero-downtime")
+    ap.add_argument("--run-dir", default="runs/bench-zero-downtime",
+                    help="each mode's folder under it is deleted and recreated (a fresh store)")
     ap.add_argument("--out", default="benchmarks/results/zero_downtime.json")
     a = ap.parse_args()
     results = []

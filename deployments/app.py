@@ -4,8 +4,10 @@
   YAML path) and ``overrides`` (a list of ``section.field=value``). ``buffer.redis_url`` must point
   at a running Redis: under `serve deploy` nothing else starts one (``serve-rft up`` does).
 - `app`: the application of ``configs/default.yaml`` (Redis at 127.0.0.1:6379), importable with
-  no side effects, for ``serve build deployments.app:app``, which prints the deployment options
-  (replicas, actor options, max_ongoing_requests) that serve_config.yaml repeats.
+  no side effects, for ``RAY_SERVE_ENABLE_HA_PROXY=1 serve build deployments.app:app``, which
+  prints the deployment options (replicas, actor options, max_ongoing_requests) that
+  serve_config.yaml repeats (without the variable the output also lists DrainAwareRouter's
+  request_router_config, used only behind Ray Serve's Python proxy).
 
 Either way the explorer replicas create the synchronizer and trainer actors when they start
 (`serve_rft.service.app.ensure_control`).

@@ -67,7 +67,8 @@ class ExplorerConfig(_Strict):
     max_n: int = Field(16, ge=1, description="Largest accepted `n` (choices per request).")
     default_max_tokens: int = Field(64, ge=1, description="max_tokens when a request gives none.")
     routing_stats_period_s: float = Field(
-        0.25, gt=0, description="How often Ray Serve polls replica routing stats (drain flag), s."
+        0.25, gt=0, description="How often Ray Serve polls replica routing stats (drain flag), s "
+        "(service.ingress=proxy only: HAProxy needs no drain notice)."
     )
     max_loras: int = Field(
         4, ge=1, description="With adapter-only LoRA sync (trainer.lora.merge_and_sync=false): adapters "

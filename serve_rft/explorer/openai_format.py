@@ -56,7 +56,7 @@ class ChoiceAccumulator:
         self.content_logprobs.extend(entries)
         if out.finish_reason is not None:
             self.finish_reason = out.finish_reason
-            self.stop_reason = getattr(out, "stop_reason", None)
+            self.stop_reason = out.stop_reason
         if out.weight_versions and not self.pinned:
             self.version_spans = [(int(s.version), s.start, s.end) for s in out.weight_versions]
         return entries

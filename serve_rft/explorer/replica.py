@@ -60,8 +60,8 @@ async def _json_body(request: Request) -> Any:
         raise ApiError(400, f"request body is not valid JSON: {e}") from None
 
 
-def _error(e: ApiError) -> JSONResponse:
-    return JSONResponse(e.body(), status_code=e.status)
+def _error(e: ApiError, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status, headers=headers)
 
 
 class ExplorerReplica:
@@ -303,12 +303,11 @@ class ExplorerReplica:
         if (refused := self._refused(request)) is not None:
             return refused
         if self.draining and self.drain_refuses:
-            # Read the whole body first: HAProxy re-sends a request only once it was fully sent.
-            await request.body()
+            await request.body()  # consume it: the connection stays clean for HAProxy to reuse
             self.refused_in_drain += 1
             e = ApiError(503, f"replica {self.replica_id} is loading new weights; retry on another replica",
                          type_="service_unavailable", code="replica_draining")
-            return JSONResponse(e.body(), status_code=503, headers={"Retry-After": "1"})
+            return _error(e, {"Retry-After": "1"})
         try:
             body = await _json_body(request)
             try:

@@ -1,5 +1,9 @@
 """Ray Serve request router that keeps new requests off replicas that are syncing.
 
+Used only with ``service.ingress=proxy`` (Ray Serve's Python proxy); under the default HAProxy
+ingress a draining replica refuses new requests and HAProxy re-sends them
+(serve_rft.service.ingress).
+
 A replica about to load new weights sets ``draining`` in its routing stats
 (`ExplorerReplica.record_routing_stats`); Serve polls those every
 ``request_routing_stats_period_s``. This router ranks non-draining replicas first and falls

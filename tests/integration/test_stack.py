@@ -143,7 +143,9 @@ def test_training_rolls_new_versions_across_replicas_without_failures(stack, exp
     at least one replica is RUNNING at every recorded state change. ``expect_refusals``: syncs
     drain replicas in ``wait`` mode, so behind HAProxy (leastconn sends new requests to the
     draining replica as its in-flight ones finish) some were refused there and re-sent. Not so
-    for adapter-only LoRA (no drain) or ``keep`` (frozen requests keep its connection count up)."""
+    for adapter-only LoRA (no drain) or ``keep`` (frozen requests keep its connection count up).
+    Whether a request reaches a draining replica is timing, not guaranteed: seen on every run of
+    the default stack, but one CI run of the MEMORY stack had none, so only this stack asks."""
     t_start = time.time()
     outcomes: list[tuple[bool, str, int]] = []
 
@@ -191,7 +193,9 @@ def test_training_rolls_new_versions_across_replicas_without_failures(stack, exp
     assert all(r["policy_version"] >= target for r in st["replicas"]), st
     assert st["experiences"]["trained"] > 0
     syncs = [e for e in events if e["state"] == "REQUIRE_SYNC"]
-    assert len(syncs) >= 4, events  # two versions x two replicas, at least
+    # every replica synced; a replica granted a sync loads the latest version, so one that was
+    # behind may skip a version (a MEMORY run saw 3 syncs for two versions x two replicas)
+    assert len({e["component"] for e in syncs}) >= 2, events  # both replicas
     assert all(e["serving"] >= 1 for e in events if e["component"] != "trainer"), events
     served = {o[1] for o in outcomes}
     assert len(served) == 2, "both replicas served traffic"

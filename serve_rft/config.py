@@ -51,8 +51,29 @@ class ModelConfig(_Strict):
     served_name: str = Field("serve-rft", description="Model name shown by /v1/models.")
 
 
+class AutoscalingSettings(_Strict):
+    """Ray Serve's ``autoscaling_config`` for the explorer deployment: replicas are added and
+    removed by load; the synchronizer counts the replicas that run (never a configured number)."""
+
+    min_replicas: int = Field(1, ge=1)
+    max_replicas: int = Field(4, ge=1)
+    target_ongoing_requests: float = Field(8.0, gt=0, description="In-flight requests per replica "
+                                           "Serve aims for.")
+    upscale_delay_s: float = Field(10.0, ge=0)
+    downscale_delay_s: float = Field(60.0, ge=0)
+
+    @model_validator(mode="after")
+    def _bounds(self) -> "AutoscalingSettings":
+        if self.max_replicas < self.min_replicas:
+            raise ValueError("explorer.autoscaling.max_replicas must be >= min_replicas")
+        return self
+
+
 class ExplorerConfig(_Strict):
-    num_replicas: int = Field(2, ge=1, description="vLLM explorer replicas behind Ray Serve.")
+    num_replicas: int = Field(2, ge=1, description="vLLM explorer replicas behind Ray Serve (the "
+                              "initial count when `autoscaling` is set).")
+    autoscaling: AutoscalingSettings | None = Field(
+        None, description="Let Ray Serve add and remove replicas by load (null: a fixed num_replicas).")
     num_cpus_per_replica: float = Field(1.0, gt=0, description="Ray logical CPUs per replica.")
     num_gpus_per_replica: float = Field(
         0.0, ge=0, description="Ray GPUs per replica (GPU machines with the `vllm` package; NCCL needs > 0).")
@@ -74,6 +95,14 @@ class ExplorerConfig(_Strict):
         4, ge=1, description="With adapter-only LoRA sync (trainer.lora.merge_and_sync=false): adapters "
         "(policy versions) one vLLM batch may mix; requests in flight keep the version they started on.")
 
+
+    @model_validator(mode="after")
+    def _initial_within_bounds(self) -> "ExplorerConfig":
+        a = self.autoscaling
+        if a is not None and not a.min_replicas <= self.num_replicas <= a.max_replicas:
+            raise ValueError(f"explorer.num_replicas={self.num_replicas} (the initial count) must lie within "
+                             f"autoscaling [{a.min_replicas}, {a.max_replicas}]")
+        return self
 
 class BufferConfig(_Strict):
     redis_url: str | None = Field(
@@ -203,6 +232,39 @@ class TrainerConfig(_Strict):
     seed: int = 0
 
 
+class CanaryConfig(_Strict):
+    """Canary promotion (``synchronizer.rollout=canary``; serve_rft/synchronizer/canary.py).
+
+    A new version first goes to ``replicas`` replicas while the others keep the incumbent. The
+    window opens when the first canary serves it; experiences *generated* in the window are
+    compared by policy version, with their rewards counted whenever they arrive (rewards come
+    late: the verdict waits up to ``reward_wait_s`` after the window for ``min_rewards`` on each
+    side)."""
+
+    replicas: int = Field(1, ge=1, description="Replicas that serve a candidate version first.")
+    window_s: float = Field(60.0, gt=0, description="Seconds of traffic compared, from the first "
+                            "canary serving the candidate.")
+    min_rewards: int = Field(20, ge=1, description="Rewards needed on each side (candidate, incumbent) "
+                             "for experiences generated in the window.")
+    reward_wait_s: float = Field(120.0, ge=0, description="How long after the window to wait for "
+                                 "late rewards before the verdict falls back to `undecided`.")
+    undecided: Literal["promote", "rollback"] = Field(
+        "rollback", description="Verdict when too few rewards arrived in time.")
+    reward_tolerance: float = Field(0.0, ge=0, description="A candidate whose mean reward is below the "
+                                    "incumbent's by more than this (and significantly) is rolled back.")
+    z: float = Field(2.0, gt=0, description="Significance of a reward drop: (candidate - incumbent + "
+                     "tolerance) / standard error below -z rolls back.")
+    min_requests: int = Field(10, ge=0, description="Requests needed on each side before error rate "
+                              "and latency are judged.")
+    max_error_rate_increase: float = Field(0.05, ge=0, le=1, description="Rolled back if the candidate's "
+                                           "failed-request share exceeds the incumbent's by more than this.")
+    max_latency_ratio: float = Field(2.0, ge=1, description="Rolled back if the candidate's mean request "
+                                     "latency exceeds the incumbent's by this factor.")
+    on_reject: Literal["continue", "reset"] = Field(
+        "continue", description="What the trainer does after a rollback: continue from its own weights, "
+        "or reset them to the incumbent's.")
+
+
 class SynchronizerConfig(_Strict):
     sync_method: SyncMethod = SyncMethod.CHECKPOINT
     sync_style: SyncStyle = SyncStyle.FIXED
@@ -214,18 +276,56 @@ class SynchronizerConfig(_Strict):
         16, ge=1, description="One explorer step = this many experiences logged by a replica.")
     sync_timeout_s: float = Field(
         30.0, gt=0, description="EXPLORER_DRIVEN: a request unanswered this long lapses (retried next cycle).")
-    max_unavailable: int = Field(1, ge=1, description="Replicas that may sync at the same time.")
+    max_version_lag_s: float | None = Field(
+        10.0, gt=0, description="Every promoted version reaches every live replica within this many "
+        "seconds whatever the style and traffic (a time-based fallback, serve_rft/synchronizer/styles.py); "
+        "null: only the style decides.")
+    max_unavailable: int = Field(1, ge=1, description="Replicas that may be out of rotation (syncing "
+                                 "or drained by an operator) at the same time.")
     drain_mode: Literal["wait", "keep"] = Field(
         "wait",
         description="wait: finish in-flight requests on the old weights before loading; "
         "keep: pause them, load, and continue them on the new weights.",
     )
     replica_timeout_s: float = Field(
-        30.0, gt=0, description="A replica not heard from for this long is STOPPED."
-    )
+        5.0, gt=0, description="A replica not heard from for this long no longer counts as serving "
+        "(STOPPED); replicas poll every second.")
+    lease_s: float = Field(
+        10.0, gt=0, description="A replica granted a sync holds its slot while it renews this lease "
+        "(every lease_s / 4 while it drains, loads and verifies); unrenewed, it counts as dead.")
+    load_timeout_s: float = Field(
+        600.0, gt=0, description="A replica whose drain + load + verification takes longer is broken: "
+        "it reports the failure and Ray Serve replaces it.")
+    retry_backoff_s: float = Field(
+        2.0, gt=0, description="After a failed load a replica retries the same version no sooner than "
+        "this, doubling per consecutive failure (at most 64x).")
+    max_load_attempts: int = Field(
+        3, ge=1, description="Failed loads (over all replicas) after which a version is quarantined: "
+        "never granted again; newer versions still roll.")
+    retain_versions: int = Field(
+        3, ge=1, description="Newest good versions whose handles the synchronizer keeps for an "
+        "operator rollback, besides those served (CHECKPOINT folders at or above the kept floor are "
+        "never pruned).")
+    verify: bool = Field(
+        True, description="Verify each version before serving it: checksums of the transferred bytes "
+        "before the drain, logprobs of a probe sequence against the trainer's after the load.")
+    verify_tolerance: float = Field(
+        0.01, gt=0, description="Largest |logprob difference| of the probe sequence accepted (fp32 "
+        "on CPU agrees to ~1e-5; a bf16 engine against the fp32 trainer needs ~0.25).")
+    rollout: Literal["rolling", "canary"] = Field(
+        "rolling", description="rolling: every new version rolls to every replica; canary: it goes to "
+        "canary.replicas first and is promoted or rolled back by its rewards (serve_rft/synchronizer/canary.py).")
+    canary: CanaryConfig = Field(default_factory=CanaryConfig)
     bucket_bytes: int = Field(
         32 << 20, ge=1 << 16, description="MEMORY: largest bucket of tensors sent at once, bytes."
     )
+
+    @model_validator(mode="after")
+    def _canary_needs_versioned_method(self) -> "SynchronizerConfig":
+        if self.rollout == "canary" and self.sync_method is SyncMethod.NCCL:
+            raise ValueError("synchronizer.rollout=canary needs replicas to load a chosen version; "
+                             "nccl sends the trainer's current weights only: use checkpoint or memory")
+        return self
 
 
 def _env_list(name: str) -> list[str]:
@@ -288,12 +388,23 @@ class Config(_Strict):
 
     @model_validator(mode="after")
     def _always_one_serving(self) -> "Config":
-        n = self.explorer.num_replicas
+        auto = self.explorer.autoscaling
+        n = auto.min_replicas if auto is not None else self.explorer.num_replicas
         if n > 1 and self.synchronizer.max_unavailable >= n:
             raise ValueError(
                 f"synchronizer.max_unavailable={self.synchronizer.max_unavailable} would let all "
                 f"{n} replicas sync at once; it must be < explorer.num_replicas"
             )
+        lora = self.trainer.lora
+        if self.synchronizer.canary.on_reject == "reset" and lora is not None and lora.merge_and_sync:
+            raise ValueError("synchronizer.canary.on_reject=reset takes the incumbent's adapter back; with "
+                             "trainer.lora.merge_and_sync=true versions carry merged weights only: use "
+                             "merge_and_sync=false or on_reject=continue")
+        if self.synchronizer.rollout == "canary" and self.synchronizer.canary.replicas >= n:
+            raise ValueError(
+                f"synchronizer.canary.replicas={self.synchronizer.canary.replicas} leaves no replica "
+                f"on the incumbent version with {n} replicas; it must be < explorer.num_replicas "
+                "(or autoscaling.min_replicas)")
         return self
 
 

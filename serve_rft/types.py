@@ -106,10 +106,30 @@ class SyncOrder:
 
 
 class SyncEvent(BaseModel):
-    """A state change of a replica or the trainer, logged by the synchronizer for audits."""
+    """A state change of a replica or the trainer, or a rollout decision, logged by the
+    synchronizer for audits."""
 
     t: float
-    component: str
+    component: str = Field(description="A replica id, `trainer`, or `synchronizer` (rollout decisions).")
     state: ComponentState
     policy_version: int
-    serving: int = Field(description="Replicas RUNNING right after this event.")
+    serving: int = Field(description="Live replicas in rotation right after this event.")
+    kind: str = Field("state", description="state, joined, left, lost, timeout, granted, synced, failed, "
+                      "drained, undrained, published, quarantined, candidate, canary_started, promoted, "
+                      "rolled_back, rollback, pinned, unpinned, promotion_paused, promotion_resumed.")
+    detail: str | None = None
+
+
+@dataclass
+class PollReply:
+    """The synchronizer's answer to a replica's poll (synchronizer -> replica).
+
+    ``order``: sync now (or None). ``known``: False after a synchronizer restart; the replica
+    then registers again with the handles it holds. ``drained``: an operator took it out of
+    rotation. ``role``: ``canary`` while it serves a candidate version, else ``incumbent``.
+    """
+
+    order: SyncOrder | None = None
+    known: bool = True
+    drained: bool = False
+    role: str = "incumbent"

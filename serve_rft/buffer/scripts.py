@@ -40,13 +40,13 @@ end
 """
 
 LOG = """
--- ARGV: P, cid, n, gid, group_size, ttl_pending, ttl_long, now, deadline, conv, exp_1..exp_n
+-- ARGV: P, cid, n, gid, group_size, ttl_pending, ttl_long, now, deadline, conv, version, exp_1..exp_n
 local P, cid, n, gid = ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4]
 local ttl_p, ttl_l = tonumber(ARGV[6]), tonumber(ARGV[7])
 local cmp = P..':cmp:'..cid
 -- a completion is logged once: a call re-sent after a lost reply (client retry) changes nothing
 if redis.call('EXISTS', cmp) == 1 then return 0 end
-redis.call('HSET', cmp, 'n', n, 'group', gid, 'conv', ARGV[10], 'created', ARGV[8])
+redis.call('HSET', cmp, 'n', n, 'group', gid, 'conv', ARGV[10], 'created', ARGV[8], 'ver', ARGV[11])
 redis.call('EXPIRE', cmp, ttl_l)
 local st = P..':st:'..cid
 local g = P..':grp:'..gid
@@ -54,7 +54,7 @@ redis.call('HSETNX', g, 'size', ARGV[5])
 redis.call('HINCRBY', g, 'logged', n)
 redis.call('EXPIRE', g, ttl_l)
 for i = 0, n - 1 do
-  redis.call('SET', P..':exp:'..cid..':'..i, ARGV[11 + i], 'EX', ttl_p)
+  redis.call('SET', P..':exp:'..cid..':'..i, ARGV[12 + i], 'EX', ttl_p)
   redis.call('ZADD', P..':pending', ARGV[9], cid..':'..i)
   redis.call('HSET', st, tostring(i), 'pending')
 end
@@ -91,6 +91,18 @@ redis.call('EXPIRE', st, ttl)
 redis.call('EXPIRE', ek, ttl)
 redis.call('ZREM', P..':pending', cid..':'..i)
 redis.call('HINCRBY', P..':stat', 'rewarded', 1)
+-- per policy version and generation time (REWARD_BUCKET_S buckets): what canary verdicts compare
+local ver = redis.call('HGET', cmp, 'ver')
+if ver then
+  local created = tonumber(redis.call('HGET', cmp, 'created'))
+  local b = tostring(math.floor(created / 5))
+  local vk = P..':vr:'..ver..':'..tostring(math.floor(created / 3600))
+  local r = tonumber(ARGV[4])
+  redis.call('HINCRBY', vk, b..':n', 1)
+  redis.call('HINCRBYFLOAT', vk, b..':s', ARGV[4])
+  redis.call('HINCRBYFLOAT', vk, b..':q', string.format('%.17g', r * r))
+  redis.call('EXPIRE', vk, ttl)
+end
 local gid = redis.call('HGET', cmp, 'group')
 local g = P..':grp:'..gid
 redis.call('SADD', P..':gm:'..gid, cid..':'..i)

@@ -129,8 +129,30 @@ class ExplorerEngine:
         if self.adapter_sync:
             version = self.policy_version if version is None else version
             lora = self.adapters[version] if version > 0 else None
-        return self.llm.generate(TokensPrompt(prompt_token_ids=prompt_token_ids),
-                                 sampling_params, request_id, lora_request=lora)
+        else:
+            version = self.policy_version
+        # Prefix-cache blocks are salted with the policy version: a block computed under one
+        # version is never reused under another (vLLM hashes the salt into the first block).
+        prompt = TokensPrompt(prompt_token_ids=prompt_token_ids, cache_salt=f"policy-v{version}")
+        return self.llm.generate(prompt, sampling_params, request_id, lora_request=lora)
+
+    async def probe_logprobs(self, token_ids: list[int], version: int | None = None) -> list[float]:
+        """Logprobs of ``token_ids[1:]`` given their prefixes under the weights served now (or,
+        adapter-only sync, under ``version``'s adapter), temperature 1: what the trainer computed
+        for the same sequence when it published (`serve_rft.synchronizer.methods.verify`).
+
+        Returns:
+            ``len(token_ids) - 1`` floats.
+        """
+        import uuid
+
+        from vllm import SamplingParams
+
+        params = SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0, detokenize=False)
+        last = None
+        async for ro in self.generate(token_ids, params, f"probe-{uuid.uuid4().hex}", version):
+            last = ro
+        return [float(lp[tok].logprob) for lp, tok in zip(last.prompt_logprobs[1:], token_ids[1:])]
 
     async def load_adapter(self, path: str, version: int) -> float:
         """Adapter-only sync: register the LoRA adapter folder ``path`` (``adapter_config.json``

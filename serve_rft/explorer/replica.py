@@ -27,13 +27,12 @@ from pydantic import ValidationError
 from serve_rft.buffer.store import ExperienceStore
 from serve_rft.config import Config
 from serve_rft.explorer import openai_format as fmt
-from serve_rft.explorer import rewards_api
+from serve_rft.explorer import rewards_api, sync_api
 from serve_rft.explorer.auth import ApiKeys
 from serve_rft.explorer.protocol import ApiError, ChatCompletionRequest, parse_reward_body
 from serve_rft.observability.explorer_metrics import ExplorerMetrics
-from serve_rft.service.ingress import haproxy_enabled, refusals_are_retried
-from serve_rft.synchronizer.methods import EngineBroken, LoadFailed, load_or_restore, receiver_for
-from serve_rft.types import SamplingInfo, SyncOrder
+from serve_rft.explorer.weight_swap import WeightSwap
+from serve_rft.types import SamplingInfo
 
 log = logging.getLogger("serve_rft.explorer")
 
@@ -81,7 +80,8 @@ class ExplorerReplica:
             model_path = str(resolve_model_path(self.cfg.model.path, self.cfg.model.cache_dir))
         self.api_keys = ApiKeys(self.cfg.service.api_keys, self.cfg.service.admin_keys)
         self.model_path = model_path
-        self.replica_id = serve.get_replica_context().replica_id.unique_id
+        context = serve.get_replica_context()
+        self.replica_id = context.replica_id.unique_id
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.store = ExperienceStore.from_config(self.cfg.buffer)
         self.sync = ensure_control(self.cfg, model_path)  # `serve deploy`: nobody else starts them
@@ -90,34 +90,26 @@ class ExplorerReplica:
         self.engine = await ExplorerEngine.create(model_path, self.cfg.explorer, replica_id=self.replica_id,
                                                   weight_transfer="nccl" if nccl else None,
                                                   lora_rank=lora_rank)
-        self.draining = False
-        self.drain_refuses = False  # while draining, answer new chat requests 503 (HAProxy retries them)
-        self.refused_in_drain = 0
-        self.haproxy = haproxy_enabled()  # no Serve router reads routing stats: no announce wait
-        self.refusals_retried = refusals_are_retried()
-        self.loaded = {"method": "checkpoint", "path": model_path}  # handle of the served version
         self.experiences_logged = 0  # explorer step = this // synchronizer.explorer_step_experiences
-        self.last_sync: dict[str, float] = {}
-        latest = await self.sync.latest.remote()
-        if latest is not None:  # a restarted or new replica loads the latest version first
-            await receiver_for(latest.handle).receive(self.engine, latest.handle, latest.version)
-            self.loaded = latest.handle
-        await self.sync.register.remote(self.replica_id, self.engine.policy_version)
-        self._sync_task = asyncio.create_task(self._sync_loop())
+        step = self.cfg.synchronizer.explorer_step_experiences
+        self.swap = WeightSwap(self.replica_id, context.replica_id.to_full_id_str(), self.engine, self.sync,
+                               self.cfg, model_path, lambda: self.experiences_logged // step)
+        await self.swap.start()  # a restarted or new replica loads the incumbent version first
         self.metrics = ExplorerMetrics(self.replica_id)
         self._counts_task = asyncio.create_task(self._export_store_counts())
 
     # -- Ray Serve hooks ---------------------------------------------------------------
     def record_routing_stats(self) -> dict[str, Any]:
         """Read by `DrainAwareRouter`: a draining replica gets no new requests."""
-        return {"draining": self.draining, "policy_version": self.engine.policy_version}
+        return {"draining": self.swap.draining, "policy_version": self.swap.version}
 
     async def check_health(self) -> None:
-        if self._sync_task.done():
-            exc = self._sync_task.exception()
-            raise RuntimeError(f"sync loop ended: {exc!r}")
+        self.swap.check()
 
     def __del__(self):
+        swap = getattr(self, "swap", None)
+        if swap is not None:
+            swap.leave()
         engine = getattr(self, "engine", None)
         if engine is not None:
             engine.shutdown()
@@ -132,65 +124,6 @@ class ExplorerReplica:
             except redis.exceptions.RedisError:  # the store retries on its own; next beat
                 pass
             await asyncio.sleep(period_s)
-
-    # -- weight sync ---------------------------------------------------------------------
-    async def _sync_loop(self) -> None:
-        while True:
-            step = self.experiences_logged // self.cfg.synchronizer.explorer_step_experiences
-            order = await self.sync.poll.remote(self.replica_id, self.engine.policy_version, step, 1.0)
-            if order is not None:
-                await self._apply(order)
-
-    async def _apply(self, order: SyncOrder) -> None:
-        """Drain, pause, load, resume; report the outcome to the synchronizer. An adapter
-        (adapter-only LoRA sync) is registered without drain or pause: requests in flight finish
-        on the adapter they started with, new ones get the new one.
-
-        A failed load restores the previous version's weights (never half old, half new) and is
-        reported as a failure; if even the restore fails the exception propagates, the sync loop
-        ends and the health check makes Ray Serve replace this replica (which loads the latest
-        version before it takes traffic).
-        """
-        swap = bool(order.handle.get("adapter"))
-        # Behind HAProxy a refusal is re-sent to another replica: refuse if one is serving, else hold.
-        self.drain_refuses = self.refusals_retried and order.others_serving
-        self.refused_in_drain = 0
-        self.draining = not swap
-        previous_handle, previous_version = self.loaded, self.engine.policy_version
-        t0 = time.perf_counter()
-        try:
-            if not swap and not self.haproxy:  # Serve routers read routing stats every
-                await asyncio.sleep(2 * self.cfg.explorer.routing_stats_period_s + 0.1)  # period: wait
-            t_pause = time.perf_counter()
-            if not swap:
-                await self.engine.pause(order.drain_mode)
-            t_load = time.perf_counter()
-            try:
-                info = await load_or_restore(self.engine, order.handle, order.version,
-                                             previous_handle, previous_version)
-                self.loaded = order.handle
-            except LoadFailed as e:  # previous version restored: serve it, report the failure
-                log.exception("replica %s failed to load version %s", self.replica_id, order.version)
-                if not swap:
-                    await self.engine.resume()
-                await self.sync.failed.remote(self.replica_id, order.version, repr(e.__cause__))
-                self.draining = False
-                return
-            except EngineBroken as e:  # stay out of rotation; the health check ends this replica
-                await self.sync.failed.remote(self.replica_id, order.version, repr(e))
-                raise
-            if not swap:
-                await self.engine.resume()
-            self.draining = False
-        except asyncio.CancelledError:
-            self.draining = False
-            raise
-        t_end = time.perf_counter()
-        self.last_sync = {"drain_s": t_pause - t0, "pause_s": t_load - t_pause,
-                          "load_s": info["seconds"], "bytes": info["bytes"], "total_s": t_end - t0,
-                          "refused": self.refused_in_drain}
-        # NCCL loads the trainer's current version, which may be newer than the order's.
-        await self.sync.synced.remote(self.replica_id, self.engine.policy_version, self.last_sync)
 
     # -- HTTP ----------------------------------------------------------------------------
     def _refused(self, request: Request) -> JSONResponse | None:
@@ -207,8 +140,8 @@ class ExplorerReplica:
     @app.get("/health")
     async def health(self) -> JSONResponse:
         return JSONResponse({"status": "ok", "replica": self.replica_id,
-                             "policy_version": self.engine.policy_version},
-                            headers=self._headers(self.engine.policy_version))
+                             "policy_version": self.swap.version, "draining": self.swap.draining},
+                            headers=self._headers(self.swap.version))
 
     @app.get("/v1/models")
     async def models(self, request: Request) -> JSONResponse:
@@ -254,6 +187,42 @@ class ExplorerReplica:
         if (refused := self._refused(request)) is not None:
             return refused
         return JSONResponse({"events": await self.sync.events.remote(since)})
+
+    @app.get("/v1/sync/rollout")
+    async def sync_rollout(self, request: Request) -> JSONResponse:
+        """The rollout (`serve_rft.explorer.sync_api`)."""
+        if (refused := self._refused(request)) is not None:
+            return refused
+        return JSONResponse(await self.sync.rollout.remote())
+
+    @app.post("/v1/sync/pin")
+    async def sync_pin(self, request: Request) -> JSONResponse:
+        return await self._operator(request, sync_api.PinRequest, lambda b: self.sync.pin.remote(b.version))
+
+    @app.post("/v1/sync/rollback")
+    async def sync_rollback(self, request: Request) -> JSONResponse:
+        return await self._operator(request, sync_api.RollbackRequest,
+                                    lambda b: self.sync.rollback.remote(b.version))
+
+    @app.post("/v1/sync/promotion")
+    async def sync_promotion(self, request: Request) -> JSONResponse:
+        return await self._operator(request, sync_api.PromotionRequest,
+                                    lambda b: self.sync.pause_promotion.remote(b.paused))
+
+    @app.post("/v1/sync/replicas/{replica_id}/drain")
+    async def sync_drain(self, request: Request, replica_id: str) -> JSONResponse:
+        return await self._operator(request, sync_api.DrainRequest,
+                                    lambda b: self.sync.drain.remote(replica_id, b.drained))
+
+    async def _operator(self, request: Request, model, action) -> JSONResponse:
+        """An admin action on the synchronizer: auth, body, call, errors as OpenAI JSON."""
+        if (refused := self._refused(request)) is not None:
+            return refused
+        try:
+            body = sync_api.parse(model, await _json_body(request))
+            return JSONResponse(await sync_api.call(action(body)))
+        except ApiError as e:
+            return _error(e)
 
     @app.post("/v1/rewards")
     async def rewards(self, request: Request) -> JSONResponse:
@@ -302,11 +271,14 @@ class ExplorerReplica:
     async def _chat(self, request: Request, t0: float):
         if (refused := self._refused(request)) is not None:
             return refused
-        if self.draining and self.drain_refuses:
+        admission = self.swap.admission()
+        if admission == "hold":  # no other replica serves: wait for the new weights, do not fail
+            await self.swap.gate.wait()
+            admission = "refuse" if self.swap.broken is not None else "serve"
+        if admission == "refuse":
             await request.body()  # consume it: the connection stays clean for HAProxy to reuse
-            self.refused_in_drain += 1
-            e = ApiError(503, f"replica {self.replica_id} is loading new weights; retry on another replica",
-                         type_="service_unavailable", code="replica_draining")
+            e = ApiError(503, f"replica {self.replica_id} is out of rotation (loading new weights or "
+                         "drained); retry on another replica", type_="service_unavailable", code="replica_draining")
             return _error(e, {"Retry-After": "1"})
         try:
             body = await _json_body(request)
@@ -322,8 +294,15 @@ class ExplorerReplica:
         if req.stream:
             return StreamingResponse(self._stream(req, cid, prompt_ids, params, sampling, t0),
                                      media_type="text/event-stream",
-                                     headers=self._headers(self.engine.policy_version))
-        return await self._complete(req, cid, prompt_ids, params, sampling)
+                                     headers=self._headers(self.swap.version))
+        version = self.swap.version
+        try:
+            response = await self._complete(req, cid, prompt_ids, params, sampling)
+        except Exception:
+            self.swap.record(version, False, time.perf_counter() - t0)
+            raise
+        self.swap.record(version, True, time.perf_counter() - t0)
+        return response
 
     def _prepare(self, req: ChatCompletionRequest):
         """Tokenize with the chat template and build vLLM `SamplingParams`.
@@ -374,7 +353,7 @@ class ExplorerReplica:
 
     async def _complete(self, req, cid, prompt_ids, params, sampling) -> JSONResponse:
         created_at = time.time()
-        version = self.engine.policy_version
+        version = self.swap.version
         accs = {i: fmt.ChoiceAccumulator(i, pinned=self.engine.adapter_sync) for i in range(req.n)}
         async for ro in self.engine.generate(prompt_ids, params, cid, version):
             for out in ro.outputs:
@@ -398,7 +377,7 @@ class ExplorerReplica:
         request's arrival, `time.perf_counter`)."""
         created_at = time.time()
         created = int(created_at)
-        version = self.engine.policy_version
+        version = self.swap.version
         model = req.model or self.cfg.model.served_name
         accs = {i: fmt.ChoiceAccumulator(i, pinned=self.engine.adapter_sync) for i in range(req.n)}
 
@@ -431,6 +410,7 @@ class ExplorerReplica:
         except Exception as e:  # engine failure mid-stream: tell the client, in-band
             log.exception("stream %s failed", cid)
             self.metrics.request("chat_stream", 500, time.perf_counter() - t0)
+            self.swap.record(version, False, time.perf_counter() - t0)
             yield sse(ApiError(500, f"generation failed: {e!r}", type_="server_error").body())
             yield "data: [DONE]\n\n"
             return
@@ -444,6 +424,7 @@ class ExplorerReplica:
                 "prompt_tokens": len(prompt_ids), "completion_tokens": done,
                 "total_tokens": len(prompt_ids) + done}))
         self.metrics.request("chat_stream", 200, time.perf_counter() - t0)
+        self.swap.record(version, True, time.perf_counter() - t0)
         yield "data: [DONE]\n\n"
 
 

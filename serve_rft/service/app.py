@@ -33,10 +33,18 @@ def explorer_deployment(cfg: Config):
             request_routing_stats_period_s=ecfg.routing_stats_period_s,
             request_routing_stats_timeout_s=max(1.0, 4 * ecfg.routing_stats_period_s),
         )
+    if ecfg.autoscaling is not None:  # the synchronizer counts whatever replicas run
+        a = ecfg.autoscaling
+        scaling = {"autoscaling_config": {
+            "min_replicas": a.min_replicas, "max_replicas": a.max_replicas, "initial_replicas": ecfg.num_replicas,
+            "target_ongoing_requests": a.target_ongoing_requests, "upscale_delay_s": a.upscale_delay_s,
+            "downscale_delay_s": a.downscale_delay_s}}
+    else:
+        scaling = {"num_replicas": ecfg.num_replicas}
     return serve.deployment(
         serve.ingress(app)(ExplorerReplica),
         name="explorer",
-        num_replicas=ecfg.num_replicas,
+        **scaling,
         ray_actor_options={"num_cpus": ecfg.num_cpus_per_replica, "num_gpus": ecfg.num_gpus_per_replica},
         max_ongoing_requests=ecfg.max_ongoing_requests,
         **routing,
@@ -83,7 +91,7 @@ def start_training(cfg: Config, model_path: str | Path):
 
     if not cfg.buffer.redis_url:
         raise ValueError("buffer.redis_url must be set to train")
-    get_or_create_synchronizer(cfg.synchronizer, cfg.explorer.num_replicas)
+    get_or_create_synchronizer(cfg.synchronizer, cfg.buffer)
     trainer = get_or_create_trainer(cfg, str(model_path))
     ray.get(trainer.start.remote())
     return trainer
@@ -100,7 +108,7 @@ def ensure_control(cfg: Config, model_path: str | Path):
     from serve_rft.synchronizer.actor import get_or_create_synchronizer
     from serve_rft.trainer.actor import get_or_create_trainer
 
-    sync = get_or_create_synchronizer(cfg.synchronizer, cfg.explorer.num_replicas)
+    sync = get_or_create_synchronizer(cfg.synchronizer, cfg.buffer)
     if cfg.trainer.enabled:
         get_or_create_trainer(cfg, str(model_path))
     return sync

@@ -1,49 +1,88 @@
 """The Synchronizer Ray actor: the one place that knows every component's state.
 
 Talks to: the trainer (``publish``, ``set_trainer``), every explorer replica (``register``,
-``poll`` long-poll for a `SyncOrder`, ``synced`` / ``failed``), and the HTTP API (``status``,
-``events``). It never pushes into a replica: replicas pull (seed 000, CHECKPOINT/MEMORY: "the
-Explorer initiates the sync request ... pulls the weights, then returns to RUNNING").
+``poll`` long-poll for a `PollReply`, ``renew`` while it syncs, ``synced`` / ``failed``,
+``left``), the HTTP API (``status``, ``events``, ``rollout`` and the operator's ``pin``,
+``rollback``, ``pause_promotion``, ``drain``), Ray (which replica actors are alive) and Redis (the
+canary's rewards, its own rollout snapshot). It never pushes into a replica: replicas pull (the
+Trinity-RFT Synchronizer documentation, CHECKPOINT/MEMORY: "the Explorer initiates the sync
+request ... pulls the weights, then returns to RUNNING"). The rules live in the pure
+`serve_rft.synchronizer.state.SyncState`; this actor feeds it the clock and the world.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
+import logging
+import os
 import time
 
 import ray
 
-from serve_rft.config import SynchronizerConfig
+from serve_rft.config import BufferConfig, SynchronizerConfig
+from serve_rft.synchronizer.canary import ArmStats
 from serve_rft.synchronizer.state import SyncState
-from serve_rft.types import ComponentState, PublishedVersion, SyncOrder
+from serve_rft.types import ComponentState, PollReply, PublishedVersion
+
+log = logging.getLogger("serve_rft.synchronizer")
 
 NAMESPACE = "serve_rft"
 SYNCHRONIZER_NAME = "serve_rft_synchronizer"
+MONITOR_PERIOD_S = 1.0
+"""How often the actor checks Ray for dead replicas, expires silent ones and judges a canary."""
+RAY_CHECK_MAX_AGE_S = 0.25
+"""A grant trusts Ray's list of live replica actors at most this old."""
+EXPIRE_EVERY_S = 0.5
+MAX_MONITOR_ERRORS = 30
+"""Consecutive failed monitor periods (e.g. Redis away) after which the process exits for Ray
+to restart it."""
 
 
 @ray.remote(num_cpus=0, max_concurrency=1000)
 class Synchronizer:
-    """Named actor ``serve_rft_synchronizer`` in namespace ``serve_rft``."""
+    """Named actor ``serve_rft_synchronizer`` in namespace ``serve_rft``.
 
-    def __init__(self, cfg_json: str, num_replicas: int):
+    Args:
+        cfg_json: the `SynchronizerConfig` as JSON.
+        buffer_json: the `BufferConfig` as JSON (the canary reads rewards there and the rollout
+            is saved there), or None (no Redis: no canary verdicts, no saved rollout).
+    """
+
+    def __init__(self, cfg_json: str, buffer_json: str | None = None):
         cfg = SynchronizerConfig.model_validate_json(cfg_json)
         self.cfg = cfg
-        self.state = SyncState(max_unavailable=cfg.max_unavailable, drain_mode=cfg.drain_mode,
-                               replica_timeout_s=cfg.replica_timeout_s, num_replicas=num_replicas,
-                               style=cfg.sync_style, interval=cfg.sync_interval,
-                               offset=cfg.sync_offset, sync_timeout_s=cfg.sync_timeout_s)
+        self.state = SyncState(cfg)
         self._changed = asyncio.Condition()
         self._rebuilt = False
+        self._actor_names: dict[str, str] = {}  # replica id -> its Ray actor name (namespace serve)
+        self._ray_checked = float("-inf")
+        self._snapshot = ""
+        self.store = None
+        if buffer_json is not None:
+            from serve_rft.buffer.store import ExperienceStore
+
+            self.store = ExperienceStore.from_config(BufferConfig.model_validate_json(buffer_json))
         from serve_rft.observability.sync_metrics import SyncMetrics
 
         self.metrics = SyncMetrics(cfg.sync_method.value)
+        if ray.get_runtime_context().was_current_actor_reconstructed:
+            self.state.restarted(time.time())  # syncs in flight renew before anything is granted
+        self._monitor = asyncio.get_running_loop().create_task(self._watch())
 
+    # -- start-up and the world ------------------------------------------------------
     async def _rebuild(self) -> None:
-        """After a restart (Ray restarts this actor with fresh state), recover the latest
-        version from the trainer; replicas re-register themselves on their next poll."""
+        """Once per process: take back the saved rollout, and the latest version from the trainer
+        (replicas re-register themselves when their next poll finds them unknown)."""
         if self._rebuilt:
             return
         self._rebuilt = True
+        now = time.time()
+        if self.store is not None:
+            raw = await self.store.load_rollout()
+            if raw:
+                self.state.rollout.restore(json.loads(raw), now)
+                self._snapshot = raw
         from serve_rft.trainer.actor import TRAINER_NAME
 
         try:
@@ -52,7 +91,77 @@ class Synchronizer:
             return
         published = await trainer.latest_published.remote()
         if published is not None and published.version > self.state.latest_version():
-            self.state.publish(published)
+            self.state.publish(published, now)
+
+    async def _check_ray(self, max_age_s: float = RAY_CHECK_MAX_AGE_S) -> None:
+        """Report replicas whose Ray actor is gone (kill -9, node loss) as lost."""
+        if time.monotonic() - self._ray_checked < max_age_s or not self._actor_names:
+            return
+        self._ray_checked = time.monotonic()
+        alive = {a["name"] for a in await asyncio.to_thread(ray.util.list_named_actors, True)
+                 if a["namespace"] == "serve"}
+        now = time.time()
+        for rid, name in list(self._actor_names.items()):
+            if name not in alive:
+                log.warning("replica %s: its actor %s is gone", rid, name)
+                self.state.lost(rid, now)
+                del self._actor_names[rid]
+
+    async def _watch(self) -> None:
+        """Every `MONITOR_PERIOD_S`: dead and silent replicas, the canary verdict, the saved
+        rollout, the metrics. A failed period (e.g. Redis away for a moment) is retried the next
+        one; `MAX_MONITOR_ERRORS` in a row end the process, and Ray restarts the actor."""
+        errors = 0
+        while True:
+            await asyncio.sleep(MONITOR_PERIOD_S)
+            try:
+                await self._rebuild()
+                await self._check_ray(0.0)
+                self.state.expire(time.time())
+                await self._judge_canary()
+                await self._save_rollout()
+                await self._notify()
+                errors = 0
+            except Exception:  # noqa: BLE001 - retried next period, bounded below
+                errors += 1
+                log.exception("synchronizer monitor (%d in a row)", errors)
+                if errors >= MAX_MONITOR_ERRORS:
+                    os._exit(1)
+
+    async def _judge_canary(self) -> None:
+        window = self.state.rollout.canary_window()
+        if window is None or self.store is None:
+            return
+        versions = [self.state.candidate, self.state.incumbent]
+        got = await self.store.version_rewards(versions, *window)
+        rewards = {v: ArmStats(n, s, q) for v, (n, s, q) in got.items()}
+        self.metrics.canary(self.state.rollout, rewards)
+        verdict = self.state.decide(time.time(), rewards)
+        if verdict is None:
+            return
+        self.metrics.verdict(verdict.decision)
+        log.warning("canary verdict: %s (%s)", verdict.decision, verdict.reason)
+        if verdict.decision == "rollback" and self.cfg.canary.on_reject == "reset":
+            await self._reset_trainer()
+
+    async def _reset_trainer(self) -> None:
+        """``canary.on_reject=reset``: the trainer continues from the incumbent's weights."""
+        from serve_rft.trainer.actor import TRAINER_NAME
+
+        inc = self.state.versions.get(self.state.incumbent)
+        try:
+            trainer = ray.get_actor(TRAINER_NAME, namespace=NAMESPACE)
+        except ValueError:
+            return
+        await trainer.reset_to.remote(self.state.incumbent, inc.handle if inc else None)
+
+    async def _save_rollout(self) -> None:
+        if self.store is None:
+            return
+        snap = json.dumps(self.state.rollout.snapshot(), sort_keys=True)
+        if snap != self._snapshot:
+            await self.store.save_rollout(snap)
+            self._snapshot = snap
 
     async def _notify(self) -> None:
         self.metrics.refresh(self.state)
@@ -60,46 +169,83 @@ class Synchronizer:
             self._changed.notify_all()
 
     # -- replicas ------------------------------------------------------------------
-    async def register(self, replica_id: str, version: int) -> None:
+    async def register(self, replica_id: str, version: int, base_handle: dict | None = None,
+                       handle: dict | None = None, drained: bool = False, actor_name: str | None = None,
+                       pid: int | None = None) -> None:
+        """A replica serves ``version`` (``handle`` loads it; ``base_handle`` its initial weights);
+        ``actor_name``: its Ray actor (how its death is noticed); ``pid``: its process."""
         await self._rebuild()
-        self.state.register(replica_id, version)
+        if actor_name:
+            self._actor_names[replica_id] = actor_name
+        self.state.register(replica_id, version, time.time(), base_handle=base_handle, handle=handle,
+                            drained=drained, pid=pid)
         await self._notify()
 
+    async def initial(self) -> PublishedVersion | None:
+        """What a replica starting now loads before it takes traffic (pinned, else incumbent)."""
+        await self._rebuild()
+        return self.state.initial()
+
     async def latest(self) -> PublishedVersion | None:
-        """The latest published version (a new replica loads it before taking traffic)."""
+        """The latest published version (the trainer numbers new versions after it)."""
         await self._rebuild()
         return self.state.latest
 
-    async def poll(self, replica_id: str, version: int, explorer_step: int = 0,
-                   timeout_s: float = 1.0) -> SyncOrder | None:
-        """Heartbeat + long-poll: returns a `SyncOrder` when this replica may sync now."""
+    async def poll(self, replica_id: str, version: int, explorer_step: int = 0, timeout_s: float = 1.0,
+                   traffic: dict[int, tuple[int, int, float]] | None = None, refused: int | None = None
+                   ) -> PollReply:
+        """Heartbeat + long-poll: returns within ``timeout_s`` with a `SyncOrder` if this
+        replica may sync now. ``traffic``: requests that ended since the last poll, per version
+        (requests, errors, latency seconds), for a canary's verdict; ``refused``: requests it
+        refused so far while out of rotation."""
         await self._rebuild()
+        if not self.state.known(replica_id):
+            return PollReply(known=False)
+        if traffic:
+            self.state.record_traffic({int(k): tuple(v) for k, v in traffic.items()})
         deadline = time.monotonic() + timeout_s
         while True:
-            self.state.heartbeat(replica_id, version, explorer_step)
-            self.state.expire()
-            self.metrics.refresh(self.state)
-            order: SyncOrder | None = self.state.grant(replica_id)
+            now = time.time()
+            self.state.expire(now, EXPIRE_EVERY_S)
+            self.state.heartbeat(replica_id, version, explorer_step, now, refused)
+            await self._check_ray()
+            order = self.state.grant(replica_id, time.time())
+            r = self.state.members.get(replica_id)
+            # an operator's drain holds only while another replica serves (else it serves anyway)
+            reply = PollReply(order=order, drained=bool(r and r.drained and self.state.members.serving_besides(r)),
+                              role="canary" if r is not None and self.state.candidate in (
+                                  r.policy_version, r.granted) else "incumbent")
             if order is not None:
                 await self._notify()
-                return order
+                return reply
             left = deadline - time.monotonic()
             if left <= 0:
-                return None
+                return reply
             async with self._changed:
                 try:
                     await asyncio.wait_for(self._changed.wait(), timeout=left)
                 except asyncio.TimeoutError:
                     pass
 
-    async def synced(self, replica_id: str, version: int, timings: dict | None = None) -> None:
-        self.state.synced(replica_id, version, timings=timings)
+    async def renew(self, replica_id: str, version: int, granted: int, drained: bool = False) -> bool:
+        """A syncing replica's lease renewal; returns whether another replica serves."""
+        return self.state.renew(replica_id, version, granted, time.time(), drained)
+
+    async def synced(self, replica_id: str, version: int, timings: dict | None = None,
+                     handle: dict | None = None) -> None:
+        self.state.synced(replica_id, version, time.time(), timings=timings, handle=handle)
         self.metrics.observe_sync(replica_id, timings)
         await self._notify()
 
     async def failed(self, replica_id: str, version: int, error: str) -> None:
-        self.state.failed(replica_id, version, error)
+        self.state.failed(replica_id, version, error, time.time())
         self.metrics.failed(replica_id)
+        await self._notify()
+
+    async def left(self, replica_id: str) -> None:
+        """Ray Serve stopped the replica gracefully (scale-down, redeploy)."""
+        self.state.left(replica_id, time.time())
+        self._actor_names.pop(replica_id, None)
         await self._notify()
 
     # -- trainer -------------------------------------------------------------------
@@ -109,7 +255,7 @@ class Synchronizer:
         await self._rebuild()
         if version == self.state.latest_version() and self.state.latest is not None:
             return
-        self.state.publish(PublishedVersion(version=version, handle=handle))
+        self.state.publish(PublishedVersion(version=version, handle=handle), time.time())
         await self._notify()
 
     def sync_requested(self) -> bool:
@@ -117,19 +263,19 @@ class Synchronizer:
         return self.state.sync_requested()
 
     def in_use_floor(self) -> int:
-        return self.state.in_use_floor()
+        return self.state.in_use_floor(time.time())
 
     def lagging(self, version: int) -> int:
         """NCCL: live replicas due for a sync still below ``version`` (`SyncState.lagging`)."""
-        self.state.expire()
+        self.state.expire(time.time())
         return self.state.lagging(version)
 
     async def nccl_group(self, replica_id: str, world_size: int) -> dict:
-        """NCCL: set up ``replica_id``'s process group with the trainer (seed 000: "the
-        Synchronizer helps set up communication groups"): rank 0 = the trainer, ranks
-        1..``world_size``-1 = the replica's vLLM workers; the rendezvous is a free port on the
-        trainer's node, the wire parameters (bucket size) the trainer's. The replica and the
-        trainer then join at the same time.
+        """NCCL: set up ``replica_id``'s process group with the trainer (the Trinity-RFT
+        Synchronizer documentation: "the Synchronizer helps set up communication groups"): rank 0
+        = the trainer, ranks 1..``world_size``-1 = the replica's vLLM workers; the rendezvous is a
+        free port on the trainer's node, the wire parameters (bucket size) the trainer's. The
+        replica and the trainer then join at the same time.
 
         Returns:
             vLLM's worker init info (``NCCLWeightTransferInitInfo`` fields).
@@ -140,29 +286,63 @@ class Synchronizer:
         return await trainer.nccl_endpoint.remote(world_size)
 
     def set_trainer(self, state: str, step: int) -> None:
-        self.state.set_trainer(ComponentState(state), step)
+        self.state.set_trainer(ComponentState(state), step, time.time())
         self.metrics.refresh(self.state)
+
+    # -- operator ------------------------------------------------------------------
+    async def pin(self, version: int | None) -> dict:
+        """Serve ``version`` everywhere (None unpins). Raises ValueError: not loadable."""
+        self.state.pin(version, time.time())
+        await self._save_rollout()
+        await self._notify()
+        return self.state.rollout.status()
+
+    async def rollback(self, version: int) -> dict:
+        """Reject every version above ``version``; it becomes the incumbent. Raises ValueError."""
+        rejected = self.state.rollback(version, time.time())
+        await self._save_rollout()
+        await self._notify()
+        if self.cfg.canary.on_reject == "reset":
+            await self._reset_trainer()
+        return {**self.state.rollout.status(), "rejected": rejected}
+
+    async def pause_promotion(self, paused: bool) -> dict:
+        self.state.set_promotion_paused(paused, time.time())
+        await self._save_rollout()
+        await self._notify()
+        return self.state.rollout.status()
+
+    async def drain(self, replica_id: str, drained: bool) -> dict:
+        """Take a replica out of rotation or back. Raises KeyError (unknown), ValueError (the
+        last replica in rotation)."""
+        self.state.set_drained(replica_id, drained, time.time())
+        await self._notify()
+        return {"id": replica_id, "drained": drained}
 
     # -- views ---------------------------------------------------------------------
     def status(self) -> dict:
-        if self.state.expire():
+        if self.state.expire(time.time()):
             self.metrics.refresh(self.state)
-        return self.state.status()
+        return self.state.status(time.time())
+
+    def rollout(self) -> dict:
+        return self.state.rollout.status()
 
     def events(self, since: float = 0.0) -> list[dict]:
         return [e.model_dump() for e in self.state.events if e.t >= since]
 
 
-def get_or_create_synchronizer(cfg: SynchronizerConfig, num_replicas: int):
+def get_or_create_synchronizer(cfg: SynchronizerConfig, buffer: BufferConfig | None = None):
     """The named synchronizer actor, created (detached) if it does not exist yet.
 
     Ray restarts it if it dies (``max_restarts=-1``) and retries calls that were in flight
     (``max_task_retries``), so replicas and the trainer ride through a restart; the new
-    instance rebuilds its state from the trainer and the replicas' polls.
+    instance rebuilds its state from its saved rollout, the trainer and the replicas' polls.
     """
+    buffer_json = buffer.model_dump_json() if buffer is not None and buffer.redis_url else None
     return Synchronizer.options(name=SYNCHRONIZER_NAME, namespace=NAMESPACE, get_if_exists=True,
                                 lifetime="detached", max_restarts=-1, max_task_retries=10,
-                                ).remote(cfg.model_dump_json(), num_replicas)
+                                ).remote(cfg.model_dump_json(), buffer_json)
 
 
 def get_synchronizer(timeout_s: float = 60.0):

@@ -1,249 +1,430 @@
-"""The synchronizer's state machine, pure Python (no Ray), so every rule is unit-testable.
+"""The synchronizer's state machine, pure Python (no Ray, no clock of its own: every call takes
+``now``), so every rule is unit- and property-testable (tests/unit/test_sync_properties.py).
 
-It owns: the latest published policy version, each explorer replica's state (seed 000:
-RUNNING / REQUIRE_SYNC / STOPPED) and policy version, and the rolling policy that decides
-which replica may sync now. CHECKPOINT transitions follow seed 000: the trainer stays RUNNING
-(it only saves), a replica goes RUNNING -> REQUIRE_SYNC, pulls the weights, and returns to
-RUNNING at the new version.
+It owns each explorer replica's state (the Trinity-RFT Synchronizer documentation's RUNNING /
+REQUIRE_SYNC / STOPPED) and policy version, the published versions (`versions.Versions`), the
+rollout (rolling or canary, operator pins and rollbacks) and the rule that decides which replica
+may sync now. CHECKPOINT and MEMORY transitions follow that documentation: the trainer stays
+RUNNING (it only publishes), a replica goes RUNNING -> REQUIRE_SYNC, pulls the weights, and
+returns to RUNNING at the new version.
 
-Rolling rule: at most ``max_unavailable`` replicas are out of RUNNING for a sync at once, and
-a grant is refused if it would leave no live replica RUNNING (a deployment of one replica is
-the exception: it must pause to sync at all, and its requests wait, not fail). A deployment
-configured with more replicas never syncs its last serving replica, even while another one is
-down and being restarted.
+Membership comes from the replicas themselves, never from a configured count: a replica is
+*live* while it polls (every second; unheard for ``replica_timeout_s`` it is STOPPED and no longer
+counts as serving), or, while it syncs, while it renews its *lease*; Ray tells the actor of a dead
+replica (`lost`) and Ray Serve's graceful stop of one (`left`) ends it at once. Autoscaling
+therefore just works: the rule counts whoever is there.
+
+Rolling rule (`grant`): at most ``max_unavailable`` live replicas out of rotation (syncing, or
+drained by an operator) at once, and a grant never leaves no live replica serving: with two or
+more live replicas another one must be RUNNING, undrained and heard from within
+``replica_timeout_s``. A lone live replica may sync (it pauses: its requests wait, none fail).
+
+Which version a replica gets (`target`): the pinned version if an operator pinned one; in the
+canary rollout the candidate for up to ``canary.replicas`` replicas (never the last one on the
+incumbent); otherwise the incumbent (the newest promoted version). When (`due`): when its sync
+style says so (`styles`), or when the version has waited long enough that the roll would
+otherwise miss ``max_version_lag_s`` (`lag_trigger_s`); pins, rollbacks and canaries at once.
+A failed load is retried after an exponential backoff; ``max_load_attempts`` failures quarantine
+the version.
 """
 
 from __future__ import annotations
 
+import math
 import time
-from dataclasses import dataclass, field
 
-from serve_rft.config import SyncStyle
-from serve_rft.synchronizer.styles import ReplicaSchedule
+from serve_rft.config import SynchronizerConfig
+from serve_rft.synchronizer.canary import Verdict
+from serve_rft.synchronizer.membership import Membership, ReplicaInfo
+from serve_rft.synchronizer.rollout import SYNCHRONIZER, Rollout
+from serve_rft.synchronizer.versions import Versions
 from serve_rft.types import ComponentState, PublishedVersion, SyncEvent, SyncOrder
 
 TRAINER = "trainer"
-
-
-@dataclass
-class ReplicaInfo:
-    """What the synchronizer knows of one explorer replica."""
-
-    replica_id: str
-    state: ComponentState = ComponentState.RUNNING
-    policy_version: int = 0
-    last_seen: float = field(default_factory=time.time)
-    sync_started: float | None = None
-    failures: int = 0
-    last_error: str | None = None
-    last_sync_s: float | None = None
-    last_sync: dict[str, float] | None = None
-    schedule: ReplicaSchedule = field(default_factory=ReplicaSchedule)
+MAX_BACKOFF_FACTOR = 64
 
 
 class SyncState:
-    """Replica states, the latest version, and the rolling-sync grants.
+    """Replicas, versions, the rollout, and the rolling-sync grants.
 
     Args:
-        max_unavailable: replicas that may be in REQUIRE_SYNC at the same time (>= 1).
-        drain_mode: ``wait`` or ``keep``, passed to replicas in each `SyncOrder`.
-        replica_timeout_s: a replica unheard for this long is STOPPED.
-        max_events: how many state-change events are kept for audits.
-        num_replicas: replicas the deployment is configured with.
-        style, interval, offset, sync_timeout_s: the sync style and its schedule
-            (`serve_rft.synchronizer.styles`).
+        cfg: the synchronizer's settings (`serve_rft.config.SynchronizerConfig`).
+        max_events: state-change events kept for audits.
     """
 
-    def __init__(self, max_unavailable: int = 1, drain_mode: str = "wait",
-                 replica_timeout_s: float = 30.0, max_events: int = 10_000, num_replicas: int = 2,
-                 style: SyncStyle = SyncStyle.TRAINER_DRIVEN, interval: int = 1, offset: int = 0,
-                 sync_timeout_s: float = 30.0):
-        if max_unavailable < 1:
-            raise ValueError("max_unavailable must be >= 1")
-        self.max_unavailable = max_unavailable
-        self.drain_mode = drain_mode
-        self.replica_timeout_s = replica_timeout_s
+    def __init__(self, cfg: SynchronizerConfig | None = None, max_events: int = 10_000):
+        self.cfg = cfg = cfg or SynchronizerConfig()
         self.max_events = max_events
-        self.num_replicas = num_replicas
-        self.style, self.interval, self.offset = style, interval, offset
-        self.sync_timeout_s = sync_timeout_s
-        self.replicas: dict[str, ReplicaInfo] = {}
+        self.members = Membership(cfg.replica_timeout_s, self._replica_event)
+        self.versions = Versions(cfg.max_load_attempts, cfg.retain_versions)
+        self.rollout = Rollout(cfg, self.versions, self.members, self.event,
+                               lambda now: now < self.hold_grants_until)
         self.latest: PublishedVersion | None = None
         self.trainer_state = ComponentState.STOPPED
         self.trainer_step = 0
         self.events: list[SyncEvent] = []
-        self._not_everywhere: dict[int, float] = {}  # version -> published_at, until everywhere
-        self.version_lags: dict[int, float] = {}  # version -> seconds to reach every replica
+        self.sync_seconds_ewma = 1.0  # a sync's duration, for the lag trigger's reserve
+        self.hold_grants_until = float("-inf")
+        self._now = 0.0
+
+    def restarted(self, now: float) -> None:
+        """This state replaces one that was lost (Ray restarted the synchronizer): grant nothing
+        for half a lease, until every replica syncing now has renewed its lease and so holds its
+        slot again."""
+        self.hold_grants_until = now + self.cfg.lease_s / 2
+        self._now = now
 
     # -- bookkeeping -----------------------------------------------------------------
-    def serving(self) -> int:
-        """Replicas RUNNING now."""
-        return sum(r.state is ComponentState.RUNNING for r in self.replicas.values())
+    @property
+    def replicas(self) -> dict[str, ReplicaInfo]:
+        return self.members.replicas
 
-    def _event(self, component: str, state: ComponentState, version: int, now: float) -> None:
-        self.events.append(SyncEvent(t=now, component=component, state=state,
-                                     policy_version=version, serving=self.serving()))
+    @property
+    def incumbent(self) -> int:
+        return self.rollout.incumbent
+
+    @property
+    def candidate(self) -> int | None:
+        return self.rollout.candidate
+
+    @property
+    def pinned(self) -> int | None:
+        return self.rollout.pinned
+
+    def serving(self) -> int:
+        """Live replicas in rotation now (RUNNING, not drained)."""
+        return self.members.n_in_rotation
+
+    def event(self, component: str, state: ComponentState, version: int, now: float,
+              kind: str = "state", detail: str | None = None) -> None:
+        self.events.append(SyncEvent(t=now, component=component, state=state, policy_version=version,
+                                     serving=self.serving(), kind=kind, detail=detail))
         if len(self.events) > self.max_events:
             del self.events[: len(self.events) - self.max_events]
 
-    def _set(self, r: ReplicaInfo, state: ComponentState, now: float) -> None:
-        if r.state is not state:
-            r.state = state
-            self._event(r.replica_id, state, r.policy_version, now)
+    def _replica_event(self, r: ReplicaInfo, kind: str, detail: str | None) -> None:
+        self.event(r.replica_id, r.state, r.policy_version, self._now, kind, detail)
 
-    def in_use_floor(self) -> int:
-        """The oldest policy version a live replica serves (checkpoints >= it must be kept)."""
-        live = [r.policy_version for r in self.replicas.values() if r.state is not ComponentState.STOPPED]
-        return min(live, default=0)
+    def _update(self, r: ReplicaInfo, now: float, kind: str = "state", detail: str | None = None,
+                **changes) -> None:
+        self._now = now
+        self.members.update(r, now, kind, detail, **changes)
 
     def latest_version(self) -> int:
         return self.latest.version if self.latest else 0
 
+    def in_use_floor(self, now: float | None = None) -> int:
+        """The oldest version that may still be loaded: served by a replica not known dead
+        (one that stopped answering may come back and restore it), the incumbent, the candidate,
+        the pinned version, and every version whose handle is kept. Checkpoints at or above it
+        are never pruned."""
+        if (self._now if now is None else now) < self.hold_grants_until:
+            return 0  # restarted: replicas have not all introduced themselves yet; prune nothing
+        keep = list(self.members.alive_versions)
+        keep += [v for v in (self.incumbent, self.candidate, self.pinned) if v is not None]
+        keep += [v.version for v in self.versions.by_version.values() if v.handle is not None and v.version]
+        return min(keep, default=0)
+
     def lagging(self, version: int) -> int:
         """Live replicas that are due for a sync (their style's schedule) and serve a version
         below ``version``: those an NCCL trainer waits for in its sync window."""
-        return sum(r.state is not ComponentState.STOPPED and r.policy_version < version and r.schedule.due
-                   for r in self.replicas.values())
+        return sum(r.live and r.policy_version < version and r.schedule.due for r in self.members)
 
-    # -- replica side ---------------------------------------------------------------
-    def register(self, replica_id: str, version: int, now: float | None = None) -> None:
-        """A replica came up serving ``version`` (it loads the latest before registering)."""
-        now = now or time.time()
-        r = self.replicas.get(replica_id)
-        if r is None:
-            r = self.replicas[replica_id] = ReplicaInfo(replica_id, ComponentState.STOPPED, version, now)
-        r.policy_version, r.last_seen, r.sync_started = version, now, None
-        self._set(r, ComponentState.RUNNING, now)
-        r.schedule.observe(self.style, r.schedule.explorer_step, version, self.interval, self.offset,
-                           self.sync_timeout_s, now)
+    # -- membership ------------------------------------------------------------------
+    def register(self, replica_id: str, version: int, now: float, base_handle: dict | None = None,
+                 handle: dict | None = None, drained: bool = False, pid: int | None = None) -> None:
+        """A replica came up (or re-introduced itself to a restarted synchronizer) serving
+        ``version``; ``base_handle`` loads its initial weights (version 0), ``handle`` the version
+        it serves, ``drained`` whether an operator had drained it."""
+        self._now = now
+        if base_handle is not None:
+            self.versions.add(0, base_handle, now)
+        if handle is not None and version > 0:
+            self.versions.add(version, handle, now)
+            if self.cfg.rollout == "rolling":  # it rolled once: a restarted synchronizer's fallback
+                self.versions.promote(version, now)
+        r = self.members.get(replica_id)
+        kind = "state" if r is not None else "joined"
+        r = r or self.members.add(replica_id, version, now)
+        if not r.alive:
+            return  # a replica Ray reported dead does not come back under the same id
+        r.last_seen, r.introduced = now, True
+        r.pid = pid if pid is not None else r.pid
+        r.clear_sync()
+        self._update(r, now, kind, state=ComponentState.RUNNING, policy_version=version, drained=drained)
+        self._observe(r, r.schedule.explorer_step, now)
 
-    def heartbeat(self, replica_id: str, version: int, explorer_step: int = 0,
-                  now: float | None = None) -> None:
-        """A replica's poll: it is alive, serves ``version`` and reached ``explorer_step``."""
-        now = now or time.time()
-        r = self.replicas.get(replica_id)
-        if r is None:
-            self.register(replica_id, version, now)
-            r = self.replicas[replica_id]
+    def known(self, replica_id: str) -> bool:
+        """False: the replica should `register` (with its handles) before it polls."""
+        r = self.members.get(replica_id)
+        return r is not None and r.alive and r.introduced
+
+    def initial(self) -> PublishedVersion | None:
+        """What a replica starting now loads before it serves: the pinned version, else the
+        incumbent (None: its initial weights)."""
+        version = self.pinned if self.pinned is not None else self.incumbent
+        v = self.versions.get(version)
+        if version == 0 or v is None or v.handle is None:
+            return None
+        return PublishedVersion(version=version, handle=v.handle, published_at=v.published_at)
+
+    def _observe(self, r: ReplicaInfo, step: int, now: float) -> None:
+        c = self.cfg
+        r.schedule.observe(c.sync_style, step, r.policy_version, c.sync_interval, c.sync_offset,
+                           c.sync_timeout_s, now)
+
+    def heartbeat(self, replica_id: str, version: int, explorer_step: int, now: float,
+                  refused: int | None = None) -> None:
+        """A replica's poll: it is alive, serves ``version``, reached ``explorer_step`` and has
+        refused ``refused`` requests so far while out of rotation. Unknown replicas must
+        `register` first (they send their handles then)."""
+        r = self.members.get(replica_id)
+        if r is None or not r.alive:
+            return
         r.last_seen = now
-        if r.state is ComponentState.STOPPED:  # came back
-            r.policy_version = version
-            self._set(r, ComponentState.RUNNING, now)
-        r.schedule.observe(self.style, explorer_step, r.policy_version, self.interval, self.offset,
-                           self.sync_timeout_s, now)
+        if refused is not None:
+            r.refused = refused
+        if r.state is not ComponentState.RUNNING:  # came back, or its sync ended unreported
+            r.clear_sync()
+            self._update(r, now, state=ComponentState.RUNNING, policy_version=version)
+        self._observe(r, explorer_step, now)
 
-    def sync_requested(self) -> bool:
-        """EXPLORER_DRIVEN: some live replica asked for weights newer than the latest version."""
-        latest = self.latest_version()
-        return any(r.state is not ComponentState.STOPPED and r.schedule.open_request()
-                   and r.schedule.request_base_version >= latest for r in self.replicas.values())
-
-    def expire(self, now: float | None = None) -> list[str]:
-        """Mark replicas unheard for ``replica_timeout_s`` as STOPPED; returns their ids."""
-        now = now or time.time()
-        gone = []
-        for r in self.replicas.values():
-            if r.state is not ComponentState.STOPPED and now - r.last_seen > self.replica_timeout_s:
-                r.sync_started = None
-                self._set(r, ComponentState.STOPPED, now)
-                gone.append(r.replica_id)
-        return gone
-
-    def grant(self, replica_id: str, now: float | None = None) -> SyncOrder | None:
-        """Let ``replica_id`` sync to the latest version if the rolling rule allows it now.
+    def renew(self, replica_id: str, version: int, granted: int, now: float, drained: bool = False) -> bool:
+        """A syncing replica renews its lease (and is alive); ``version``: the version it serves
+        (and restores on failure), ``granted``: the one it loads, ``drained``: an operator's
+        drain it holds (a restarted synchronizer learns it here).
 
         Returns:
-            A `SyncOrder` (the replica is now REQUIRE_SYNC), or None.
+            Whether another replica is in rotation (behind HAProxy the syncing one may then
+            refuse new requests; otherwise it holds them).
         """
-        now = now or time.time()
-        r = self.replicas.get(replica_id)
-        if r is None or self.latest is None or r.state is not ComponentState.RUNNING:
-            return None
-        if r.policy_version >= self.latest.version or not r.schedule.due:
-            return None
-        syncing = sum(x.state is ComponentState.REQUIRE_SYNC for x in self.replicas.values())
-        if syncing >= self.max_unavailable:
-            return None
-        if self.num_replicas > 1 and self.serving() - 1 < 1:
-            return None
-        r.sync_started = now
-        self._set(r, ComponentState.REQUIRE_SYNC, now)
-        return SyncOrder(version=self.latest.version, handle=self.latest.handle, drain_mode=self.drain_mode,
-                         others_serving=self.serving() >= 1)
+        r = self.members.get(replica_id)
+        if r is None:  # a restarted synchronizer: the sync in flight keeps its slot
+            r = self.members.add(replica_id, version, now)
+            r.introduced = False
+            self._update(r, now, drained=drained)
+        if r.alive:
+            r.last_seen = now
+            r.granted = granted
+            r.sync_started = r.sync_started if r.sync_started is not None else now
+            r.lease_until = now + self.cfg.lease_s
+            self._update(r, now, state=ComponentState.REQUIRE_SYNC, policy_version=version)
+        return self.members.serving_besides(r) > 0
 
-    def synced(self, replica_id: str, version: int, now: float | None = None,
-               timings: dict[str, float] | None = None) -> None:
-        """The replica loaded ``version`` and serves again (``timings``: its drain/pause/load
-        seconds and bytes, shown in `status`)."""
-        now = now or time.time()
-        if replica_id not in self.replicas:  # reported to a restarted synchronizer
-            self.register(replica_id, version, now)
-        r = self.replicas[replica_id]
+    def set_drained(self, replica_id: str, drained: bool, now: float) -> None:
+        """An operator takes a replica out of rotation (it refuses or holds new requests) or
+        puts it back.
+
+        Raises:
+            KeyError: unknown replica.
+            ValueError: draining it would leave no live replica in rotation.
+        """
+        r = self.members.replicas[replica_id]
+        if r.drained == drained:
+            return
+        if drained and r.in_rotation and self.members.n_live >= 2 and self.members.serving_besides(r) == 0:
+            raise ValueError(f"draining {replica_id} would leave no replica in rotation")
+        self._update(r, now, "drained" if drained else "undrained", drained=drained)
+
+    def left(self, replica_id: str, now: float) -> None:
+        """Ray Serve stopped the replica gracefully (scale-down, redeploy)."""
+        self._now = now
+        if self.members.gone(replica_id, now, "left"):
+            self.rollout.close_lags(now)
+
+    def lost(self, replica_id: str, now: float) -> None:
+        """Ray reports the replica's actor dead."""
+        self._now = now
+        if self.members.gone(replica_id, now, "lost"):
+            self.rollout.close_lags(now)
+
+    def expire(self, now: float, every_s: float = 0.0) -> list[str]:
+        """`Membership.expire`: STOPPED for replicas unheard (or whose sync lease lapsed)."""
+        self._now = now
+        stopped = self.members.expire(now, every_s)
+        if stopped:
+            self.rollout.close_lags(now)
+        return stopped
+
+    # -- which version, when ---------------------------------------------------------
+    def target(self, r: ReplicaInfo) -> int:
+        """The version ``r`` should serve (`Rollout.target`)."""
+        return self.rollout.target(r)
+
+    def settled(self, r: ReplicaInfo) -> bool:
+        """``r`` serves what it should, or has no reason to leave its version."""
+        return not self.rollout.must_move(r, self.rollout.target(r))
+
+    def lag_trigger_s(self) -> float | None:
+        """Seconds a promoted version may wait for a replica's own schedule before that replica
+        is due anyway: half of ``max_version_lag_s``, less when rolling the live replicas one
+        ``max_unavailable`` slot at a time at the mean sync time would not fit in the rest
+        (``bound - ceil(live / max_unavailable) * sync_s``). None: no bound."""
+        bound = self.cfg.max_version_lag_s
+        if bound is None:
+            return None
+        reserve = math.ceil(self.members.n_live / self.cfg.max_unavailable) * self.sync_seconds_ewma
+        return max(0.0, min(bound / 2, bound - reserve))
+
+    def due(self, r: ReplicaInfo, target: int, now: float) -> bool:
+        """Whether ``r`` should sync to ``target`` now (module docstring)."""
+        if self.pinned is not None or target == self.candidate or target < r.policy_version:
+            return True
+        if r.schedule.due:
+            return True
+        trigger = self.lag_trigger_s()
+        first = self.versions.first_promoted_above(r.policy_version)
+        return trigger is not None and first is not None and now - first.promoted_at >= trigger
+
+    def grant(self, replica_id: str, now: float) -> SyncOrder | None:
+        """Let ``replica_id`` sync now if the rules allow (module docstring).
+
+        Returns:
+            A `SyncOrder` (the replica is now REQUIRE_SYNC with a lease), or None.
+        """
+        r = self.members.get(replica_id)
+        if r is None or not r.live or r.state is not ComponentState.RUNNING or now < self.hold_grants_until:
+            return None
+        self.rollout.choose_candidate(now)
+        target = self.target(r)
+        if not self.rollout.must_move(r, target):
+            return None
+        v = self.versions.get(target)
+        if v is None or v.handle is None or (v.quarantined and target != self.pinned):
+            return None
+        if r.backoff_version == target and now < r.backoff_until:
+            return None
+        if not self.due(r, target, now):
+            return None
+        if not r.drained:  # a drained replica is out of rotation already: syncing it costs nothing
+            if self.members.n_out >= self.cfg.max_unavailable:
+                return None
+            if self.members.n_live >= 2 and self.members.serving_besides(r) == 0:
+                return None
+        r.granted, r.sync_started, r.lease_until = target, now, now + self.cfg.lease_s
+        self._update(r, now, "granted", f"v{r.policy_version} -> v{target}", state=ComponentState.REQUIRE_SYNC)
+        return SyncOrder(version=target, handle=v.handle, drain_mode=self.cfg.drain_mode,
+                         others_serving=self.members.serving_besides(r) > 0)
+
+    # -- outcomes ------------------------------------------------------------------------
+    def synced(self, replica_id: str, version: int, now: float, timings: dict[str, float] | None = None,
+               handle: dict | None = None) -> None:
+        """The replica loaded (and verified) ``version`` and serves again."""
+        r = self.members.get(replica_id)
+        if r is None:  # reported to a restarted synchronizer
+            self.register(replica_id, version, now, handle=handle)
+            r = self.members.replicas[replica_id]
+        if not r.alive:
+            return
+        if handle is not None:
+            self.versions.add(version, handle, now)
         r.last_sync = timings
         if r.sync_started is not None:
             r.last_sync_s = now - r.sync_started
-        r.policy_version, r.last_seen, r.sync_started, r.last_error = version, now, None, None
+            self.sync_seconds_ewma = 0.8 * self.sync_seconds_ewma + 0.2 * r.last_sync_s
+        r.last_seen, r.last_error = now, None
+        r.clear_sync()
+        r.consecutive_failures, r.backoff_version = 0, None
         r.schedule.synced()
-        self._set(r, ComponentState.RUNNING, now)
-        live = [x for x in self.replicas.values() if x.state is not ComponentState.STOPPED]
-        if live:  # every published version <= the slowest live replica's is now everywhere
-            floor = min(x.policy_version for x in live)
-            for v in [v for v in self._not_everywhere if v <= floor]:
-                self.version_lags[v] = now - self._not_everywhere.pop(v)
-            while len(self.version_lags) > self.max_events:
-                self.version_lags.pop(next(iter(self.version_lags)))
+        self._update(r, now, "synced", state=ComponentState.RUNNING, policy_version=version)
+        self.rollout.served(replica_id, version, now)
+        self.rollout.close_lags(now)
+        self.rollout.retain(self.latest_version(), now)
 
-    def failed(self, replica_id: str, version: int, error: str, now: float | None = None) -> None:
-        """The replica could not load ``version``; it restored its previous weights and serves."""
-        now = now or time.time()
-        if replica_id not in self.replicas:
-            self.register(replica_id, version, now)
-        r = self.replicas[replica_id]
+    def failed(self, replica_id: str, version: int, error: str, now: float) -> None:
+        """The replica could not load (or verify) ``version``; it restored its previous weights
+        and serves them. It retries after a backoff; enough failures quarantine the version."""
+        r = self.members.get(replica_id)
+        if r is None:
+            return
         r.failures += 1
+        r.consecutive_failures = r.consecutive_failures + 1 if r.backoff_version == version else 1
         r.last_error = error
-        r.sync_started = None
+        r.backoff_version = version
+        r.backoff_until = now + self.cfg.retry_backoff_s * min(2 ** (r.consecutive_failures - 1),
+                                                               MAX_BACKOFF_FACTOR)
+        r.clear_sync()
         r.last_seen = now
-        self._set(r, ComponentState.RUNNING, now)
+        if r.alive:
+            self._update(r, now, "failed", error[:200], state=ComponentState.RUNNING)
+        if self.versions.failed(version, error):
+            self.event(SYNCHRONIZER, ComponentState.RUNNING, version, now, "quarantined",
+                       self.versions.get(version).reason)
+            if version == self.candidate:
+                self.rollout.end_canary(now, Verdict("rollback", "quarantined: the candidate failed to load"))
+            self.rollout.repromote(now)
 
-    # -- trainer side ---------------------------------------------------------------
-    def publish(self, published: PublishedVersion, now: float | None = None) -> None:
-        """The trainer committed a new version; replicas will be granted it one by one.
+    # -- trainer side ----------------------------------------------------------------
+    def publish(self, published: PublishedVersion, now: float) -> None:
+        """The trainer committed a new version.
 
         Raises:
             ValueError: the version is not newer than the latest one.
         """
-        now = now or time.time()
         if self.latest is not None and published.version <= self.latest.version:
             raise ValueError(f"version {published.version} is not newer than {self.latest.version}")
         self.latest = published
-        self._not_everywhere[published.version] = published.published_at
-        self._event(TRAINER, self.trainer_state, published.version, now)
+        self.versions.add(published.version, published.handle, now)
+        self.event(TRAINER, self.trainer_state, published.version, now, "published")
+        if self.cfg.rollout == "rolling":
+            self.rollout.promote(published.version, now)
+        self.rollout.retain(published.version, now)
 
-    def set_trainer(self, state: ComponentState, step: int, now: float | None = None) -> None:
-        now = now or time.time()
+    def set_trainer(self, state: ComponentState, step: int, now: float) -> None:
         self.trainer_step = step
         if state is not self.trainer_state:
             self.trainer_state = state
-            self._event(TRAINER, state, self.latest_version(), now)
+            self.event(TRAINER, state, self.latest_version(), now)
 
-    def version_lag(self) -> dict[int, float]:
-        """Seconds from publishing each version to the last live replica serving it (or a newer
-        one); the newest ``max_events`` versions."""
-        return dict(self.version_lags)
+    def sync_requested(self) -> bool:
+        """EXPLORER_DRIVEN: some live replica asked for weights newer than the latest version."""
+        latest = self.latest_version()
+        return any(r.live and r.schedule.open_request() and r.schedule.request_base_version >= latest
+                   for r in self.members)
 
-    def status(self) -> dict:
+    # -- rollout (serve_rft.synchronizer.rollout) --------------------------------------
+    def decide(self, now: float, rewards: dict | None = None):
+        """`Rollout.decide`: the canary verdict, acted on (or None)."""
+        self._now = now
+        return self.rollout.decide(now, rewards)
+
+    def record_traffic(self, per_version: dict[int, tuple[int, int, float]]) -> None:
+        """`Rollout.record_traffic`: requests a replica saw per version since its last poll."""
+        self.rollout.record_traffic(per_version)
+
+    def pin(self, version: int | None, now: float) -> None:
+        """`Rollout.pin` (None unpins). Raises ValueError: not loadable."""
+        self._now = now
+        self.rollout.pin(version, now)
+
+    def rollback(self, version: int, now: float, reason: str = "operator rollback") -> list[int]:
+        """`Rollout.rollback`. Raises ValueError: not loadable."""
+        self._now = now
+        return self.rollout.rollback(version, now, reason)
+
+    def set_promotion_paused(self, paused: bool, now: float) -> None:
+        self._now = now
+        self.rollout.set_promotion_paused(paused, now)
+
+    # -- views ---------------------------------------------------------------------
+    def status(self, now: float | None = None) -> dict:
+        now = time.time() if now is None else now
         return {
             "policy_version": self.latest_version(),
-            "sync_style": self.style.value,
+            "incumbent_version": self.incumbent,
+            "sync_style": self.cfg.sync_style.value,
+            "rollout": self.rollout.status(),
             "trainer": {"state": self.trainer_state.value, "step": self.trainer_step},
             "replicas": [
                 {"id": r.replica_id, "state": r.state.value, "policy_version": r.policy_version,
+                 "alive": r.alive, "drained": r.drained, "granted": r.granted, "refused": r.refused, "pid": r.pid,
                  "failures": r.failures, "last_error": r.last_error,
-                 "last_sync_s": r.last_sync_s,
+                 "backoff_s": round(max(0.0, r.backoff_until - now), 3) if r.backoff_version else 0.0,
+                 "last_sync_s": r.last_sync_s, "last_seen_s_ago": round(now - r.last_seen, 3),
                  "last_sync": r.last_sync, "explorer_step": r.schedule.explorer_step,
                  "sync_due": r.schedule.due, "sync_requested": r.schedule.open_request(),
                  "sync_timeouts": r.schedule.timeouts}
-                for r in sorted(self.replicas.values(), key=lambda r: r.replica_id)
+                for r in sorted(self.members, key=lambda r: r.replica_id)
             ],
-            "version_lag_s": {str(k): round(v, 3) for k, v in sorted(self.version_lag().items())},
+            "version_lag_s": {str(k): round(v, 3) for k, v in sorted(self.rollout.version_lags.items())},
         }

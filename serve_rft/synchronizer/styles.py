@@ -1,4 +1,5 @@
-"""When syncs happen: the three sync styles of seed 000, for a serving system.
+"""When syncs happen: the three sync styles of the Trinity-RFT Synchronizer documentation, for a
+serving system, and the time bound that keeps them live without traffic.
 
 Clocks:
 - a **trainer step** is one optimizer step;
@@ -7,7 +8,7 @@ Clocks:
 
 Styles (``interval`` = ``sync_interval``, ``offset`` = ``sync_offset``):
 - FIXED: the trainer publishes at trainer steps ``interval, 2*interval, ...``; a replica syncs at
-  its explorer steps ``offset, offset + interval, offset + 2*interval, ...`` (seed 000's table:
+  its explorer steps ``offset, offset + interval, offset + 2*interval, ...`` (the documentation's table:
   interval=10, offset=5 -> the explorer runs 5 steps first, then syncs every 10). At a scheduled
   step the replica becomes *due* and syncs as soon as a version newer than its own exists; it
   keeps serving while it waits.
@@ -17,6 +18,16 @@ Styles (``interval`` = ``sync_interval``, ``offset`` = ``sync_offset``):
   weights; the trainer notices the request at its next loop and publishes its current weights;
   the replica syncs. If no newer version comes within ``sync_timeout_s`` the replica keeps
   serving and asks again in the next cycle.
+
+The styles say when a replica *wants* weights; traffic is their clock, so with no traffic a FIXED
+or EXPLORER_DRIVEN replica would never be due again and keep yesterday's weights while the trainer
+publishes from its backlog. Hence the liveness bound, whatever the style: once the oldest promoted
+version a replica lacks has waited `SyncState.lag_trigger_s` (half of
+``synchronizer.max_version_lag_s``, less when the live replicas could not all roll in the other
+half one ``max_unavailable`` slot at a time at the mean sync time), the replica is due anyway.
+So every promoted version reaches every live replica within ``max_version_lag_s`` as long as the
+roll itself fits (benchmarks/rollout_sim.py measures where it stops fitting). ``null`` turns the
+bound off and leaves the styles alone.
 """
 
 from __future__ import annotations

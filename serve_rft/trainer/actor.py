@@ -86,6 +86,53 @@ class PolicyTrainer:
         lora.merge_into(self.model, self.export)
         return self.export
 
+    def reset_to(self, handle: dict) -> None:
+        """Take the weights behind a published ``handle`` (``synchronizer.canary.on_reject=reset``
+        after a rolled-back candidate): full fine-tuning loads the version's tensors (CHECKPOINT
+        folder, MEMORY buckets, or the initial model directory), adapter-only LoRA its adapter
+        (the initial weights: a zero adapter). AdamW's moments are cleared; the LR schedule and
+        the step count go on.
+
+        Raises:
+            ValueError: a handle this trainer cannot take (merged LoRA publishes full weights).
+        """
+        import ray
+        import torch
+        from safetensors.torch import load_file
+
+        lora = self.cfg.lora is not None
+        if lora and self.cfg.lora.merge_and_sync:
+            raise ValueError("reset needs adapter-only LoRA sync (merged publishes lose the adapter)")
+        if lora and not handle.get("adapter"):  # the initial weights: the adapter's B = 0
+            with torch.no_grad():
+                for name, p in self.model.named_parameters():
+                    if "lora_B" in name:
+                        p.zero_()
+            self.optimizer.state.clear()
+            return
+        if handle.get("method") == "checkpoint":
+            files = sorted(Path(handle["path"]).glob("*.safetensors"))
+            tensors = {k: v for f in files for k, v in load_file(str(f)).items()}
+        elif handle.get("method") == "memory":
+            tensors = {}
+            for ref in handle["buckets"]:
+                got = ray.get(ref)
+                tensors.update(got[0] if handle.get("adapter") else dict(got))
+        else:
+            raise ValueError(f"cannot reset to a {handle.get('method')!r} handle")
+        with torch.no_grad():
+            if lora:
+                from peft import set_peft_model_state_dict
+
+                set_peft_model_state_dict(self.model, tensors)
+            else:
+                missing, unexpected = self.model.load_state_dict(tensors, strict=False)
+                tied = {k for k in missing if k.endswith("lm_head.weight")}
+                if set(missing) - tied or unexpected:
+                    raise ValueError(f"the handle's tensors do not fit the model: missing "
+                                     f"{sorted(set(missing) - tied)[:5]}, unexpected {unexpected[:5]}")
+        self.optimizer.state.clear()
+
     def publish_model(self):
         """What a publish carries: `full_model`, or with adapter-only LoRA sync
         (``lora.merge_and_sync=false``) the `peft.PeftModel`, whose adapter alone the sync
@@ -234,6 +281,8 @@ class Trainer:
         self._task: asyncio.Task | None = None
         self.error: str | None = None
         self.published: PublishedVersion | None = None
+        self.resets: list[tuple[int, dict | None]] = []  # canary rejections to reset to (on_reject=reset)
+        self.reset_count = 0
         self.method = None  # the sync method, once the loop built it
         self._task = asyncio.get_running_loop().create_task(self._run())
 
@@ -295,6 +344,13 @@ class Trainer:
                 self.phase = "collecting"
                 batch = await self._collect(store, policy, method, sync)
             batch = await self._drop_stale(store, batch)
+            if self.resets:
+                version, handle = self.resets.pop()
+                self.resets.clear()
+                if handle is not None:
+                    await asyncio.to_thread(policy.reset_to, handle)
+                    self.reset_count += 1
+                    log.warning("trainer reset to the weights of version %d (canary rollback)", version)
             if not batch:
                 continue
             self.phase = "training"
@@ -359,6 +415,10 @@ class Trainer:
         t0 = time.perf_counter()
         model = await asyncio.to_thread(policy.publish_model)
         handle = await asyncio.to_thread(method.send, model, version, floor)
+        if self.cfg.synchronizer.verify:  # replicas check the weights in effect against this
+            from serve_rft.synchronizer.methods.verify import trainer_probe
+
+            handle["probe"] = await asyncio.to_thread(trainer_probe, model, version)
         seconds = time.perf_counter() - t0
         await sync.publish.remote(version, handle)
         self.published = PublishedVersion(version=version, handle=handle)
@@ -459,6 +519,11 @@ class Trainer:
         """Broadcast the reserved version to ``replica_id``'s group (seconds, bytes)."""
         return await self._nccl().broadcast(replica_id)
 
+    def reset_to(self, version: int, handle: dict | None) -> None:
+        """A canary rolled back (``canary.on_reject=reset``): train on from ``version``'s
+        weights, before the next step (`PolicyTrainer.reset_to`)."""
+        self.resets.append((version, handle))
+
     def status(self) -> dict:
         """Step, published version, error, last step's stats, and the staleness (versions
         behind the latest published one) of every experience trained so far."""
@@ -476,6 +541,7 @@ class Trainer:
             "unacked": len(self.unpublished) + len(self.unsaved),
             "redelivered": self.redelivered,
             "resume_acked": self.resume_acked,
+            "resets": self.reset_count,
         }
 
     def latest_published(self) -> PublishedVersion | None:

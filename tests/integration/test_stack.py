@@ -138,14 +138,11 @@ def test_bad_input_gets_openai_errors(stack):
     assert httpx.get(f"{u}/health").status_code == 200
 
 
-def test_training_rolls_new_versions_across_replicas_without_failures(stack, expect_refusals: bool = True):
+def test_training_rolls_new_versions_across_replicas_without_failures(stack):
     """Load + rewards until two trainer versions reached every replica; no request fails and
-    at least one replica is RUNNING at every recorded state change. ``expect_refusals``: syncs
-    drain replicas in ``wait`` mode, so behind HAProxy (leastconn sends new requests to the
-    draining replica as its in-flight ones finish) some were refused there and re-sent. Not so
-    for adapter-only LoRA (no drain) or ``keep`` (frozen requests keep its connection count up).
-    Whether a request reaches a draining replica is timing, not guaranteed: seen on every run of
-    the default stack, but one CI run of the MEMORY stack had none, so only this stack asks."""
+    at least one replica is in rotation at every recorded state change. (That a replica out of
+    rotation refuses requests and HAProxy re-sends them is shown deterministically by
+    test_a_drained_replica_refuses_and_haproxy_resends_every_request.)"""
     t_start = time.time()
     outcomes: list[tuple[bool, str, int]] = []
 
@@ -201,16 +198,55 @@ def test_training_rolls_new_versions_across_replicas_without_failures(stack, exp
     assert len(served) == 2, "both replicas served traffic"
     assert max(o[2] for o in outcomes) >= 1, "responses came from trained policy versions"
     assert st["version_lag_s"], "version lag is measured"
-    # Behind HAProxy (the default ingress) a draining replica refused new requests with 503 and
-    # HAProxy re-sent them to the serving replica: refusals happened, yet no request failed.
-    if not expect_refusals:
-        return
-    deadline, refused = time.monotonic() + 60, 0.0
-    while time.monotonic() < deadline and not refused:
-        refused = sum(float(ln.rsplit(" ", 1)[1]) for ln in httpx.get(stack.metrics_url, timeout=10).text.splitlines()
-                      if ln.startswith("ray_serve_rft_requests_total{") and 'status="503"' in ln)
-        time.sleep(2)
-    assert refused > 0, "no request reached a draining replica: the drain path was not exercised"
+
+
+def test_a_drained_replica_refuses_and_haproxy_resends_every_request(stack):
+    """The drain path, held open on purpose: an operator drains one replica (the same refusal a
+    sync's drain uses); while it is drained every request still succeeds, all are answered by the
+    other replica, and the drained one refused some (HAProxy's leastconn prefers the idle, drained
+    replica and re-sends each refusal). Draining the last replica in rotation is refused (409)."""
+    u = stack.url
+    st = httpx.get(f"{u}/v1/status", headers=ADMIN).json()
+    a, b = sorted(r["id"] for r in st["replicas"] if r["state"] == "RUNNING")[:2]
+    before = {r["id"]: r["refused"] for r in st["replicas"]}
+    r = httpx.post(f"{u}/v1/sync/replicas/{a}/drain", json={"drained": True}, headers=ADMIN)
+    assert r.status_code == 200, r.text
+    try:
+        assert httpx.post(f"{u}/v1/sync/replicas/{b}/drain", json={"drained": True},
+                          headers=ADMIN).status_code == 409  # b is the last one serving
+        time.sleep(2.5)  # a's next poll answer carries the drain (polls return within 1 s)
+
+        async def go():
+            client = openai.AsyncOpenAI(base_url=f"{u}/v1", api_key="x", max_retries=0, timeout=60)
+            raws = await asyncio.gather(*[client.chat.completions.with_raw_response.create(
+                model="serve-rft", messages=[{"role": "user", "content": f"d{i}"}], max_tokens=4)
+                for i in range(24)])
+            await client.close()
+            return [x.headers["x-serve-rft-replica"] for x in raws]
+
+        served_by = asyncio.run(go())
+        assert set(served_by) == {b}, served_by
+        deadline = time.monotonic() + 10
+        while True:  # the refusal count reaches the synchronizer with a's next poll
+            st = httpx.get(f"{u}/v1/status", headers=ADMIN).json()
+            refused = {x["id"]: x["refused"] for x in st["replicas"]}[a] - before[a]
+            if refused > 0 or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        assert refused > 0, st["replicas"]
+        events = httpx.get(f"{u}/v1/sync/events", headers=ADMIN).json()["events"]
+        assert any(e["kind"] == "drained" and e["component"] == a for e in events)
+    finally:
+        httpx.post(f"{u}/v1/sync/replicas/{a}/drain", json={"drained": False}, headers=ADMIN)
+    time.sleep(2.5)
+    async def both():
+        client = openai.AsyncOpenAI(base_url=f"{u}/v1", api_key="x", max_retries=0, timeout=60)
+        raws = await asyncio.gather(*[client.chat.completions.with_raw_response.create(
+            model="serve-rft", messages=[{"role": "user", "content": f"u{i}"}], max_tokens=4) for i in range(24)])
+        await client.close()
+        return {x.headers["x-serve-rft-replica"] for x in raws}
+
+    assert asyncio.run(both()) == {a, b}  # back in rotation
 
 
 def test_behaviour_logprobs_match_the_trainer_on_the_served_version(stack):
@@ -415,7 +451,7 @@ def test_haproxy_is_the_ingress_and_is_configured_to_re_send_refusals(stack):
     """The default ingress: Ray Serve's HAProxy owns the service port and its rendered config
     retries a 503 on another replica and buffers the whole request first
     (serve_rft/service/ingress.py). That refusals are in fact re-sent is shown by
-    test_training_rolls_new_versions_across_replicas_without_failures."""
+    test_a_drained_replica_refuses_and_haproxy_resends_every_request."""
     from serve_rft.service.ingress import RETRY_ON
     import glob
     from pathlib import Path

@@ -42,8 +42,7 @@ def test_keep_mode_requests_span_versions_and_none_fail(stack):
         client = openai.AsyncOpenAI(base_url=f"{stack.url}/v1", api_key="x", max_retries=0, timeout=300)
         stop = asyncio.Event()
         tasks = [asyncio.create_task(long_user(client, stop)) for _ in range(4)]
-        await asyncio.to_thread(loop.test_training_rolls_new_versions_across_replicas_without_failures, stack,
-                                expect_refusals=False)
+        await asyncio.to_thread(loop.test_training_rolls_new_versions_across_replicas_without_failures, stack)
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline and len(long_ids) < 8:
             await asyncio.sleep(1)

@@ -23,7 +23,7 @@ def stack(redis_server, embedded_model, tmp_path_factory):
 def test_memory_method_rolls_versions_without_failures(stack):
     # 0 failed requests is the claim; whether a request happens to reach a draining replica is
     # timing (one CI run here saw none), so refusals are only required on the default stack.
-    loop.test_training_rolls_new_versions_across_replicas_without_failures(stack, expect_refusals=False)
+    loop.test_training_rolls_new_versions_across_replicas_without_failures(stack)
     import httpx
 
     st = httpx.get(f"{stack.url}/v1/status").json()

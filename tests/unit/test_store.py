@@ -264,3 +264,37 @@ def test_a_completion_is_logged_once_even_if_the_call_is_repeated(store_factory)
         assert (c.logged, c.pending) == (2, 2)
         assert await s.conversation_turns("conv") == ["x"]
     run(go())
+
+
+def test_rewards_are_filed_by_policy_version_and_generation_time(redis_server):
+    """Canary verdicts compare versions by the rewards of what each generated in a window,
+    whenever the rewards arrive; a duplicate reward is counted once."""
+    import asyncio
+    import time
+
+    from serve_rft.buffer.store import ExperienceStore
+    from serve_rft.types import Experience, SamplingInfo
+
+    def exp(cid, version):
+        return Experience(completion_id=cid, choice_index=0, group_id=cid, replica_id="r",
+                          prompt_token_ids=[1], response_token_ids=[2, 3], behaviour_logprobs=[-1.0, -1.0],
+                          token_versions=[(version, 0, 2)], sampling=SamplingInfo(temperature=1.0, top_p=1.0,
+                                                                                   max_tokens=2),
+                          finish_reason="length")
+
+    async def go():
+        s = ExperienceStore(redis_server.url, "vr-test")
+        t0 = time.time()
+        for i, (v, r) in enumerate([(3, 1.0), (3, 0.5), (4, 0.0)]):
+            await s.log_experiences([exp(f"c{i}", v)])
+            await s.post_reward(f"c{i}", 0, r)
+        await s.post_reward("c0", 0, 1.0)  # duplicate: not counted twice
+        got = await s.version_rewards([3, 4, 5], t0 - 10, t0 + 10)
+        early = await s.version_rewards([3], t0 - 3600, t0 - 60)
+        await s.close()
+        return got, early
+
+    got, early = asyncio.run(go())
+    assert got[3][0] == 2 and abs(got[3][1] - 1.5) < 1e-9 and abs(got[3][2] - 1.25) < 1e-9
+    assert got[4] == (1, 0.0, 0.0) and got[5] == (0, 0.0, 0.0)
+    assert early[3][0] == 0

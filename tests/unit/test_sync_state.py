@@ -1,18 +1,29 @@
+"""The synchronizer's state machine, rule by rule (simulated clock; property tests in
+test_sync_properties.py)."""
+
+import pytest
+
+from serve_rft.config import SynchronizerConfig
 from serve_rft.synchronizer.state import SyncState
 from serve_rft.types import ComponentState, PublishedVersion
 
 
-def _state(n=2, max_unavailable=1):
-    s = SyncState(max_unavailable=max_unavailable, replica_timeout_s=10, num_replicas=n)
+def _state(n=2, max_unavailable=1, **kw):
+    s = SyncState(SynchronizerConfig(max_unavailable=max_unavailable, replica_timeout_s=10,
+                                     sync_style="trainer_driven", **kw))
     for i in range(n):
-        s.register(f"r{i}", 0, now=100.0)
+        s.register(f"r{i}", 0, now=100.0, base_handle={"method": "checkpoint", "path": "/base"})
     return s
+
+
+def _pub(s, v, now=100.0):
+    s.publish(PublishedVersion(version=v, handle={"method": "checkpoint", "path": f"/v{v}"}, published_at=now), now)
 
 
 def test_no_grant_without_a_newer_version():
     s = _state()
     assert s.grant("r0", now=101) is None
-    s.publish(PublishedVersion(version=1, handle={"method": "checkpoint", "path": "/v1"}, published_at=101), now=101)
+    _pub(s, 1, 101)
     order = s.grant("r0", now=102)
     assert order is not None and order.version == 1 and order.handle["path"] == "/v1"
     assert s.replicas["r0"].state is ComponentState.REQUIRE_SYNC
@@ -20,7 +31,7 @@ def test_no_grant_without_a_newer_version():
 
 def test_rolls_one_replica_at_a_time_and_keeps_one_serving():
     s = _state(n=2)
-    s.publish(PublishedVersion(version=1, handle={"method": "checkpoint", "path": "/v1"}, published_at=100), now=100)
+    _pub(s, 1)
     assert s.grant("r0", now=101) is not None
     assert s.grant("r1", now=101) is None  # r0 is syncing: r1 must keep serving
     assert s.serving() == 1
@@ -29,79 +40,132 @@ def test_rolls_one_replica_at_a_time_and_keeps_one_serving():
     assert s.grant("r1", now=103) is not None
     s.synced("r1", 1, now=104)
     assert all(e.serving >= 1 for e in s.events)
-    assert s.version_lag() == {1: 4.0}
+    assert s.rollout.version_lag() == {1: 4.0}
 
 
 def test_max_unavailable_two_of_three():
     s = _state(n=3, max_unavailable=2)
-    s.publish(PublishedVersion(version=1, handle={"method": "checkpoint", "path": "/v1"}))
-    assert s.grant("r0") and s.grant("r1")
-    assert s.grant("r2") is None
+    _pub(s, 1)
+    assert s.grant("r0", 101) and s.grant("r1", 101)
+    assert s.grant("r2", 101) is None
     assert s.serving() == 1
 
 
 def test_never_zero_serving_even_with_high_max_unavailable():
     s = _state(n=2, max_unavailable=5)
-    s.publish(PublishedVersion(version=1, handle={"method": "checkpoint", "path": "/v1"}))
-    assert s.grant("r0") is not None
-    assert s.grant("r1") is None
+    _pub(s, 1)
+    assert s.grant("r0", 101) is not None
+    assert s.grant("r1", 101) is None
 
 
-def test_single_replica_may_sync():
+def test_single_live_replica_may_sync():
     s = _state(n=1)
-    s.publish(PublishedVersion(version=1, handle={"method": "checkpoint", "path": "/v1"}))
-    assert s.grant("r0") is not None
+    _pub(s, 1)
+    order = s.grant("r0", 101)
+    assert order is not None and order.others_serving is False
 
 
-def test_failed_load_returns_replica_to_running_and_counts():
+def test_failed_load_returns_replica_to_running_backs_off_and_counts():
     s = _state()
-    s.publish(PublishedVersion(version=1, handle={"method": "checkpoint", "path": "/v1"}))
-    s.grant("r0")
-    s.failed("r0", 1, "boom")
+    _pub(s, 1)
+    s.grant("r0", 101)
+    s.failed("r0", 1, "boom", now=102)
     r = s.replicas["r0"]
     assert r.state is ComponentState.RUNNING and r.failures == 1 and r.policy_version == 0
-    assert s.status()["replicas"][0]["last_error"] == "boom"
+    assert s.status(now=102)["replicas"][0]["last_error"] == "boom"
+    assert s.grant("r0", 103) is None  # backoff: retry_backoff_s (2 s) after the failure
+    assert s.grant("r0", 104.1) is not None
 
 
-def test_silent_replica_is_stopped_and_frees_its_slot():
+def test_a_replica_reported_dead_never_counts_as_serving():
+    s = _state(n=2)
+    _pub(s, 1)
+    s.lost("r1", now=101)
+    assert s.serving() == 1 and not s.replicas["r1"].live
+    order = s.grant("r0", 101)  # the lone live replica may sync; it may not refuse requests
+    assert order is not None and order.others_serving is False
+    s.heartbeat("r1", 0, 0, now=102)  # a dead id never comes back
+    assert s.replicas["r1"].state is ComponentState.STOPPED
+
+
+def test_silent_replica_is_stopped_then_comes_back():
     s = _state()
-    s.publish(PublishedVersion(version=1, handle={"method": "checkpoint", "path": "/v1"}), now=100)
-    s.grant("r0", now=100)
-    s.heartbeat("r1", 0, now=120)
+    _pub(s, 1)
+    s.heartbeat("r1", 0, 0, now=120)
     assert s.expire(now=120) == ["r0"]
     assert s.replicas["r0"].state is ComponentState.STOPPED
-    # r1 is the only one serving: it must not sync until r0 is back
-    assert s.grant("r1", now=121) is None
-    s.heartbeat("r0", 0, now=122)
+    assert s.in_use_floor(now=120) == 0  # it may come back: its version stays loadable
+    s.heartbeat("r0", 0, 0, now=122)
     assert s.replicas["r0"].state is ComponentState.RUNNING
     assert s.grant("r1", now=123) is not None
 
 
+def test_a_syncing_replica_keeps_its_slot_while_it_renews_its_lease():
+    s = _state(n=3, lease_s=10)
+    _pub(s, 1)
+    assert s.grant("r0", now=101) is not None
+    for t in range(102, 140, 2):  # a slow load: 40 s, lease renewed every 2 s
+        assert s.renew("r0", 0, 1, now=t) is True
+        s.heartbeat("r1", 0, 0, now=t)
+        s.heartbeat("r2", 0, 0, now=t)
+        s.expire(now=t)
+        assert s.grant("r1", now=t) is None  # the slot stays taken
+    s.expire(now=151)  # renewals stopped for > lease_s: it is gone, the slot frees
+    assert s.replicas["r0"].state is ComponentState.STOPPED
+
+
+def test_drained_replica_is_out_of_rotation_and_may_sync_without_a_slot():
+    s = _state(n=3)
+    s.set_drained("r2", True, now=101)
+    assert s.serving() == 2
+    _pub(s, 1, 101)
+    assert s.grant("r0", 101) is None  # the drain already takes the one slot
+    assert s.grant("r2", 101) is not None  # out of rotation anyway: costs no capacity
+    with pytest.raises(ValueError):
+        _state(n=2).set_drained("r0", True, 101) or None  # fine: another serves
+        s2 = _state(n=2)
+        s2.set_drained("r0", True, 101)
+        s2.set_drained("r1", True, 101)
+
+
 def test_publish_must_increase():
     s = _state()
-    s.publish(PublishedVersion(version=2, handle={"method": "checkpoint", "path": "/v2"}))
-    import pytest
-
+    _pub(s, 2)
     with pytest.raises(ValueError):
-        s.publish(PublishedVersion(version=2, handle={"method": "checkpoint", "path": "/v2b"}))
+        _pub(s, 2)
 
 
 def test_lag_counts_skipped_versions_once_everyone_is_past_them():
     s = _state()
-    s.publish(PublishedVersion(version=1, handle={"method": "checkpoint", "path": "/v1"}, published_at=100), now=100)
-    s.publish(PublishedVersion(version=2, handle={"method": "checkpoint", "path": "/v2"}, published_at=101), now=101)
+    _pub(s, 1, 100)
+    _pub(s, 2, 101)
     s.grant("r0", now=102)
     s.synced("r0", 2, now=103)
     s.grant("r1", now=103)
     s.synced("r1", 2, now=105)
-    assert s.version_lag() == {1: 5.0, 2: 4.0}
+    assert s.rollout.version_lag() == {1: 5.0, 2: 4.0}
 
 
 def test_order_says_whether_another_replica_serves():
     """A granted replica may refuse new requests (HAProxy re-sends them) only if another serves."""
     s = _state(n=2)
-    s.publish(PublishedVersion(version=1, handle={"method": "checkpoint", "path": "/v1"}))
-    assert s.grant("r0").others_serving is True
-    single = _state(n=1)
-    single.publish(PublishedVersion(version=1, handle={"method": "checkpoint", "path": "/v1"}))
-    assert single.grant("r0").others_serving is False
+    _pub(s, 1)
+    assert s.grant("r0", 101).others_serving is True
+    assert s.renew("r0", 0, 1, now=102) is True
+    s.lost("r1", now=103)
+    assert s.renew("r0", 0, 1, now=104) is False  # the other died: hold requests, do not refuse
+
+
+def test_restarted_synchronizer_waits_for_syncs_in_flight_to_renew():
+    s = SyncState(SynchronizerConfig(sync_style="trainer_driven", lease_s=10))
+    s.restarted(now=100)
+    _pub(s, 3, 100)
+    s.register("r1", 2, 100.5, handle={"method": "checkpoint", "path": "/v2"})
+    s.register("r2", 2, 100.5, handle={"method": "checkpoint", "path": "/v2"})
+    assert s.grant("r1", 101) is None  # r0 may be mid-sync: wait half a lease
+    assert s.in_use_floor(now=101) == 0  # and prune nothing yet
+    s.renew("r0", 2, 3, now=102)
+    assert s.grant("r1", 106) is None  # r0 holds the slot
+    assert not s.known("r0")  # it registers with its handles on its next poll
+    s.synced("r0", 3, now=107)
+    assert s.grant("r1", 107) is not None

@@ -2,7 +2,7 @@
 
 import pytest
 
-from serve_rft.config import SyncStyle
+from serve_rft.config import SynchronizerConfig, SyncStyle
 from serve_rft.synchronizer.state import SyncState
 from serve_rft.synchronizer.styles import ReplicaSchedule, fixed_scheduled_step, trainer_publishes
 from serve_rft.types import PublishedVersion
@@ -53,7 +53,8 @@ def test_explorer_driven_request_timeout_and_retry():
 
 
 def _state(style, interval=1, offset=0, n=2):
-    s = SyncState(style=style, interval=interval, offset=offset, sync_timeout_s=10, num_replicas=n)
+    s = SyncState(SynchronizerConfig(sync_style=style, sync_interval=interval, sync_offset=offset,
+                                     sync_timeout_s=10, max_version_lag_s=None))
     for i in range(n):
         s.register(f"r{i}", 0, now=100.0)
     return s
@@ -61,26 +62,26 @@ def _state(style, interval=1, offset=0, n=2):
 
 def test_fixed_replica_waits_for_its_scheduled_step():
     s = _state(SyncStyle.FIXED, interval=4, offset=2)
-    s.publish(PublishedVersion(version=1, handle={}), now=100)
-    s.heartbeat("r0", 0, explorer_step=1, now=101)
+    s.publish(PublishedVersion(version=1, handle={"method": "checkpoint"}), now=100)
+    s.heartbeat("r0", 0, 1, now=101)
     assert s.grant("r0", now=101) is None  # before its offset
-    s.heartbeat("r0", 0, explorer_step=2, now=102)
+    s.heartbeat("r0", 0, 2, now=102)
     assert s.grant("r0", now=102).version == 1
     s.synced("r0", 1, now=103)
-    s.publish(PublishedVersion(version=2, handle={}), now=104)
-    s.heartbeat("r0", 1, explorer_step=5, now=105)
+    s.publish(PublishedVersion(version=2, handle={"method": "checkpoint"}), now=104)
+    s.heartbeat("r0", 1, 5, now=105)
     assert s.grant("r0", now=105) is None  # next sync point is step 6
-    s.heartbeat("r0", 1, explorer_step=6, now=106)
+    s.heartbeat("r0", 1, 6, now=106)
     assert s.grant("r0", now=106).version == 2
 
 
 def test_explorer_driven_request_is_visible_to_the_trainer():
     s = _state(SyncStyle.EXPLORER_DRIVEN, interval=2)
     assert not s.sync_requested()
-    s.heartbeat("r0", 0, explorer_step=2, now=101)
+    s.heartbeat("r0", 0, 2, now=101)
     assert s.sync_requested()
     assert s.grant("r0", now=101) is None  # nothing newer yet
-    s.publish(PublishedVersion(version=5, handle={}), now=102)
+    s.publish(PublishedVersion(version=5, handle={"method": "checkpoint"}), now=102)
     assert not s.sync_requested()  # answered
     assert s.grant("r0", now=102).version == 5
     s.synced("r0", 5, now=103)
@@ -89,20 +90,20 @@ def test_explorer_driven_request_is_visible_to_the_trainer():
 
 def test_trainer_driven_replicas_pick_up_every_version():
     s = _state(SyncStyle.TRAINER_DRIVEN)
-    s.publish(PublishedVersion(version=1, handle={}), now=100)
+    s.publish(PublishedVersion(version=1, handle={"method": "checkpoint"}), now=100)
     assert s.grant("r0", now=100) is not None
 
 
 def test_nccl_trainer_waits_only_for_live_replicas_that_are_due():
     s = _state(SyncStyle.FIXED, interval=4, offset=2)
-    s.publish(PublishedVersion(version=1, handle={}), now=100)
+    s.publish(PublishedVersion(version=1, handle={"method": "checkpoint"}), now=100)
     assert s.lagging(1) == 0  # neither replica reached its sync step
-    s.heartbeat("r0", 0, explorer_step=2, now=101)
+    s.heartbeat("r0", 0, 2, now=101)
     assert s.lagging(1) == 1
     s.grant("r0", now=101)
     s.synced("r0", 1, now=102)
     assert s.lagging(1) == 0
-    s.heartbeat("r1", 0, explorer_step=2, now=103)
+    s.heartbeat("r1", 0, 2, now=103)
     assert s.lagging(1) == 1
     s.expire(now=1000)  # r1 went silent: STOPPED, not waited for
     assert s.lagging(1) == 0

@@ -70,6 +70,14 @@ class WeightSyncMethod(ABC):
             Whatever the transfer or vLLM's loader raises; the caller restores the previous version.
         """
 
+    async def precheck(self, handle: dict[str, Any]) -> None:
+        """Replica side, before it drains: check what can be checked without touching the engine
+        (CHECKPOINT: the folder's checksums, `verify.check_folder`).
+
+        Raises:
+            serve_rft.synchronizer.methods.verify.VersionCorrupt: the bytes do not match.
+        """
+
     async def serve_window(self, version: int, lagging: Callable[[], Awaitable[int]],
                            timeout_s: float) -> float:
         """Trainer side, after publishing ``version``, for handshake methods: hold the weights

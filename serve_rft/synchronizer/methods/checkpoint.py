@@ -43,8 +43,26 @@ class CheckpointMethod(WeightSyncMethod):
 
         from serve_rft.trainer.lora import is_adapter_model
 
+        from serve_rft.synchronizer.methods.verify import folder_checksums
+
         path = save_version(model, self.root, version, self.keep, in_use_floor)
-        return {"method": self.name, "path": str(path), "adapter": is_adapter_model(model)}
+        return {"method": self.name, "path": str(path), "adapter": is_adapter_model(model),
+                "checksums": folder_checksums(path)}
+
+    async def precheck(self, handle: dict[str, Any]) -> None:
+        """The folder's safetensors files match the checksums the trainer published.
+
+        Raises:
+            VersionCorrupt: they do not (or the folder is gone).
+        """
+        import asyncio
+
+        from serve_rft.synchronizer.methods.verify import VersionCorrupt, check_folder
+
+        try:
+            await asyncio.to_thread(check_folder, handle["path"], handle.get("checksums"))
+        except OSError as e:
+            raise VersionCorrupt(f"{handle['path']}: {e!r}") from e
 
     async def receive(self, engine, handle: dict[str, Any], version: int) -> dict[str, float]:
         """Load a committed version folder (or the initial model directory, version 0); an

@@ -55,28 +55,44 @@ class MemoryMethod(WeightSyncMethod):
 
         from serve_rft.trainer.lora import adapter_tensors, is_adapter_model
 
+        from serve_rft.synchronizer.methods.verify import tensors_checksum
+
         if is_adapter_model(model):
             tensors, config = adapter_tensors(model)
             return {"method": self.name, "adapter": True, "buckets": [ray.put((tensors, config))],
+                    "checksums": [tensors_checksum(sorted(tensors.items()))],
                     "bytes": sum(t.numel() * t.element_size() for t in tensors.values())}
-        refs, total = [], 0
+        refs, sums, total = [], [], 0
         for bucket in iter_buckets(checkpoint_tensors(model), self.bucket_bytes):
             total += sum(t.numel() * t.element_size() for _, t in bucket)
+            sums.append(tensors_checksum(bucket))
             refs.append(ray.put(bucket))
-        return {"method": self.name, "buckets": refs, "bytes": total}
+        return {"method": self.name, "buckets": refs, "bytes": total, "checksums": sums}
 
     async def receive(self, engine, handle: dict[str, Any], version: int) -> dict[str, float]:
         t0 = time.perf_counter()
         if handle.get("adapter"):
             await _receive_adapter(engine, handle, version)
             return {"seconds": time.perf_counter() - t0, "bytes": float(handle["bytes"])}
+        sums = handle.get("checksums") or [None] * len(handle["buckets"])
         await engine.begin_update()
-        for ref in handle["buckets"]:
+        for i, (ref, expected) in enumerate(zip(handle["buckets"], sums)):
             bucket = await ref
+            _check_bucket(bucket, expected, i)  # a corrupt bucket never reaches the engine
             await engine.load_bucket(bucket)
             del bucket
         await engine.finish_update(version)
         return {"seconds": time.perf_counter() - t0, "bytes": float(handle["bytes"])}
+
+
+def _check_bucket(named_tensors, expected: str | None, index: int) -> None:
+    """Raises:
+        VersionCorrupt: the bucket's bytes do not match the trainer's checksum.
+    """
+    from serve_rft.synchronizer.methods.verify import VersionCorrupt, tensors_checksum
+
+    if expected is not None and tensors_checksum(named_tensors) != expected:
+        raise VersionCorrupt(f"bucket {index}: checksum mismatch")
 
 
 async def _receive_adapter(engine, handle: dict[str, Any], version: int) -> None:
@@ -95,6 +111,7 @@ async def _receive_adapter(engine, handle: dict[str, Any], version: int) -> None
     root = engine.adapter_dir
     try:
         tensors, config = await handle["buckets"][0]
+        _check_bucket(sorted(tensors.items()), (handle.get("checksums") or [None])[0], 0)
         folder = await asyncio.to_thread(write_adapter, root / f"v{version:06d}", tensors, config)
     except Exception as e:  # nothing reached the engine
         raise EngineUnchanged(f"adapter of version {version} not received: {e!r}") from e

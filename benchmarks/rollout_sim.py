@@ -1,0 +1,332 @@
+"""Discrete-event simulation of a replica fleet driven by the synchronizer's own state machine.
+
+`Fleet` plays every replica and the trainer against `serve_rft.synchronizer.state.SyncState`
+exactly as the actors do (a replica polls: ``expire``, ``heartbeat``, ``grant``; while it syncs it
+renews its lease and reports ``synced`` / ``failed``; Ray reports deaths with ``lost``), on a
+simulated clock. tests/unit/test_sync_properties.py checks the invariants on it step by step;
+``main`` measures, for fleets of 8 to 4,096 replicas, the version lag (publish -> last replica)
+and the serving capacity lost to syncs:
+
+    .venv/bin/python benchmarks/rollout_sim.py --out benchmarks/results/rollout_sim.json
+
+Per-replica load times are drawn around those measured by benchmarks/sync_cost.py (results in
+benchmarks/results/sync_cost.json, Qwen2 0.47 B CHECKPOINT: 1.7-3.4 s per replica).
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import json
+import math
+import random
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from serve_rft.config import SynchronizerConfig  # noqa: E402
+from serve_rft.synchronizer.state import SyncState  # noqa: E402
+from serve_rft.types import PublishedVersion  # noqa: E402
+
+
+@dataclass
+class SimReplica:
+    """The truth about one simulated replica (the state machine only sees what it reports)."""
+
+    rid: str
+    version: int = 0
+    alive: bool = True
+    stuck: bool = False  # alive to Ray but its event loop no longer runs: no polls, no renewals
+    stuck_at: float = 0.0
+    syncing: int | None = None
+    sync_from: int = 0
+    sync_done_at: float = 0.0
+    drained: bool = False
+    serving_s: float = 0.0  # seconds in rotation (capacity)
+    out_s: float = 0.0  # seconds syncing
+
+    @property
+    def up(self) -> bool:
+        return self.alive and not self.stuck
+
+    @property
+    def serving(self) -> bool:
+        return self.up and self.syncing is None and not self.drained
+
+
+class Fleet:
+    """Replicas, a trainer and a `SyncState` on one simulated clock.
+
+    Args:
+        cfg: the synchronizer's settings.
+        load_time: draws one sync's duration in seconds (drain + load + verify).
+        seed: the random generator's seed.
+        poll_s: seconds between a replica's polls (the actor long-polls for 1 s).
+        keep_checkpoints: the trainer's ``keep_checkpoints`` (pruning below the in-use floor).
+    """
+
+    def __init__(self, cfg: SynchronizerConfig, load_time: Callable[[random.Random], float],
+                 seed: int = 0, poll_s: float = 1.0, keep_checkpoints: int = 5, check: bool = True):
+        self.cfg = cfg
+        self.load_time = load_time
+        self.rng = random.Random(seed)
+        self.poll_s = poll_s
+        self.keep = keep_checkpoints
+        self.check = check  # check every grant against the truth (O(replicas) per grant)
+        self.now = 1000.0
+        self.state = SyncState(cfg)
+        self.replicas: dict[str, SimReplica] = {}
+        self.bad: set[int] = set()  # versions whose load always fails (e.g. a corrupted file)
+        self.checkpoints: set[int] = set()  # committed version folders on disk
+        self.version = 0
+        self.grants: list[tuple[float, str, int, bool]] = []  # (t, replica, version, others serving)
+        self.violations: list[str] = []
+        self._heap: list[tuple[float, int, str, str]] = []
+        self._seq = 0
+        self._n = 0
+        self._waiting: dict[str, None] = {}  # replicas whose last poll was refused (long-polling)
+
+    # -- world events ------------------------------------------------------------------
+    def _push(self, t: float, kind: str, rid: str) -> None:
+        self._seq += 1
+        heapq.heappush(self._heap, (t, self._seq, kind, rid))
+
+    def add_replica(self) -> str:
+        """A replica starts: it loads what the synchronizer says a new replica loads, then registers."""
+        self._n += 1
+        rid = f"r{self._n:05d}"
+        init = self.state.initial()
+        r = self.replicas[rid] = SimReplica(rid, init.version if init else 0)
+        self.state.register(rid, r.version, self.now, base_handle={"method": "checkpoint", "path": "/base"})
+        self._push(self.now + self.rng.random() * self.poll_s, "poll", rid)
+        return rid
+
+    def publish(self, bad: bool = False) -> int:
+        """The trainer publishes the next version (pruning checkpoints below the in-use floor)."""
+        self.version += 1
+        v = self.version
+        if bad:
+            self.bad.add(v)
+        self.checkpoints.add(v)
+        floor = self.state.in_use_floor(self.now)
+        for old in sorted(self.checkpoints)[:-self.keep]:
+            if old < floor:
+                self.checkpoints.discard(old)
+        self.state.publish(PublishedVersion(v, {"method": "checkpoint", "path": f"/v{v}"}, self.now), self.now)
+        self._wake()
+        return v
+
+    def kill(self, rid: str, reported: bool = True) -> None:
+        """kill -9. Ray reports the dead actor at once (``reported``), or the synchronizer finds
+        it dead when it checks Ray before its next grant (`_ray_check`)."""
+        self.replicas[rid].alive = False
+        if reported:
+            self.state.lost(rid, self.now)
+            self._wake()
+
+    def _ray_check(self) -> None:
+        """The synchronizer asks Ray which replica actors are alive before it grants a sync."""
+        for r in self.replicas.values():
+            if not r.alive:
+                self.state.lost(r.rid, self.now)
+
+    def stall(self, rid: str) -> None:
+        """The replica's event loop stops (alive to Ray): it counts as serving until
+        ``replica_timeout_s`` passes without a poll."""
+        self.replicas[rid].stuck = True
+        self.replicas[rid].stuck_at = self.now
+
+    def scale_down(self, rid: str) -> None:
+        """Ray Serve stops a replica gracefully."""
+        self.replicas[rid].alive = False
+        self.state.left(rid, self.now)
+        self._wake()
+
+    def drain(self, rid: str, drained: bool) -> bool:
+        try:
+            self.state.set_drained(rid, drained, self.now)
+        except (KeyError, ValueError):
+            return False
+        self.replicas[rid].drained = drained
+        if not drained:
+            self._wake()
+        return True
+
+    def restart_synchronizer(self) -> None:
+        """Ray restarts the synchronizer: fresh state, rebuilt from its saved rollout, the
+        trainer's latest version and the replicas' next polls and renewals (as the actor does)."""
+        snap = self.state.rollout.snapshot()
+        self.state = SyncState(self.cfg)
+        self.state.restarted(self.now)
+        self.state.rollout.restore(snap, self.now)
+        if self.version:
+            self.state.publish(PublishedVersion(self.version, {"method": "checkpoint", "path": f"/v{self.version}"},
+                                                self.now), self.now)
+
+    # -- the replicas' side of the protocol ---------------------------------------------
+    def _poll(self, r: SimReplica) -> None:
+        st = self.state
+        st.expire(self.now, every_s=self.poll_s / 2)
+        if not st.known(r.rid):
+            st.register(r.rid, r.version, self.now, base_handle={"method": "checkpoint", "path": "/base"},
+                        handle={"method": "checkpoint", "path": f"/v{r.version}"} if r.version else None,
+                        drained=r.drained)
+        st.heartbeat(r.rid, r.version, 0, self.now)
+        self._ray_check()
+        order = st.grant(r.rid, self.now)
+        if order is None:
+            self._waiting[r.rid] = None
+            return
+        self._waiting.pop(r.rid, None)
+        self._check_grant(r, order.version, order.others_serving)
+        r.syncing, r.sync_from = order.version, r.version
+        r.sync_done_at = self.now + self.load_time(self.rng)
+        self._push(r.sync_done_at, "done", r.rid)
+        self._push(self.now + self.cfg.lease_s / 4, "renew", r.rid)
+
+    def _check_grant(self, r: SimReplica, version: int, others: bool) -> None:
+        if not self.check:
+            return
+        up = [x for x in self.replicas.values() if x.up]
+        # a stalled replica counts as serving until replica_timeout_s without a poll, found by
+        # the expiry scan that runs every half poll period (documented)
+        slack = self.cfg.replica_timeout_s + self.poll_s / 2
+        counted = [x for x in self.replicas.values() if x.alive and x.stuck and x.syncing is None
+                   and not x.drained and self.now - x.stuck_at <= slack]
+        serving_after = [x for x in up + counted if x.serving or x in counted]
+        serving_after = [x for x in serving_after if x is not r]
+        if len(up) >= 2 and not r.drained and not serving_after:
+            self.violations.append(f"t={self.now:.1f}: grant to {r.rid} left no replica serving")
+        if version != 0 and version not in self.checkpoints:
+            self.violations.append(f"t={self.now:.1f}: granted v{version}, whose checkpoint was pruned")
+        syncing = sum(x.syncing is not None and not x.drained for x in up) + (not r.drained)
+        if syncing > self.cfg.max_unavailable:
+            self.violations.append(f"t={self.now:.1f}: {syncing} replicas syncing at once")
+        self.grants.append((self.now, r.rid, version, others))
+
+    def _finish(self, r: SimReplica) -> None:
+        v = r.syncing
+        r.syncing = None
+        if v in self.bad or (v != 0 and v not in self.checkpoints):
+            self.state.failed(r.rid, v, "load failed", self.now)  # restored the previous version
+        else:
+            r.version = v
+            self.state.synced(r.rid, v, self.now)
+        self._push(self.now + self.rng.random() * 0.01, "poll", r.rid)
+        self._wake()
+
+    def _wake(self) -> None:
+        """A state change wakes the long-polling replicas (the actor's condition variable); stop
+        at the first one refused for want of a free slot: the others would be too."""
+        for rid in list(self._waiting):
+            if self.state.members.n_out >= self.cfg.max_unavailable:
+                return
+            r = self.replicas.get(rid)
+            if r is None or not r.up or r.syncing is not None:
+                self._waiting.pop(rid, None)
+                continue
+            self._poll(r)
+
+    # -- the clock ---------------------------------------------------------------------
+    def advance(self, dt: float) -> None:
+        """Run every event up to ``now + dt``."""
+        end = self.now + dt
+        while self._heap and self._heap[0][0] <= end:
+            t, _, kind, rid = heapq.heappop(self._heap)
+            self._account(t - self.now)
+            self.now = t
+            r = self.replicas.get(rid)
+            if r is None or not r.up:
+                continue
+            if kind == "poll":
+                if r.syncing is None:
+                    self._poll(r)
+                self._push(self.now + self.poll_s, "poll", rid)
+            elif kind == "renew" and r.syncing is not None:
+                self.state.renew(rid, r.sync_from, r.syncing, self.now, r.drained)
+                self._push(self.now + self.cfg.lease_s / 4, "renew", rid)
+            elif kind == "done" and r.syncing is not None and self.now >= r.sync_done_at:
+                self._finish(r)
+        self._account(end - self.now)
+        self.now = end
+        self.state.expire(self.now)
+
+    def _account(self, dt: float) -> None:
+        if dt <= 0:
+            return
+        for r in self.replicas.values():
+            if r.serving:
+                r.serving_s += dt
+            elif r.up and r.syncing is not None:
+                r.out_s += dt
+
+    def converged(self) -> bool:
+        """Every replica that is up serves what the synchronizer wants it to."""
+        st = self.state
+        return all(st.members.get(r.rid) is None or st.settled(st.members.get(r.rid))
+                   for r in self.replicas.values() if r.up)
+
+
+def _scenario(n: int, max_unavailable: int, load_mean_s: float, versions: int, publish_every_s: float,
+              seed: int) -> dict:
+    cfg = SynchronizerConfig(sync_style="trainer_driven", max_unavailable=max_unavailable,
+                             max_version_lag_s=None, lease_s=max(10.0, 4 * load_mean_s))
+    fleet = Fleet(cfg, lambda rng: max(0.05, rng.gauss(load_mean_s, load_mean_s / 4)), seed=seed, check=False)
+    fleet._account = lambda dt: None  # noqa: SLF001 - capacity is integrated below, O(1) per event
+    for _ in range(n):
+        fleet.add_replica()
+    fleet.advance(2.0)
+    out_s, last, t0 = 0.0, fleet.now, fleet.now
+    lags = []
+    for _ in range(versions):
+        v = fleet.publish()
+        published = fleet.now
+        while True:
+            step = min(publish_every_s, 5.0)
+            fleet.advance(step)
+            out_s += fleet.state.members.n_out * step
+            if all(r.version >= v for r in fleet.replicas.values()):
+                lags.append(fleet.now - published)
+                break
+            if fleet.now - published > 100_000:
+                raise RuntimeError("did not converge")
+        rest = publish_every_s - (fleet.now - published)
+        if rest > 0:
+            fleet.advance(rest)
+        last = fleet.now
+    total = (last - t0) * n
+    return {"replicas": n, "max_unavailable": max_unavailable, "load_mean_s": load_mean_s,
+            "versions": versions, "lag_s_median": sorted(lags)[len(lags) // 2], "lag_s_max": max(lags),
+            "capacity_lost": out_s / total if total else 0.0, "violations": len(fleet.violations)}
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--replicas", type=int, nargs="+", default=[8, 64, 512, 4096])
+    ap.add_argument("--load-s", type=float, nargs="+", default=[0.1, 2.5],
+                    help="mean per-replica sync time: embedded model / 0.47 B CHECKPOINT (sync_cost.json)")
+    ap.add_argument("--versions", type=int, default=5)
+    ap.add_argument("--publish-every-s", type=float, default=60.0)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args(argv)
+    rows = []
+    for load in args.load_s:
+        for n in args.replicas:
+            for mu in sorted({1, max(1, math.floor(0.05 * n)), max(1, math.floor(0.10 * n))}):
+                t0 = time.perf_counter()
+                row = _scenario(n, mu, load, args.versions, args.publish_every_s, args.seed)
+                row["wall_s"] = round(time.perf_counter() - t0, 2)
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    if args.out:
+        args.out.write_text(json.dumps({"command": " ".join(["benchmarks/rollout_sim.py", *(argv or sys.argv[1:])]),
+                                        "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,69 @@
+"""The operator's rollout routes (admin key), over the `Synchronizer` actor.
+
+``GET /v1/sync/rollout``: incumbent, candidate, canary window and evidence, verdicts, pins and
+versions (published / promoted / quarantined / rejected / loadable). ``POST /v1/sync/pin``
+``{"version": N}`` serves N everywhere until ``{"version": null}``; ``POST /v1/sync/rollback``
+``{"version": N}`` rejects every version above N (replicas move back; later versions roll as
+usual); ``POST /v1/sync/promotion`` ``{"paused": true|false}`` holds canary verdicts;
+``POST /v1/sync/replicas/{id}/drain`` ``{"drained": true|false}`` takes a replica out of rotation
+(it refuses new requests, which HAProxy re-sends elsewhere) or back. Every action is an audit
+event in ``/v1/sync/events``. Errors: 404 unknown replica, 409 a version that is not loadable
+any more or a drain that would leave no replica serving, 400 a malformed body.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Awaitable
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from serve_rft.explorer.protocol import ApiError
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class PinRequest(_Body):
+    version: int | None = Field(..., ge=0, description="The version to serve everywhere; null unpins.")
+
+
+class RollbackRequest(_Body):
+    version: int = Field(..., ge=0, description="Roll back to this version.")
+
+
+class PromotionRequest(_Body):
+    paused: bool
+
+
+class DrainRequest(_Body):
+    drained: bool
+
+
+def parse(model: type[BaseModel], body: Any) -> BaseModel:
+    """Raises:
+        ApiError: 400 naming the field.
+    """
+    try:
+        return model.model_validate(body)
+    except ValidationError as e:
+        err = e.errors()[0]
+        param = ".".join(str(p) for p in err.get("loc", ())) or None
+        raise ApiError(400, f"{param}: {err.get('msg')}" if param else str(err.get("msg")), param) from None
+
+
+async def call(remote: Awaitable[Any]) -> Any:
+    """Await a synchronizer call; its refusals become client errors.
+
+    Raises:
+        ApiError: 404 (KeyError: unknown replica), 409 (ValueError: not loadable, last serving).
+    """
+    try:
+        return await remote
+    except Exception as e:  # Ray wraps the actor's exception: look at its cause
+        cause = getattr(e, "cause", None) or e
+        if isinstance(cause, KeyError):
+            raise ApiError(404, f"unknown replica {cause.args[0]!r}", code="not_found") from None
+        if isinstance(cause, ValueError):
+            raise ApiError(409, str(cause), code="conflict") from None
+        raise

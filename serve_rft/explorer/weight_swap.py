@@ -1,0 +1,249 @@
+"""A replica's side of the synchronizer protocol: poll, drain, load, verify, serve.
+
+`WeightSwap` runs in the replica's event loop next to its HTTP routes. It polls the
+`Synchronizer` every second (a heartbeat that carries the replica's per-version request counts
+for a canary); when granted a sync it
+
+1. checks the version's checksums before anything else (CHECKPOINT; MEMORY checks each bucket as
+   it arrives) and holds a *lease* it renews every ``lease_s / 4`` until the end, so a slow load
+   keeps its slot and a dead replica loses it;
+2. drains: new chat requests are refused with 503 (behind HAProxy, which re-sends them to another
+   replica) while another replica serves, else held at a gate (they wait, none fail); the
+   synchronizer's answer to each renewal says which, so a replica whose peer died stops refusing;
+3. pauses vLLM (``wait``: in-flight requests finish first; ``keep``: they freeze and continue on
+   the new weights), loads, resumes;
+4. verifies: the probe logprobs against the trainer's (`serve_rft.synchronizer.methods.verify`),
+   restoring the previous version if they differ;
+5. opens the gate and reports ``synced`` (or ``failed``; the synchronizer backs off and
+   quarantines).
+
+Adapter-only LoRA sync registers the adapter without drain or pause and switches new requests to
+it only after the probe passed. A sync that outlives ``load_timeout_s`` marks the replica broken:
+its health check fails and Ray Serve replaces it. An operator's drain (``PollReply.drained``) uses
+the same refusal path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from typing import Callable
+
+from serve_rft.config import Config
+from serve_rft.service.ingress import haproxy_enabled, refusals_are_retried
+from serve_rft.synchronizer.methods import EngineBroken, LoadFailed, load_or_restore, receiver_for
+from serve_rft.synchronizer.methods.verify import ProbeMismatch, VersionCorrupt, check_probe
+from serve_rft.types import PollReply, SyncOrder
+
+log = logging.getLogger("serve_rft.explorer")
+
+POLL_S = 1.0
+
+
+class WeightSwap:
+    """Drain state, the serving version and the sync loop of one replica.
+
+    Args:
+        replica_id: the Serve replica's id; ``actor_name``: its Ray actor name (namespace
+            ``serve``), by which the synchronizer learns of its death.
+        engine: the replica's `ExplorerEngine`; ``sync``: the `Synchronizer` handle.
+        cfg: the run config; ``model_path``: the initial weights (version 0).
+        explorer_step: returns the replica's explorer step (experiences logged / step size).
+    """
+
+    def __init__(self, replica_id: str, actor_name: str | None, engine, sync, cfg: Config, model_path: str,
+                 explorer_step: Callable[[], int]):
+        self.replica_id, self.actor_name = replica_id, actor_name
+        self.engine, self.sync, self.cfg = engine, sync, cfg
+        self.explorer_step = explorer_step
+        self.base_handle = {"method": "checkpoint", "path": model_path}
+        self.loaded = self.base_handle  # handle of the version served now
+        self.verified_version = 0  # adapter-only sync: the adapter new requests get
+        self.syncing = False
+        self.operator_drained = False
+        self.refuses = False  # while draining: refuse new chat requests (HAProxy re-sends them)
+        self.gate = asyncio.Event()  # set while new requests may start
+        self.gate.set()
+        self.refused = 0  # refusals during the current sync
+        self.refused_total = 0  # refusals since start (syncs and operator drains)
+        self.role = "incumbent"
+        self.last_sync: dict[str, float] = {}
+        self.traffic: dict[int, list] = {}  # version -> [requests, errors, latency s] since last poll
+        self.haproxy = haproxy_enabled()
+        self.refusals_retried = refusals_are_retried()
+        self.broken: BaseException | None = None
+        self.task: asyncio.Task | None = None
+
+    # -- what the HTTP routes ask ------------------------------------------------------
+    @property
+    def version(self) -> int:
+        """The policy version a request starting now is answered with."""
+        return self.verified_version if self.engine.adapter_sync else self.engine.policy_version
+
+    @property
+    def draining(self) -> bool:
+        return self.syncing and not self.gate.is_set() or self.operator_drained
+
+    def admission(self) -> str:
+        """``serve``, ``refuse`` (answer 503, HAProxy re-sends it) or ``hold`` (wait for the gate)."""
+        if self.broken is not None:
+            return "refuse"
+        if not self.draining:
+            return "serve"
+        if self.refuses or (self.operator_drained and self.refusals_retried):
+            self.refused += 1
+            self.refused_total += 1
+            return "refuse"
+        return "hold"
+
+    def record(self, version: int, ok: bool, seconds: float) -> None:
+        """A request ended: counted per version for the synchronizer (canary verdicts)."""
+        t = self.traffic.setdefault(version, [0, 0, 0.0])
+        t[0] += 1
+        t[1] += not ok
+        t[2] += seconds
+
+    # -- start and stop ----------------------------------------------------------------
+    async def start(self) -> None:
+        """Load what a new replica should serve (pinned, else the incumbent), register, poll."""
+        initial = await self.sync.initial.remote()
+        if initial is not None:
+            await receiver_for(initial.handle).receive(self.engine, initial.handle, initial.version)
+            self.loaded = initial.handle
+        self.verified_version = self.engine.policy_version
+        await self._register()
+        self.task = asyncio.create_task(self._loop())
+
+    async def _register(self) -> None:
+        await self.sync.register.remote(
+            self.replica_id, self.engine.policy_version, self.base_handle,
+            self.loaded if self.engine.policy_version else None, self.operator_drained, self.actor_name,
+            os.getpid())
+
+    def leave(self) -> None:
+        """Ray Serve stops this replica: tell the synchronizer (fire and forget)."""
+        try:
+            self.sync.left.remote(self.replica_id)
+        except Exception:  # noqa: BLE001 - Ray is shutting down: the synchronizer learns from Ray
+            pass
+
+    def check(self) -> None:
+        """For Ray Serve's health check. Raises RuntimeError: the swap broke the engine or the
+        loop ended (Serve replaces the replica, which loads the latest version first)."""
+        if self.broken is not None:
+            raise RuntimeError(f"weight swap broke this replica: {self.broken!r}")
+        if self.task is not None and self.task.done():
+            raise RuntimeError(f"sync loop ended: {self.task.exception()!r}")
+
+    # -- the loop ----------------------------------------------------------------------
+    async def _loop(self) -> None:
+        while True:
+            traffic, self.traffic = self.traffic, {}
+            reply: PollReply = await self.sync.poll.remote(
+                self.replica_id, self.engine.policy_version, self.explorer_step(), POLL_S, traffic,
+                self.refused_total)
+            if not reply.known:  # a restarted synchronizer: introduce ourselves again
+                await self._register()
+                continue
+            self.operator_drained, self.role = reply.drained, reply.role
+            if reply.order is not None:
+                await self._apply(reply.order)
+
+    async def _renew(self, order: SyncOrder) -> None:
+        """Hold the sync's lease; follow whether another replica serves (refuse or hold)."""
+        period = self.cfg.synchronizer.lease_s / 4
+        while True:
+            others = await self.sync.renew.remote(self.replica_id, self.engine.policy_version, order.version,
+                                                  self.operator_drained)
+            self.refuses = self.refusals_retried and others
+            await asyncio.sleep(period)
+
+    async def _apply(self, order: SyncOrder) -> None:
+        """Precheck, drain, pause, load, verify, serve; report the outcome (module docstring).
+
+        Raises:
+            EngineBroken: the engine could not be restored, or the sync outlived
+                ``load_timeout_s``; the health check then ends this replica.
+        """
+        scfg = self.cfg.synchronizer
+        self.refuses = self.refusals_retried and order.others_serving
+        self.refused = 0
+        lease = asyncio.create_task(self._renew(order))
+        t0 = time.perf_counter()
+        try:
+            async with asyncio.timeout(scfg.load_timeout_s):
+                timings = await self._swap(order)
+        except (VersionCorrupt, LoadFailed) as e:
+            log.error("replica %s refused version %s: %r", self.replica_id, order.version, e)
+            await self.sync.failed.remote(self.replica_id, order.version, repr(e))
+            return
+        except (TimeoutError, EngineBroken) as e:
+            self.broken = e
+            await self.sync.failed.remote(self.replica_id, order.version, repr(e))
+            raise EngineBroken(f"sync to version {order.version} failed: {e!r}") from e
+        finally:
+            lease.cancel()
+            self.syncing = False
+            if self.broken is None:
+                self.gate.set()
+        self.last_sync = {**timings, "total_s": time.perf_counter() - t0, "refused": self.refused}
+        # NCCL loads the trainer's current version, which may be newer than the order's.
+        await self.sync.synced.remote(self.replica_id, self.engine.policy_version, self.last_sync,
+                                      self.loaded if self.engine.policy_version else None)
+
+    async def _swap(self, order: SyncOrder) -> dict[str, float]:
+        scfg = self.cfg.synchronizer
+        handle, adapter = order.handle, bool(order.handle.get("adapter"))
+        receiver = receiver_for(handle)
+        t0 = time.perf_counter()
+        if scfg.verify:
+            await receiver.precheck(handle)  # before the drain: a corrupt version costs no capacity
+        t_drain = time.perf_counter()
+        previous_handle, previous_version = self.loaded, self.engine.policy_version
+        if not adapter:
+            self.syncing = True
+            self.gate.clear()
+            if not self.haproxy:  # Serve's router reads routing stats every period: let it see the drain
+                await asyncio.sleep(2 * self.cfg.explorer.routing_stats_period_s + 0.1)
+        t_pause = time.perf_counter()
+        if not adapter:
+            await self.engine.pause(order.drain_mode)
+        t_load = time.perf_counter()
+        try:
+            info = await load_or_restore(self.engine, handle, order.version, previous_handle, previous_version)
+        except LoadFailed:
+            if not adapter:
+                await self.engine.resume()
+            raise
+        if not adapter:
+            await self.engine.resume()
+        t_verify = time.perf_counter()
+        probe = 0.0
+        if scfg.verify and self.engine.policy_version == order.version:
+            try:
+                got = await self.engine.probe_logprobs(handle["probe"]["token_ids"], order.version) \
+                    if handle.get("probe") else []
+                probe = check_probe(handle.get("probe"), got, scfg.verify_tolerance)
+            except ProbeMismatch as e:
+                await self._restore(adapter, previous_handle, previous_version)
+                raise LoadFailed(f"version {order.version} failed verification: {e}") from e
+        self.loaded = handle
+        self.verified_version = self.engine.policy_version
+        return {"precheck_s": t_drain - t0, "drain_s": t_pause - t_drain, "pause_s": t_load - t_pause,
+                "load_s": info["seconds"], "verify_s": time.perf_counter() - t_verify,
+                "probe_max_diff": probe, "bytes": info["bytes"]}
+
+    async def _restore(self, adapter: bool, handle: dict, version: int) -> None:
+        """Back to the previous version after a failed verification (adapter: switch back)."""
+        if adapter:
+            self.engine.policy_version = version
+            return
+        await self.engine.pause("wait")
+        try:
+            await receiver_for(handle).receive(self.engine, handle, version)
+        except Exception as e:  # the previous weights cannot be loaded either: replace the replica
+            raise EngineBroken(f"restoring version {version} after a failed verification: {e!r}") from e
+        finally:
+            await self.engine.resume()

@@ -1,0 +1,157 @@
+"""Which explorer replicas exist and serve: the synchronizer's membership, from the replicas
+themselves (never from a configured count).
+
+A replica is *live* while it polls (every second; unheard for ``replica_timeout_s`` it is STOPPED)
+or, while it syncs, while it renews its lease; Ray reporting its actor dead (`Membership.gone`
+with ``lost``) or Ray Serve stopping it gracefully (``left``) ends it at once. *In rotation* =
+live, RUNNING and not drained by an operator. A STOPPED replica that is not known dead may come
+back (a stalled event loop), so the versions it serves stay loadable (`alive_versions`).
+
+Counts are kept incrementally (every change goes through `Membership.update`), so a poll costs
+O(1) whatever the fleet size (benchmarks/rollout_sim.py drives 4,096 replicas).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Callable
+
+from serve_rft.synchronizer.styles import ReplicaSchedule
+from serve_rft.types import ComponentState
+
+FORGET_AFTER_S = 600.0
+"""A replica gone (left, dead, or unheard) this long is dropped from the state."""
+
+
+@dataclass
+class ReplicaInfo:
+    """What the synchronizer knows of one explorer replica (times: the caller's clock, s)."""
+
+    replica_id: str
+    state: ComponentState = ComponentState.STOPPED
+    policy_version: int = 0
+    last_seen: float = 0.0
+    alive: bool = True  # False once it left or Ray reported it dead
+    gone_at: float | None = None
+    granted: int | None = None  # the version of its open sync
+    sync_started: float | None = None
+    lease_until: float | None = None
+    drained: bool = False  # an operator took it out of rotation
+    pid: int | None = None  # the replica's process id (operators, fault tests)
+    refused: int = 0  # requests it refused while out of rotation (re-sent elsewhere by HAProxy)
+    introduced: bool = True  # False: known from a lease renewal only; it registers (with handles) next
+    failures: int = 0
+    consecutive_failures: int = 0
+    backoff_version: int | None = None
+    backoff_until: float = 0.0
+    last_error: str | None = None
+    last_sync_s: float | None = None
+    last_sync: dict[str, float] | None = None
+    schedule: ReplicaSchedule = field(default_factory=ReplicaSchedule)
+
+    @property
+    def live(self) -> bool:
+        return self.alive and self.state is not ComponentState.STOPPED
+
+    @property
+    def in_rotation(self) -> bool:
+        return self.live and self.state is ComponentState.RUNNING and not self.drained
+
+    def clear_sync(self) -> None:
+        self.granted = self.sync_started = self.lease_until = None
+
+
+class Membership:
+    """Replicas by id with O(1) counts.
+
+    Args:
+        replica_timeout_s: a RUNNING replica unheard this long is STOPPED.
+        on_change: ``(replica, kind, detail)`` after every state change (the event log).
+    """
+
+    def __init__(self, replica_timeout_s: float,
+                 on_change: Callable[[ReplicaInfo, str, str | None], None] = lambda r, k, d: None):
+        self.replica_timeout_s = replica_timeout_s
+        self.on_change = on_change
+        self.replicas: dict[str, ReplicaInfo] = {}
+        self.n_live = self.n_in_rotation = 0
+        self.live_versions: Counter[int] = Counter()  # live replicas per served version
+        self.alive_versions: Counter[int] = Counter()  # replicas not known dead, per version
+        self._next_expire = float("-inf")
+
+    def __iter__(self):
+        return iter(self.replicas.values())
+
+    def get(self, replica_id: str) -> ReplicaInfo | None:
+        return self.replicas.get(replica_id)
+
+    def _count(self, r: ReplicaInfo, sign: int) -> None:
+        self.n_live += sign * r.live
+        self.n_in_rotation += sign * r.in_rotation
+        if r.live:
+            self.live_versions[r.policy_version] += sign
+        if r.alive:
+            self.alive_versions[r.policy_version] += sign
+        for c in (self.live_versions, self.alive_versions):
+            if c.get(r.policy_version) == 0:
+                del c[r.policy_version]
+
+    def update(self, r: ReplicaInfo, now: float, kind: str = "state", detail: str | None = None,
+               **changes) -> None:
+        """Change ``r``'s ``state`` / ``policy_version`` / ``alive`` / ``drained`` and keep the
+        counts; report a change of state or a non-``state`` ``kind`` to ``on_change``."""
+        self._count(r, -1)
+        before = r.state
+        for k, v in changes.items():
+            setattr(r, k, v)
+        self._count(r, +1)
+        if r.state is not before or kind != "state":
+            self.on_change(r, kind, detail)
+
+    def add(self, replica_id: str, version: int, now: float) -> ReplicaInfo:
+        r = self.replicas[replica_id] = ReplicaInfo(replica_id, ComponentState.STOPPED, version, now)
+        self._count(r, +1)
+        return r
+
+    @property
+    def n_out(self) -> int:
+        """Live replicas out of rotation (syncing or drained)."""
+        return self.n_live - self.n_in_rotation
+
+    def serving_besides(self, r: ReplicaInfo) -> int:
+        """Replicas in rotation other than ``r``."""
+        return self.n_in_rotation - r.in_rotation
+
+    def gone(self, replica_id: str, now: float, kind: str) -> bool:
+        """``left`` or ``lost``: the replica is gone for good. True if it was not already."""
+        r = self.replicas.get(replica_id)
+        if r is None or not r.alive:
+            return False
+        r.clear_sync()
+        r.gone_at = now
+        self.update(r, now, kind, state=ComponentState.STOPPED, alive=False)
+        return True
+
+    def expire(self, now: float, every_s: float = 0.0) -> list[str]:
+        """STOPPED for RUNNING replicas unheard for ``replica_timeout_s`` and syncing ones whose
+        lease lapsed; forget replicas gone for `FORGET_AFTER_S`. Scans at most once per
+        ``every_s`` of clock. Returns the ids newly STOPPED."""
+        if now < self._next_expire:
+            return []
+        self._next_expire = now + every_s
+        stopped = []
+        for r in list(self.replicas.values()):
+            if r.live:
+                if r.state is ComponentState.REQUIRE_SYNC:
+                    lapsed = r.lease_until is not None and now > r.lease_until
+                else:
+                    lapsed = now - r.last_seen > self.replica_timeout_s
+                if lapsed:
+                    r.clear_sync()
+                    self.update(r, now, "timeout", state=ComponentState.STOPPED)
+                    stopped.append(r.replica_id)
+            elif now - (r.gone_at if r.gone_at is not None else r.last_seen) > FORGET_AFTER_S:
+                self._count(r, -1)
+                del self.replicas[r.replica_id]
+        return stopped

@@ -303,9 +303,9 @@ class SynchronizerConfig(_Strict):
         3, ge=1, description="Failed loads (over all replicas) after which a version is quarantined: "
         "never granted again; newer versions still roll.")
     retain_versions: int = Field(
-        3, ge=1, description="Newest good versions whose handles the synchronizer keeps for an "
-        "operator rollback, besides those served (CHECKPOINT folders at or above the kept floor are "
-        "never pruned).")
+        3, ge=1, description="Newest good CHECKPOINT versions the synchronizer keeps loadable for an "
+        "operator rollback besides those served (their folders are never pruned); MEMORY keeps only "
+        "versions served, incumbent, candidate, pinned and latest (each holds a model in Ray's object store).")
     verify: bool = Field(
         True, description="Verify each version before serving it: checksums of the transferred bytes "
         "before the drain, logprobs of a probe sequence against the trainer's after the load.")

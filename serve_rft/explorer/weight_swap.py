@@ -186,8 +186,7 @@ class WeightSwap:
         finally:
             lease.cancel()
             self.syncing = False
-            if self.broken is None:
-                self.gate.set()
+            self.gate.set()  # held requests go on (or, if broken, get 503: `admission`)
         self.last_sync = {**timings, "total_s": time.perf_counter() - t0, "refused": self.refused}
         # NCCL loads the trainer's current version, which may be newer than the order's.
         await self.sync.synced.remote(self.replica_id, self.engine.policy_version, self.last_sync,

@@ -8,7 +8,7 @@ object store, which was the largest part of the gap to plain vLLM (benchmarks/ga
 benchmarks/direct_ingress_probe.py). HAProxy cannot run a Serve request router, so drain-aware
 routing works differently there: a replica that is about to load new weights answers new chat
 requests ``503`` while another replica is serving, and HAProxy retries them on another replica
-(``retry-on conn-failure 503`` + ``option redispatch 1``, which avoids the server that refused, +
+(``retry-on conn-failure empty-response 503`` + ``option redispatch 1``, which avoids the server that refused, +
 ``option http-buffer-request``, see `RETRY_ON`); with no other replica serving it holds them
 (engine paused) until its weights are loaded.
 
@@ -34,7 +34,11 @@ HAPROXY_FLAG = "RAY_SERVE_ENABLE_HA_PROXY"
 # HAProxy wait for the body first. Ray 2.60's config template has no knob for it but writes
 # RAY_SERVE_HAPROXY_RETRY_ON verbatim into the ``defaults`` section (``retry-on {value}``), so the
 # option rides on that line; tests/integration/test_stack.py checks the rendered config.
-RETRY_ON = "conn-failure 503\n    option http-buffer-request"
+# ``empty-response``: a replica killed while HAProxy sends it a request (on a reused connection)
+# closes with nothing answered; the request is re-sent to another replica instead of failing
+# (tests/integration/test_stack_faults.py). A replica that died after logging the experience and
+# before answering leaves that experience unrewarded: it expires (buffer.reward_timeout_s).
+RETRY_ON = "conn-failure empty-response 503\n    option http-buffer-request"
 
 
 def haproxy_enabled() -> bool:
@@ -58,7 +62,7 @@ def haproxy_env() -> dict[str, str]:
 
     Ports HAProxy and the fallback proxy would otherwise take at fixed numbers (stats 8404,
     Prometheus exporter 9101, fallback proxy 8500; HAProxy binds them on every interface) are
-    free ones, so several stacks can share a machine. ``retry-on conn-failure 503`` + ``option
+    free ones, so several stacks can share a machine. ``retry-on conn-failure empty-response 503`` + ``option
     http-buffer-request`` (`RETRY_ON`) make HAProxy re-send a request a draining replica refused
     (nothing was processed; request bodies fit HAProxy's buffer). HAProxy's own per-request
     metrics pipeline is off: replicas export ``serve_rft_requests_total`` and the latency

@@ -346,7 +346,7 @@ class SyncState:
         r.clear_sync()
         r.last_seen = now
         if r.alive:
-            self._update(r, now, "failed", error[:200], state=ComponentState.RUNNING)
+            self._update(r, now, "failed", f"v{version}: {error[:200]}", state=ComponentState.RUNNING)
         if self.versions.failed(version, error):
             self.event(SYNCHRONIZER, ComponentState.RUNNING, version, now, "quarantined",
                        self.versions.get(version).reason)

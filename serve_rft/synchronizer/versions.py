@@ -109,12 +109,15 @@ class Versions:
 
     def retain_only(self, needed: set[int], floor: int) -> None:
         """Drop handles of versions neither ``needed`` nor among the newest ``retain`` eligible
-        ones; forget versions below ``floor`` beyond ``max_kept`` and promotions below ``floor``."""
+        CHECKPOINT ones (a folder path costs nothing to keep; a MEMORY handle holds a whole model
+        in Ray's object store, so only needed ones are kept); forget versions below ``floor``
+        beyond ``max_kept`` and promotions below ``floor``."""
         keep = set(needed)
         for version in sorted(self.by_version, reverse=True):
             if len(keep - set(needed)) >= self.retain:
                 break
-            if self.by_version[version].eligible:
+            v = self.by_version[version]
+            if v.eligible and v.handle.get("method") == "checkpoint":
                 keep.add(version)
         for version, v in self.by_version.items():
             if version not in keep and version != 0:

@@ -33,7 +33,7 @@ def test_serve_run_accepts_the_shipped_config(redis_server, embedded_model, tmp_
     app["args"]["overrides"] = [f"buffer.redis_url={redis_server.url}", f"service.run_dir={tmp_path / 'run'}",
                                 "buffer.key_prefix=serve-run", "trainer.min_batch_size=4",
                                 "trainer.batch_wait_s=0.5"]
-    app["deployments"][0]["num_replicas"] = 1  # the config file's value wins over the run config's
+    app["deployments"][0]["num_replicas"] = 1  # the file's count rules; the run config says 2
     config_path = tmp_path / "serve_config.yaml"
     config_path.write_text(yaml.safe_dump(cfg))
     serve = Path(sys.executable).parent / "serve"
@@ -61,6 +61,12 @@ def test_serve_run_accepts_the_shipped_config(redis_server, embedded_model, tmp_
                 version = st["policy_version"]
         assert version >= 1, st
         assert st["experiences"]["logged"] > 0 and st["trainer"]["state"] in ("RUNNING", "REQUIRE_SYNC")
+        # the synchronizer counts the one replica that runs (not the run config's 2): it syncs
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not all(r["policy_version"] >= 1 for r in st["replicas"]):
+            time.sleep(0.5)
+            st = httpx.get(f"{url}/v1/status", timeout=30).json()
+        assert len(st["replicas"]) == 1 and st["replicas"][0]["policy_version"] >= 1, st
     finally:
         stop(proc)  # SIGINT to its process group (serve run ends Serve and its Ray), then SIGKILL
         log.close()

@@ -34,7 +34,7 @@ ADMIN = {"Authorization": "Bearer x"}
 LAG_S = 10.0
 OVERRIDES = [
     "explorer.autoscaling={min_replicas: 2, max_replicas: 3, target_ongoing_requests: 3, "
-    "upscale_delay_s: 2, downscale_delay_s: 10}",
+    "upscale_delay_s: 2, downscale_delay_s: 60}",  # a shorter delay cancelled the third replica as it started
     f"synchronizer.max_version_lag_s={LAG_S}",
 ]
 
@@ -72,8 +72,8 @@ class Load:
     """Closed-loop chat users (each posts its answers' rewards) in a background thread; every
     request's outcome is kept with its time, replica and version."""
 
-    def __init__(self, stack, users: int, max_tokens: int = 8, n: int = 2):
-        self.stack, self.users, self.max_tokens, self.n = stack, users, max_tokens, n
+    def __init__(self, stack, users: int, max_tokens: int = 8, n: int = 2, rewards: bool = True):
+        self.stack, self.users, self.max_tokens, self.n, self.rewards = stack, users, max_tokens, n, rewards
         self.outcomes: list[dict] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=lambda: asyncio.run(self._run()), daemon=True)
@@ -102,9 +102,10 @@ class Load:
                 self.outcomes.append({"ok": True, "t": t0, "end": time.time(),
                                       "replica": raw.headers["x-serve-rft-replica"],
                                       "version": int(raw.headers["x-serve-rft-policy-version"])})
-                r = await http.post("/v1/rewards", json={"completion_id": comp.id, "rewards": [
-                    sum(ch in "aeiou" for ch in c.message.content or "") / 8 for c in comp.choices]})
-                assert r.status_code == 200, r.text
+                if self.rewards:
+                    r = await http.post("/v1/rewards", json={"completion_id": comp.id, "rewards": [
+                        sum(ch in "aeiou" for ch in c.message.content or "") / 8 for c in comp.choices]})
+                    assert r.status_code == 200, r.text
             except (openai.APIError, httpx.HTTPError) as e:
                 self.outcomes.append({"ok": False, "t": t0, "end": time.time(), "error": repr(e)})
 
@@ -142,7 +143,7 @@ def test_every_version_reaches_every_replica_within_the_bound_after_traffic_stop
     assert time.time() - published_at <= LAG_S + 5
     lag = st["version_lag_s"].get(str(last))
     assert lag is not None and lag <= LAG_S, st["version_lag_s"]
-    assert len(_live(st)) == 2
+    assert len(_live(st)) >= 2
 
 
 def _corrupt(folder: Path) -> None:
@@ -172,23 +173,27 @@ def test_a_corrupted_version_is_quarantined_while_traffic_continues_and_the_next
     for v in bad:
         _corrupt(version_dir(stack.run_dir / "checkpoints", v))
     t_unpin = time.time()
-    with Load(stack, users=2) as load:
+    # traffic without rewards while the bad versions are tried (no newer version to skip to) ...
+    with Load(stack, users=2, rewards=False) as load:
         assert httpx.post(f"{stack.url}/v1/sync/pin", json={"version": None}, headers=ADMIN).status_code == 200
-        _wait(lambda: all(v["quarantined"] for v in httpx.get(
-            f"{stack.url}/v1/sync/rollout", headers=ADMIN).json()["versions"] if v["version"] in bad),
-            120, f"versions {bad} quarantined")
+        _wait(lambda: {e["policy_version"] for e in _events(stack, t_unpin) if e["kind"] == "quarantined"} >= set(bad),
+              120, f"versions {bad} quarantined")
         assert all(r["policy_version"] == current for r in _live(_status(stack)))
+    # ... then with rewards: the trainer publishes a good version, which rolls everywhere
+    with Load(stack, users=2) as load2:
         t_good = time.time()
         _wait(lambda: _publishes(stack, t_good), 120, "a version after the quarantine")
         good = max(e["policy_version"] for e in _publishes(stack, t_good))
         _wait(lambda: all(r["policy_version"] >= good for r in _live(_status(stack))), LAG_S + 30,
               f"v{good} on every replica")
-    assert not load.failures(), load.failures()[:5]
+    assert not load.failures() and not load2.failures(), (load.failures()[:5], load2.failures()[:5])
     events = _events(stack, t_unpin)
     failed = [e for e in events if e["kind"] == "failed"]
     assert failed and all("checksum" in (e["detail"] or "") for e in failed), failed
-    assert {e["policy_version"] for e in events if e["kind"] == "quarantined"} == set(bad)
-    # refused before the drain: no replica refused or held a request for the corrupt versions
+    assert len(failed) >= 3 * len(bad)  # max_load_attempts per version, with backoff between a replica's tries
+    rollout = httpx.get(f"{stack.url}/v1/sync/rollout", headers=ADMIN).json()
+    assert all(v["quarantined"] for v in rollout["versions"] if v["version"] in bad)
+    # refused before the drain: no replica ever served a corrupt version
     assert not [e for e in events if e["kind"] == "synced" and e["policy_version"] in bad]
 
 
@@ -223,29 +228,41 @@ def test_kill_9_of_a_replica_while_it_syncs_fails_only_its_own_requests(stack):
     port = _replica_ports(stack)[a]
     leftovers = _descendants(pid)  # its vLLM engine processes (ended here after the test)
 
-    # hold a's next sync in its drain: a long request in flight on it (wait-mode drains finish it)
-    long_done = threading.Event()
+    # hold a's next sync in its drain: long requests in flight on it (a wait-mode drain lets them
+    # finish); versions wait behind a pin until those requests run
+    assert httpx.post(f"{stack.url}/v1/sync/pin", json={"version": st["policy_version"]},
+                      headers=ADMIN).status_code == 200
+    long_started = threading.Semaphore(0)
     long_result: list = []
 
-    def long_request():
+    def long_request():  # streamed: its first chunk says it runs in a's engine
         try:
-            r = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", timeout=300, json={
-                "model": "serve-rft", "messages": [{"role": "user", "content": "tell a long story"}],
-                "max_tokens": 900, "n": 16, "temperature": 1.0})
-            long_result.append(r.status_code)
+            with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/chat/completions", timeout=600, json={
+                    "model": "serve-rft", "messages": [{"role": "user", "content": "tell a long story"}],
+                    "max_tokens": 900, "n": 16, "temperature": 1.0, "stream": True}) as r:
+                first = True
+                for line in r.iter_lines():
+                    if first and line.startswith("data:"):
+                        long_started.release()
+                        first = False
+                long_result.append(r.status_code)
         except httpx.HTTPError as e:
             long_result.append(repr(e))
-        long_done.set()
 
-    threading.Thread(target=long_request, daemon=True).start()
-    time.sleep(1.0)
     try:
         with Load(stack, users=3) as load:
             t_load = time.time()
-            # rewards flow: the trainer publishes; a is granted and drains behind the long request
+            _wait(lambda: _publishes(stack, t_load), 180, "a version behind the pin")
+            for _ in range(3):
+                threading.Thread(target=long_request, daemon=True).start()
+            for _ in range(3):
+                assert long_started.acquire(timeout=60), "a long request did not start"
+            t_unpin = time.time()
+            assert httpx.post(f"{stack.url}/v1/sync/pin", json={"version": None}, headers=ADMIN).status_code == 200
             st = _wait(lambda: (lambda s: s if any(r["id"] == a and r["state"] == "REQUIRE_SYNC" for r in s["replicas"])
-                                else None)(_status(stack)), 240, f"{a} syncing", period_s=0.1)
-            assert not long_done.is_set(), "the long request ended before the sync could be held"
+                                else None)(_status(stack)), 60, f"{a} syncing", period_s=0.1)
+            assert len(long_result) < 3, (f"the long requests ended {time.time() - t_unpin:.1f} s after the "
+                                          f"unpin, before the sync could be held: {long_result}")
             t_kill = time.time()
             os.kill(pid, signal.SIGKILL)
             lost = _wait(lambda: [e for e in _events(stack, t_kill) if e["kind"] == "lost" and e["component"] == a],
@@ -264,17 +281,18 @@ def test_kill_9_of_a_replica_while_it_syncs_fails_only_its_own_requests(stack):
         _wait(lambda: (lambda s: all(r["policy_version"] == s["incumbent_version"] for r in _live(s)))(_status(stack)),
               LAG_S + 10, "every replica, the replacement too, on the incumbent version")
     finally:
+        httpx.post(f"{stack.url}/v1/sync/pin", json={"version": None}, headers=ADMIN)
         for child in leftovers:  # vLLM's engine processes outlive a SIGKILLed replica (not this test's subject)
             try:
                 os.kill(child, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-    assert long_result and long_result[0] != 200  # it was in flight on the killed replica
+    assert any(not isinstance(x, int) for x in long_result), long_result  # in flight on a: broken by the kill
 
 
 def test_scale_2_to_3_to_2_under_load_keeps_rolling_without_failures(stack):
     t0 = time.time()
-    with Load(stack, users=10, max_tokens=16) as heavy:
+    with Load(stack, users=16, max_tokens=32) as heavy:  # ~10 requests in flight: > 3 per replica
         st = _wait(lambda: (lambda s: s if len(_live(s)) >= 3 else None)(_status(stack)), 420,
                    "a third replica (autoscaling up)", period_s=2.0)
         t_up = time.time()

@@ -8,7 +8,8 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-import torch
+
+from tests.integration.test_engine_weights import _perturbed
 
 pytestmark = pytest.mark.integration
 
@@ -33,17 +34,6 @@ class _RecordingSync:
         self.renew = _Call(self.log, "renew", True)
         self.synced = _Call(self.log, "synced")
         self.failed = _Call(self.log, "failed")
-
-
-def _perturbed(model_dir, seed):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * 0.05)
-    return model
 
 
 async def _cached_tokens(engine, prompt, rid):

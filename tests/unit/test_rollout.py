@@ -138,3 +138,14 @@ def test_pin_and_operator_rollback():
     assert _versions(f) == [v4, v4]  # later versions roll as usual
     with pytest.raises(ValueError):
         f.state.pin(999, f.now)
+
+
+def test_memory_handles_are_released_once_no_replica_needs_them_checkpoint_ones_kept_for_rollback():
+    from serve_rft.synchronizer.versions import Versions
+
+    for method, kept in (("memory", [0, 5, 6]), ("checkpoint", [0, 2, 3, 4, 5, 6])):
+        vs = Versions(retain=3)
+        for v in range(7):
+            vs.add(v, {"method": method} if v else {"method": "checkpoint", "path": "/base"}, float(v))
+        vs.retain_only(needed={5, 6}, floor=5)  # replicas serve 5, the latest is 6
+        assert sorted(v for v, i in vs.by_version.items() if i.handle is not None) == kept, method

@@ -109,7 +109,7 @@ def judge(candidate: ArmStats, incumbent: ArmStats, cfg, past_deadline: bool) ->
     se = math.sqrt(candidate.reward_var / candidate.rewards + incumbent.reward_var / incumbent.rewards)
     gap = mc - mi + cfg.reward_tolerance
     t = gap / se if se > 0 else (math.inf if gap >= 0 else -math.inf)
-    stats["t"] = t if math.isfinite(t) else (1e9 if t > 0 else -1e9)
+    stats["t_stat"] = t if math.isfinite(t) else (1e9 if t > 0 else -1e9)
     if t < -cfg.z:
-        return Verdict("rollback", f"mean reward {mc:.4f} vs incumbent {mi:.4f} (t = {stats['t']:.2f})", stats)
-    return Verdict("promote", f"mean reward {mc:.4f} vs incumbent {mi:.4f} (t = {stats['t']:.2f})", stats)
+        return Verdict("rollback", f"mean reward {mc:.4f} vs incumbent {mi:.4f} (t = {stats['t_stat']:.2f})", stats)
+    return Verdict("promote", f"mean reward {mc:.4f} vs incumbent {mi:.4f} (t = {stats['t_stat']:.2f})", stats)

@@ -215,7 +215,7 @@ class Fleet:
         v = r.syncing
         r.syncing = None
         if v in self.bad or (v != 0 and v not in self.checkpoints):
-            self.state.failed(r.rid, v, "load failed", self.now)  # restored the previous version
+            self.state.failed(r.rid, v, "load failed", self.now, r.version)  # restored the previous version
         else:
             r.version = v
             self.state.synced(r.rid, v, self.now)

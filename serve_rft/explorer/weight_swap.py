@@ -40,6 +40,7 @@ from serve_rft.types import PollReply, SyncOrder
 log = logging.getLogger("serve_rft.explorer")
 
 POLL_S = 1.0
+MAX_POLL_FAILURES_S = 120.0
 
 
 class WeightSwap:
@@ -107,13 +108,26 @@ class WeightSwap:
 
     # -- start and stop ----------------------------------------------------------------
     async def start(self) -> None:
-        """Load what a new replica should serve (pinned, else the incumbent), register, poll."""
+        """Load what a new replica should serve (pinned, else the incumbent) with the same checks
+        as a sync, register, poll. A version that fails them is reported (it counts toward its
+        quarantine) and the replica starts on its initial weights instead."""
         initial = await self.sync.initial.remote()
+        refused = None
         if initial is not None:
-            await receiver_for(initial.handle).receive(self.engine, initial.handle, initial.version)
-            self.loaded = initial.handle
+            order = SyncOrder(version=initial.version, handle=initial.handle, drain_mode="wait")
+            try:  # nothing is served yet: no drain, no pause
+                if self.cfg.synchronizer.verify:
+                    await receiver_for(order.handle).precheck(order.handle)
+                await load_or_restore(self.engine, order.handle, order.version, self.base_handle, 0)
+                await self._verify(order, bool(order.handle.get("adapter")), self.base_handle, 0)
+                self.loaded = order.handle
+            except (VersionCorrupt, LoadFailed) as e:
+                log.error("replica %s: initial version %s refused: %r", self.replica_id, order.version, e)
+                refused = (order.version, repr(e))
         self.verified_version = self.engine.policy_version
         await self._register()
+        if refused is not None:
+            await self.sync.failed.remote(self.replica_id, refused[0], refused[1], self.engine.policy_version)
         self.task = asyncio.create_task(self._loop())
 
     async def _register(self) -> None:
@@ -139,25 +153,44 @@ class WeightSwap:
 
     # -- the loop ----------------------------------------------------------------------
     async def _loop(self) -> None:
+        """Poll, and apply what is granted. A failed poll (the synchronizer restarting, Ray busy)
+        is retried every second for up to `MAX_POLL_FAILURES_S`; then the loop ends and the
+        health check has Ray Serve replace this replica. A broken sync ends it at once."""
+        failing_since = None
         while True:
             traffic, self.traffic = self.traffic, {}
-            reply: PollReply = await self.sync.poll.remote(
-                self.replica_id, self.engine.policy_version, self.explorer_step(), POLL_S, traffic,
-                self.refused_total)
-            if not reply.known:  # a restarted synchronizer: introduce ourselves again
-                await self._register()
+            try:
+                reply: PollReply = await self.sync.poll.remote(
+                    self.replica_id, self.engine.policy_version, self.explorer_step(), POLL_S, traffic,
+                    self.refused_total)
+                if not reply.known:  # a restarted synchronizer: introduce ourselves again
+                    await self._register()
+                    await asyncio.sleep(POLL_S)
+                    continue
+            except Exception:  # noqa: BLE001 - retried with a bound (above)
+                failing_since = failing_since or time.monotonic()
+                if time.monotonic() - failing_since > MAX_POLL_FAILURES_S:
+                    raise
+                log.exception("replica %s: poll failed; retrying", self.replica_id)
+                await asyncio.sleep(POLL_S)
                 continue
+            failing_since = None
             self.operator_drained, self.role = reply.drained, reply.role
             if reply.order is not None:
                 await self._apply(reply.order)
 
-    async def _renew(self, order: SyncOrder) -> None:
-        """Hold the sync's lease; follow whether another replica serves (refuse or hold)."""
+    async def _renew(self, order: SyncOrder, serving: int) -> None:
+        """Hold the sync's lease (``serving``: the version restored on failure); follow whether
+        another replica serves (refuse or hold). A failed renewal is retried next period (a
+        restarted synchronizer learns of this sync from the next one)."""
         period = self.cfg.synchronizer.lease_s / 4
         while True:
-            others = await self.sync.renew.remote(self.replica_id, self.engine.policy_version, order.version,
-                                                  self.operator_drained)
-            self.refuses = self.refusals_retried and others
+            try:
+                others = await self.sync.renew.remote(self.replica_id, serving, order.version,
+                                                      self.operator_drained)
+                self.refuses = self.refusals_retried and others
+            except Exception:  # noqa: BLE001 - next period; the lease outlasts three misses
+                log.exception("replica %s: lease renewal failed", self.replica_id)
             await asyncio.sleep(period)
 
     async def _apply(self, order: SyncOrder) -> None:
@@ -170,27 +203,39 @@ class WeightSwap:
         scfg = self.cfg.synchronizer
         self.refuses = self.refusals_retried and order.others_serving
         self.refused = 0
-        lease = asyncio.create_task(self._renew(order))
+        serving = self.engine.policy_version
+        lease = asyncio.create_task(self._renew(order, serving))
         t0 = time.perf_counter()
         try:
             async with asyncio.timeout(scfg.load_timeout_s):
                 timings = await self._swap(order)
         except (VersionCorrupt, LoadFailed) as e:
             log.error("replica %s refused version %s: %r", self.replica_id, order.version, e)
-            await self.sync.failed.remote(self.replica_id, order.version, repr(e))
+            await self._stop_lease(lease)
+            await self.sync.failed.remote(self.replica_id, order.version, repr(e), self.engine.policy_version)
             return
-        except (TimeoutError, EngineBroken) as e:
+        except Exception as e:  # timeout, EngineBroken, a failed restore, anything unexpected
             self.broken = e
-            await self.sync.failed.remote(self.replica_id, order.version, repr(e))
+            await self._stop_lease(lease)
+            await self.sync.failed.remote(self.replica_id, order.version, repr(e), None, True)
             raise EngineBroken(f"sync to version {order.version} failed: {e!r}") from e
         finally:
-            lease.cancel()
+            await self._stop_lease(lease)
             self.syncing = False
             self.gate.set()  # held requests go on (or, if broken, get 503: `admission`)
         self.last_sync = {**timings, "total_s": time.perf_counter() - t0, "refused": self.refused}
         # NCCL loads the trainer's current version, which may be newer than the order's.
         await self.sync.synced.remote(self.replica_id, self.engine.policy_version, self.last_sync,
                                       self.loaded if self.engine.policy_version else None)
+
+    @staticmethod
+    async def _stop_lease(lease: asyncio.Task) -> None:
+        """Cancel the renewal task and wait for it: no renewal is sent after the outcome."""
+        lease.cancel()
+        try:
+            await lease
+        except (asyncio.CancelledError, Exception):  # noqa: BLE001 - it was cancelled
+            pass
 
     async def _swap(self, order: SyncOrder) -> dict[str, float]:
         scfg = self.cfg.synchronizer
@@ -219,20 +264,31 @@ class WeightSwap:
         if not adapter:
             await self.engine.resume()
         t_verify = time.perf_counter()
-        probe = 0.0
-        if scfg.verify and self.engine.policy_version == order.version:
-            try:
-                got = await self.engine.probe_logprobs(handle["probe"]["token_ids"], order.version) \
-                    if handle.get("probe") else []
-                probe = check_probe(handle.get("probe"), got, scfg.verify_tolerance)
-            except ProbeMismatch as e:
-                await self._restore(adapter, previous_handle, previous_version)
-                raise LoadFailed(f"version {order.version} failed verification: {e}") from e
+        probe = await self._verify(order, adapter, previous_handle, previous_version)
         self.loaded = handle
         self.verified_version = self.engine.policy_version
         return {"precheck_s": t_drain - t0, "drain_s": t_pause - t_drain, "pause_s": t_load - t_pause,
                 "load_s": info["seconds"], "verify_s": time.perf_counter() - t_verify,
                 "probe_max_diff": probe, "bytes": info["bytes"]}
+
+    async def _verify(self, order: SyncOrder, adapter: bool, previous_handle: dict, previous_version: int) -> float:
+        """The probe check of a loaded version (`verify.check_probe`); on a mismatch the previous
+        version is restored.
+
+        Returns:
+            The largest |logprob difference| (0 when there is nothing to check).
+        Raises:
+            LoadFailed: the weights in effect are not the published ones (previous restored).
+        """
+        probe = order.handle.get("probe")
+        if not self.cfg.synchronizer.verify or not probe or self.engine.policy_version != order.version:
+            return 0.0  # NCCL may have loaded a newer version than the probe's
+        try:
+            got = await self.engine.probe_logprobs(probe["token_ids"], order.version)
+            return check_probe(probe, got, self.cfg.synchronizer.verify_tolerance)
+        except ProbeMismatch as e:
+            await self._restore(adapter, previous_handle, previous_version)
+            raise LoadFailed(f"version {order.version} failed verification: {e}") from e
 
     async def _restore(self, adapter: bool, handle: dict, version: int) -> None:
         """Back to the previous version after a failed verification (adapter: switch back)."""

@@ -55,6 +55,8 @@ class Synchronizer:
         self.state = SyncState(cfg)
         self._changed = asyncio.Condition()
         self._rebuilt = False
+        self._rebuild_lock = asyncio.Lock()
+        self._reconstructed = ray.get_runtime_context().was_current_actor_reconstructed
         self._actor_names: dict[str, str] = {}  # replica id -> its Ray actor name (namespace serve)
         self._ray_checked = float("-inf")
         self._snapshot = ""
@@ -66,17 +68,37 @@ class Synchronizer:
         from serve_rft.observability.sync_metrics import SyncMetrics
 
         self.metrics = SyncMetrics(cfg.sync_method.value)
-        if ray.get_runtime_context().was_current_actor_reconstructed:
-            self.state.restarted(time.time())  # syncs in flight renew before anything is granted
+        self.state.hold_grants_until = float("inf")  # nothing is granted (or pruned) before `_rebuild`
         self._monitor = asyncio.get_running_loop().create_task(self._watch())
 
     # -- start-up and the world ------------------------------------------------------
-    async def _rebuild(self) -> None:
-        """Once per process: take back the saved rollout, and the latest version from the trainer
-        (replicas re-register themselves when their next poll finds them unknown)."""
+    async def _rebuild(self) -> bool:
+        """Once per process, until it succeeds: take back the saved rollout and the latest
+        version from the trainer (replicas re-register themselves when their next poll finds them
+        unknown). Until then nothing is granted, pruned or saved; a failure (Redis away) is
+        logged and tried again by the next call or monitor period.
+
+        Returns:
+            Whether the state is rebuilt.
+        """
         if self._rebuilt:
-            return
-        self._rebuilt = True
+            return True
+        async with self._rebuild_lock:
+            if self._rebuilt:
+                return True
+            try:
+                await self._restore()
+            except Exception:  # noqa: BLE001 - retried by the next call; grants stay held meanwhile
+                log.exception("synchronizer: rebuilding its state failed; retrying")
+                return False
+            self._rebuilt = True
+            # a restarted synchronizer waits for syncs in flight to renew before granting
+            self.state.hold_grants_until = float("-inf")
+            if self._reconstructed:
+                self.state.restarted(time.time())
+            return True
+
+    async def _restore(self) -> None:
         now = time.time()
         if self.store is not None:
             raw = await self.store.load_rollout()
@@ -156,7 +178,7 @@ class Synchronizer:
         await trainer.reset_to.remote(self.state.incumbent, inc.handle if inc else None)
 
     async def _save_rollout(self) -> None:
-        if self.store is None:
+        if self.store is None or not self._rebuilt:  # never overwrite a snapshot not yet read
             return
         snap = json.dumps(self.state.rollout.snapshot(), sort_keys=True)
         if snap != self._snapshot:
@@ -208,7 +230,10 @@ class Synchronizer:
             now = time.time()
             self.state.expire(now, EXPIRE_EVERY_S)
             self.state.heartbeat(replica_id, version, explorer_step, now, refused)
-            await self._check_ray()
+            try:
+                await self._check_ray()
+            except Exception:  # noqa: BLE001 - GCS busy: the grant below trusts the last answer,
+                log.exception("listing replica actors")  # the monitor tries again every second
             order = self.state.grant(replica_id, time.time())
             r = self.state.members.get(replica_id)
             # an operator's drain holds only while another replica serves (else it serves anyway)
@@ -237,8 +262,10 @@ class Synchronizer:
         self.metrics.observe_sync(replica_id, timings)
         await self._notify()
 
-    async def failed(self, replica_id: str, version: int, error: str) -> None:
-        self.state.failed(replica_id, version, error, time.time())
+    async def failed(self, replica_id: str, version: int, error: str, serving: int | None = None,
+                     broken: bool = False) -> None:
+        """The replica could not load ``version``; it serves ``serving`` again (or is ``broken``)."""
+        self.state.failed(replica_id, version, error, time.time(), serving, broken)
         self.metrics.failed(replica_id)
         await self._notify()
 

@@ -114,6 +114,12 @@ class Membership:
         self._count(r, +1)
         return r
 
+    def granted_versions(self) -> set[int]:
+        """Versions live replicas are loading now (scans only while any replica is out)."""
+        if not self.n_out:
+            return set()
+        return {r.granted for r in self.replicas.values() if r.live and r.granted is not None}
+
     @property
     def n_out(self) -> int:
         """Live replicas out of rotation (syncing or drained)."""

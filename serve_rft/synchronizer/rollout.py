@@ -65,10 +65,6 @@ class Rollout:
             return self.candidate
         return self.incumbent
 
-    def settled(self, r: ReplicaInfo) -> bool:
-        """``r`` serves what it should (`target`), or has no reason to leave its version."""
-        return not self._must_move(r, self.target(r))
-
     def must_move(self, r: ReplicaInfo, target: int) -> bool:
         """Whether ``r`` should leave its version for ``target``: always upward; downward only
         when pinned, away from a rejected version, or (canary) from a version that is neither
@@ -102,6 +98,11 @@ class Rollout:
                     fallback = version
                     break
             self.incumbent = fallback
+            if self.candidate is not None:  # the window compared against the old incumbent
+                self.event(SYNCHRONIZER, ComponentState.RUNNING, self.candidate, now, "canary_ended",
+                           f"incumbent v{inc.version} quarantined; no verdict")
+                self.candidate = self.canary_since = None
+                self.canary_traffic = {}
         self.retain(self.versions.newest(), now)
 
     def choose_candidate(self, now: float) -> None:
@@ -188,8 +189,13 @@ class Rollout:
             if v is None or v.handle is None:
                 raise ValueError(f"version {version} is not loadable; loadable: {self.loadable()}")
         self.pinned = version
+        detail = None
+        if version is not None and self.candidate is not None:  # no verdict on a starved arm: the
+            detail = f"canary of v{self.candidate} ended without a verdict"  # candidate may come back
+            self.candidate = self.canary_since = None
+            self.canary_traffic = {}
         self.event(SYNCHRONIZER, ComponentState.RUNNING, version if version is not None else self.incumbent,
-                   now, "pinned" if version is not None else "unpinned")
+                   now, "pinned" if version is not None else "unpinned", detail)
         self.retain(self.versions.newest(), now)
 
     def rollback(self, version: int, now: float, reason: str = "operator rollback") -> list[int]:
@@ -205,6 +211,7 @@ class Rollout:
         if v is None or v.handle is None:
             raise ValueError(f"version {version} is not loadable; loadable: {self.loadable()}")
         v.rejected = v.quarantined = False
+        v.failures = 0
         rejected = []
         for other in self.versions.by_version.values():
             if other.version > version and not other.rejected:
@@ -236,7 +243,7 @@ class Rollout:
         synchronizer still waits for replicas to introduce themselves."""
         if self.held(now):
             return
-        needed = set(self.members.alive_versions)
+        needed = set(self.members.alive_versions) | self.members.granted_versions()
         needed |= {v for v in (self.incumbent, self.candidate, self.pinned, latest) if v is not None}
         self.versions.retain_only(needed, min(needed, default=0))
 

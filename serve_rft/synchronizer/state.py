@@ -120,7 +120,7 @@ class SyncState:
         are never pruned."""
         if (self._now if now is None else now) < self.hold_grants_until:
             return 0  # restarted: replicas have not all introduced themselves yet; prune nothing
-        keep = list(self.members.alive_versions)
+        keep = list(self.members.alive_versions) + list(self.members.granted_versions())
         keep += [v for v in (self.incumbent, self.candidate, self.pinned) if v is not None]
         keep += [v.version for v in self.versions.by_version.values() if v.handle is not None and v.version]
         return min(keep, default=0)
@@ -187,6 +187,8 @@ class SyncState:
         if r.state is not ComponentState.RUNNING:  # came back, or its sync ended unreported
             r.clear_sync()
             self._update(r, now, state=ComponentState.RUNNING, policy_version=version)
+        elif r.policy_version != version:  # the replica knows best what it serves
+            self._update(r, now, policy_version=version)
         self._observe(r, explorer_step, now)
 
     def renew(self, replica_id: str, version: int, granted: int, now: float, drained: bool = False) -> bool:
@@ -203,6 +205,9 @@ class SyncState:
             r = self.members.add(replica_id, version, now)
             r.introduced = False
             self._update(r, now, drained=drained)
+        elif r.state is ComponentState.RUNNING and r.granted != granted:
+            r.last_seen = now  # a renewal that arrived after its sync ended (synced / failed)
+            return self.members.serving_besides(r) > 0
         if r.alive:
             r.last_seen = now
             r.granted = granted
@@ -311,9 +316,10 @@ class SyncState:
                handle: dict | None = None) -> None:
         """The replica loaded (and verified) ``version`` and serves again."""
         r = self.members.get(replica_id)
-        if r is None:  # reported to a restarted synchronizer
+        if r is None:  # reported to a restarted synchronizer: it registers fully on its next poll
             self.register(replica_id, version, now, handle=handle)
             r = self.members.replicas[replica_id]
+            r.introduced = False
         if not r.alive:
             return
         if handle is not None:
@@ -331,9 +337,12 @@ class SyncState:
         self.rollout.close_lags(now)
         self.rollout.retain(self.latest_version(), now)
 
-    def failed(self, replica_id: str, version: int, error: str, now: float) -> None:
+    def failed(self, replica_id: str, version: int, error: str, now: float, serving: int | None = None,
+               broken: bool = False) -> None:
         """The replica could not load (or verify) ``version``; it restored its previous weights
-        and serves them. It retries after a backoff; enough failures quarantine the version."""
+        (``serving``, if given) and serves them, and retries after a backoff; enough failures
+        quarantine the version. ``broken``: it could not restore; it is out (STOPPED) until Ray
+        Serve replaces it."""
         r = self.members.get(replica_id)
         if r is None:
             return
@@ -346,7 +355,10 @@ class SyncState:
         r.clear_sync()
         r.last_seen = now
         if r.alive:
-            self._update(r, now, "failed", f"v{version}: {error[:200]}", state=ComponentState.RUNNING)
+            changes = {"state": ComponentState.STOPPED if broken else ComponentState.RUNNING}
+            if serving is not None:
+                changes["policy_version"] = serving
+            self._update(r, now, "failed", f"v{version}: {error[:200]}", **changes)
         if self.versions.failed(version, error):
             self.event(SYNCHRONIZER, ComponentState.RUNNING, version, now, "quarantined",
                        self.versions.get(version).reason)

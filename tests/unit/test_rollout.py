@@ -149,3 +149,18 @@ def test_memory_handles_are_released_once_no_replica_needs_them_checkpoint_ones_
             vs.add(v, {"method": method} if v else {"method": "checkpoint", "path": "/base"}, float(v))
         vs.retain_only(needed={5, 6}, floor=5)  # replicas serve 5, the latest is 6
         assert sorted(v for v, i in vs.by_version.items() if i.handle is not None) == kept, method
+
+
+def test_a_pin_ends_an_open_canary_without_a_verdict_and_a_rollback_clears_failures():
+    f = _canary_fleet()
+    v1 = f.publish()
+    f.advance(5)
+    assert f.state.candidate == v1
+    f.state.pin(0, f.now)
+    assert f.state.candidate is None and not f.state.rollout.verdicts
+    f.state.pin(None, f.now)
+    f.advance(5)
+    assert f.state.candidate == v1  # not rejected: it gets its canary again
+    f.state.versions.get(v1).failures = 3
+    f.state.rollback(v1, f.now)
+    assert f.state.versions.get(v1).failures == 0

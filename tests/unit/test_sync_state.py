@@ -169,3 +169,33 @@ def test_restarted_synchronizer_waits_for_syncs_in_flight_to_renew():
     assert not s.known("r0")  # it registers with its handles on its next poll
     s.synced("r0", 3, now=107)
     assert s.grant("r1", 107) is not None
+
+
+def test_a_late_renewal_does_not_reopen_a_finished_sync_and_failures_report_what_is_served():
+    s = _state(n=2)
+    _pub(s, 1)
+    assert s.grant("r0", 101) is not None
+    s.synced("r0", 1, now=102)
+    s.renew("r0", 0, 1, now=102.1)  # sent before the outcome, delivered after it
+    assert s.replicas["r0"].state is ComponentState.RUNNING and s.replicas["r0"].policy_version == 1
+    _pub(s, 2, 103)
+    assert s.grant("r1", 103) is not None
+    s.failed("r1", 2, "probe mismatch", now=104, serving=0)
+    assert s.replicas["r1"].policy_version == 0 and s.replicas["r1"].state is ComponentState.RUNNING
+    s.heartbeat("r1", 0, 0, now=105)
+    assert s.replicas["r1"].policy_version == 0
+    assert s.grant("r1", 106.5) is not None
+    s.failed("r1", 2, "restore failed", now=107, broken=True)  # out until Serve replaces it
+    assert s.replicas["r1"].state is ComponentState.STOPPED and s.serving() == 1
+
+
+def test_a_version_being_loaded_stays_loadable():
+    s = _state(n=2)
+    _pub(s, 1)
+    assert s.grant("r0", 101).version == 1
+    for v in range(2, 9):
+        _pub(s, v, 101)  # the incumbent moves on while r0 still loads v1
+    s.lost("r1", now=102)
+    assert s.versions.get(1).handle is not None  # r0 is loading it: not released ...
+    assert s.in_use_floor(now=102) == 0  # ... nor pruned (r0 restores v0 on failure)
+    assert s.versions.get(4).handle is None  # neither served, loaded, nor among the newest 3

@@ -46,6 +46,7 @@ class SimReplica:
     sync_from: int = 0
     sync_done_at: float = 0.0
     drained: bool = False
+    routable: bool = False  # the ingress routes to it (a moment after it registered)
 
     @property
     def up(self) -> bool:
@@ -53,7 +54,7 @@ class SimReplica:
 
     @property
     def serving(self) -> bool:
-        return self.up and self.syncing is None and not self.drained
+        return self.up and self.routable and self.syncing is None and not self.drained
 
 
 class Fleet:
@@ -102,8 +103,10 @@ class Fleet:
         rid = f"r{self._n:05d}"
         init = self.state.initial()
         r = self.replicas[rid] = SimReplica(rid, init.version if init else 0)
-        self.state.register(rid, r.version, self.now, base_handle={"method": "checkpoint", "path": "/base"})
+        self.state.register(rid, r.version, self.now, base_handle={"method": "checkpoint", "path": "/base"},
+                            warming=True)
         self._push(self.now + self.rng.random() * self.poll_s, "poll", rid)
+        self._push(self.now + self.rng.uniform(0.5, 3.0), "routable", rid)
         return rid
 
     def publish(self, bad: bool = False) -> int:
@@ -177,8 +180,8 @@ class Fleet:
         if not st.known(r.rid):
             st.register(r.rid, r.version, self.now, base_handle={"method": "checkpoint", "path": "/base"},
                         handle={"method": "checkpoint", "path": f"/v{r.version}"} if r.version else None,
-                        drained=r.drained)
-        st.heartbeat(r.rid, r.version, 0, self.now)
+                        drained=r.drained, warming=not r.routable)
+        st.heartbeat(r.rid, r.version, 0, self.now, ready=r.routable)
         self._ray_check()
         order = st.grant(r.rid, self.now)
         if order is None:
@@ -194,19 +197,19 @@ class Fleet:
     def _check_grant(self, r: SimReplica, version: int, others: bool) -> None:
         if not self.check:
             return
-        up = [x for x in self.replicas.values() if x.up]
+        up = [x for x in self.replicas.values() if x.up and x.routable]
         # a stalled replica counts as serving until replica_timeout_s without a poll, found by
         # the expiry scan that runs every half poll period (documented)
         slack = self.cfg.replica_timeout_s + self.poll_s / 2
-        counted = [x for x in self.replicas.values() if x.alive and x.stuck and x.syncing is None
+        counted = [x for x in self.replicas.values() if x.alive and x.stuck and x.syncing is None and x.routable
                    and not x.drained and self.now - x.stuck_at <= slack]
         serving_after = [x for x in up + counted if x.serving or x in counted]
         serving_after = [x for x in serving_after if x is not r]
-        if len(up) >= 2 and not r.drained and not serving_after:
+        if len(up) >= 2 and r.routable and not r.drained and not serving_after:
             self.violations.append(f"t={self.now:.1f}: grant to {r.rid} left no replica serving")
         if version != 0 and version not in self.checkpoints:
             self.violations.append(f"t={self.now:.1f}: granted v{version}, whose checkpoint was pruned")
-        syncing = sum(x.syncing is not None and not x.drained for x in up) + (not r.drained)
+        syncing = sum(x.syncing is not None and not x.drained for x in up) + (not r.drained and r.routable)
         if syncing > self.cfg.max_unavailable:
             self.violations.append(f"t={self.now:.1f}: {syncing} replicas syncing at once")
         self.grants.append((self.now, r.rid, version, others))
@@ -254,6 +257,8 @@ class Fleet:
                 self._push(self.now + self.cfg.lease_s / 4, "renew", rid)
             elif kind == "done" and r.syncing is not None and self.now >= r.sync_done_at:
                 self._finish(r)
+            elif kind == "routable":
+                r.routable = True
         self._account(end - self.now)
         self.now = end
         self.state.expire(self.now)

@@ -127,7 +127,10 @@ class ExplorerReplica:
 
     # -- HTTP ----------------------------------------------------------------------------
     def _refused(self, request: Request) -> JSONResponse | None:
-        """The 401 answer if this request lacks the key its path needs (`ApiKeys.check`)."""
+        """The 401 answer if this request lacks the key its path needs (`ApiKeys.check`).
+        Every route but /health passes here: a request reached this replica, so the ingress
+        routes to it (`WeightSwap.reached`)."""
+        self.swap.reached = True
         try:
             self.api_keys.check(request.url.path, request.headers.get("authorization"))
         except ApiError as e:

@@ -69,6 +69,7 @@ class WeightSwap:
         self.gate.set()
         self.refused = 0  # refusals during the current sync
         self.refused_total = 0  # refusals since start (syncs and operator drains)
+        self.reached = False  # a request came through the ingress: the replica is routable
         self.role = "incumbent"
         self.last_sync: dict[str, float] = {}
         self.traffic: dict[int, list] = {}  # version -> [requests, errors, latency s] since last poll
@@ -134,7 +135,7 @@ class WeightSwap:
         await self.sync.register.remote(
             self.replica_id, self.engine.policy_version, self.base_handle,
             self.loaded if self.engine.policy_version else None, self.operator_drained, self.actor_name,
-            os.getpid())
+            os.getpid(), not self.reached)
 
     def leave(self) -> None:
         """Ray Serve stops this replica: tell the synchronizer (fire and forget)."""
@@ -162,7 +163,7 @@ class WeightSwap:
             try:
                 reply: PollReply = await self.sync.poll.remote(
                     self.replica_id, self.engine.policy_version, self.explorer_step(), POLL_S, traffic,
-                    self.refused_total)
+                    self.refused_total, self.reached)
                 if not reply.known:  # a restarted synchronizer: introduce ourselves again
                     await self._register()
                     await asyncio.sleep(POLL_S)

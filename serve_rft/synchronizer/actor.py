@@ -193,14 +193,14 @@ class Synchronizer:
     # -- replicas ------------------------------------------------------------------
     async def register(self, replica_id: str, version: int, base_handle: dict | None = None,
                        handle: dict | None = None, drained: bool = False, actor_name: str | None = None,
-                       pid: int | None = None) -> None:
+                       pid: int | None = None, warming: bool = False) -> None:
         """A replica serves ``version`` (``handle`` loads it; ``base_handle`` its initial weights);
         ``actor_name``: its Ray actor (how its death is noticed); ``pid``: its process."""
         await self._rebuild()
         if actor_name:
             self._actor_names[replica_id] = actor_name
         self.state.register(replica_id, version, time.time(), base_handle=base_handle, handle=handle,
-                            drained=drained, pid=pid)
+                            drained=drained, pid=pid, warming=warming)
         await self._notify()
 
     async def initial(self) -> PublishedVersion | None:
@@ -214,12 +214,13 @@ class Synchronizer:
         return self.state.latest
 
     async def poll(self, replica_id: str, version: int, explorer_step: int = 0, timeout_s: float = 1.0,
-                   traffic: dict[int, tuple[int, int, float]] | None = None, refused: int | None = None
-                   ) -> PollReply:
+                   traffic: dict[int, tuple[int, int, float]] | None = None, refused: int | None = None,
+                   ready: bool = True) -> PollReply:
         """Heartbeat + long-poll: returns within ``timeout_s`` with a `SyncOrder` if this
         replica may sync now. ``traffic``: requests that ended since the last poll, per version
         (requests, errors, latency seconds), for a canary's verdict; ``refused``: requests it
-        refused so far while out of rotation."""
+        refused so far while out of rotation; ``ready``: a request has reached it through the
+        ingress (until then it is warming: not counted in rotation)."""
         await self._rebuild()
         if not self.state.known(replica_id):
             return PollReply(known=False)
@@ -229,7 +230,7 @@ class Synchronizer:
         while True:
             now = time.time()
             self.state.expire(now, EXPIRE_EVERY_S)
-            self.state.heartbeat(replica_id, version, explorer_step, now, refused)
+            self.state.heartbeat(replica_id, version, explorer_step, now, refused, ready)
             try:
                 await self._check_ray()
             except Exception:  # noqa: BLE001 - GCS busy: the grant below trusts the last answer,

@@ -4,7 +4,9 @@ themselves (never from a configured count).
 A replica is *live* while it polls (every second; unheard for ``replica_timeout_s`` it is STOPPED)
 or, while it syncs, while it renews its lease; Ray reporting its actor dead (`Membership.gone`
 with ``lost``) or Ray Serve stopping it gracefully (``left``) ends it at once. *In rotation* =
-live, RUNNING and not drained by an operator. A STOPPED replica that is not known dead may come
+live, RUNNING, not drained by an operator and not *warming*: a replica that started counts only
+once a request reached it through the ingress (before, HAProxy may not route to it yet, so a
+syncing peer must not refuse requests on its account). A STOPPED replica that is not known dead may come
 back (a stalled event loop), so the versions it serves stay loadable (`alive_versions`).
 
 Counts are kept incrementally (every change goes through `Membership.update`), so a poll costs
@@ -38,6 +40,7 @@ class ReplicaInfo:
     sync_started: float | None = None
     lease_until: float | None = None
     drained: bool = False  # an operator took it out of rotation
+    warming: bool = False  # registered, but the ingress has not routed a request to it yet
     pid: int | None = None  # the replica's process id (operators, fault tests)
     refused: int = 0  # requests it refused while out of rotation (re-sent elsewhere by HAProxy)
     introduced: bool = True  # False: known from a lease renewal only; it registers (with handles) next
@@ -56,7 +59,7 @@ class ReplicaInfo:
 
     @property
     def in_rotation(self) -> bool:
-        return self.live and self.state is ComponentState.RUNNING and not self.drained
+        return self.live and self.state is ComponentState.RUNNING and not self.drained and not self.warming
 
     def clear_sync(self) -> None:
         self.granted = self.sync_started = self.lease_until = None
@@ -75,7 +78,7 @@ class Membership:
         self.replica_timeout_s = replica_timeout_s
         self.on_change = on_change
         self.replicas: dict[str, ReplicaInfo] = {}
-        self.n_live = self.n_in_rotation = 0
+        self.n_live = self.n_in_rotation = self.n_warming = 0
         self.live_versions: Counter[int] = Counter()  # live replicas per served version
         self.alive_versions: Counter[int] = Counter()  # replicas not known dead, per version
         self._next_expire = float("-inf")
@@ -89,6 +92,7 @@ class Membership:
     def _count(self, r: ReplicaInfo, sign: int) -> None:
         self.n_live += sign * r.live
         self.n_in_rotation += sign * r.in_rotation
+        self.n_warming += sign * (r.live and r.warming and r.state is ComponentState.RUNNING)
         if r.live:
             self.live_versions[r.policy_version] += sign
         if r.alive:
@@ -122,8 +126,14 @@ class Membership:
 
     @property
     def n_out(self) -> int:
-        """Live replicas out of rotation (syncing or drained)."""
-        return self.n_live - self.n_in_rotation
+        """Live replicas out of rotation (syncing, or drained), not counting warming ones that
+        merely wait to be routed to (a warming replica that syncs takes a slot)."""
+        return self.n_live - self.n_in_rotation - self.n_warming
+
+    @property
+    def n_ready(self) -> int:
+        """Live replicas but those warming (RUNNING, not yet routed to)."""
+        return self.n_live - self.n_warming
 
     def serving_besides(self, r: ReplicaInfo) -> int:
         """Replicas in rotation other than ``r``."""

@@ -132,10 +132,12 @@ class SyncState:
 
     # -- membership ------------------------------------------------------------------
     def register(self, replica_id: str, version: int, now: float, base_handle: dict | None = None,
-                 handle: dict | None = None, drained: bool = False, pid: int | None = None) -> None:
+                 handle: dict | None = None, drained: bool = False, pid: int | None = None,
+                 warming: bool = False) -> None:
         """A replica came up (or re-introduced itself to a restarted synchronizer) serving
         ``version``; ``base_handle`` loads its initial weights (version 0), ``handle`` the version
-        it serves, ``drained`` whether an operator had drained it."""
+        it serves, ``drained`` whether an operator had drained it, ``warming``: no request reached
+        it yet (it is not counted in rotation until one does)."""
         self._now = now
         if base_handle is not None:
             self.versions.add(0, base_handle, now)
@@ -151,7 +153,8 @@ class SyncState:
         r.last_seen, r.introduced = now, True
         r.pid = pid if pid is not None else r.pid
         r.clear_sync()
-        self._update(r, now, kind, state=ComponentState.RUNNING, policy_version=version, drained=drained)
+        self._update(r, now, kind, state=ComponentState.RUNNING, policy_version=version, drained=drained,
+                     warming=warming)
         self._observe(r, r.schedule.explorer_step, now)
 
     def known(self, replica_id: str) -> bool:
@@ -174,14 +177,17 @@ class SyncState:
                            c.sync_timeout_s, now)
 
     def heartbeat(self, replica_id: str, version: int, explorer_step: int, now: float,
-                  refused: int | None = None) -> None:
+                  refused: int | None = None, ready: bool = True) -> None:
         """A replica's poll: it is alive, serves ``version``, reached ``explorer_step`` and has
         refused ``refused`` requests so far while out of rotation. Unknown replicas must
-        `register` first (they send their handles then)."""
+        `register` first (they send their handles then). ``ready``: a request reached it through
+        the ingress (it leaves warming)."""
         r = self.members.get(replica_id)
         if r is None or not r.alive:
             return
         r.last_seen = now
+        if ready and r.warming:
+            self._update(r, now, "ready", warming=False)
         if refused is not None:
             r.refused = refused
         if r.state is not ComponentState.RUNNING:  # came back, or its sync ended unreported
@@ -304,7 +310,7 @@ class SyncState:
         if not r.drained:  # a drained replica is out of rotation already: syncing it costs nothing
             if self.members.n_out >= self.cfg.max_unavailable:
                 return None
-            if self.members.n_live >= 2 and self.members.serving_besides(r) == 0:
+            if self.members.n_ready >= 2 and self.members.serving_besides(r) == 0:
                 return None
         r.granted, r.sync_started, r.lease_until = target, now, now + self.cfg.lease_s
         self._update(r, now, "granted", f"v{r.policy_version} -> v{target}", state=ComponentState.REQUIRE_SYNC)

@@ -272,6 +272,7 @@ class Trainer:
         self.redelivered = 0  # entries delivered to an earlier process, trained again by this one
         self.resume_acked = 0  # entries an earlier process trained and saved, acknowledged by this one
         self.resumed_from: int | None = None
+        self._resumed_version: int | None = None
         self.phase = "starting"
         self.staleness_trained: dict[int, int] = {}  # staleness (versions) -> experiences trained
         self.stale_dropped = 0
@@ -336,6 +337,7 @@ class Trainer:
         await sync.set_trainer.remote(ComponentState.RUNNING.value, self.step_num)
         backlog = await store.delivered(TRAINER_NAME)  # delivered before a restart, not acked
         self.redelivered = len(backlog)
+        self.resumed_from = self._resumed_version  # status now tells the whole resume at once
         scfg = cfg.synchronizer
         while True:
             if backlog:
@@ -384,7 +386,7 @@ class Trainer:
         if st is not None:
             self.resume_acked, _ = await store.ack_entries(trained_lists(self.state_root))
             self.version = self.step_num = st.version
-            self.resumed_from = st.version
+            self._resumed_version = st.version  # reported as resumed_from once the backlog is read
             log.info("resumed from %s (version %d; %d entries acknowledged now)", st.path, st.version,
                      self.resume_acked)
         latest = await sync.latest.remote()

@@ -34,7 +34,7 @@ ADMIN = {"Authorization": "Bearer x"}
 LAG_S = 10.0
 OVERRIDES = [
     "explorer.autoscaling={min_replicas: 2, max_replicas: 3, target_ongoing_requests: 3, "
-    "upscale_delay_s: 2, downscale_delay_s: 60}",  # a shorter delay cancelled the third replica as it started
+    "upscale_delay_s: 2, downscale_delay_s: 120}",  # shorter delays cancelled the third replica as it started
     f"synchronizer.max_version_lag_s={LAG_S}",
 ]
 
@@ -300,7 +300,7 @@ def test_scale_2_to_3_to_2_under_load_keeps_rolling_without_failures(stack):
         assert new
         _wait(lambda: _publishes(stack, t_up), 180, "a version with three replicas")
     with Load(stack, users=1) as light:
-        _wait(lambda: (lambda s: s if len(_live(s)) == 2 else None)(_status(stack)), 240,
+        _wait(lambda: (lambda s: s if len(_live(s)) == 2 else None)(_status(stack)), 360,
               "back to two replicas (autoscaling down)", period_s=2.0)
         t_down = time.time()
         _wait(lambda: _publishes(stack, t_down), 240, "a version after scaling down")

@@ -5,8 +5,9 @@ trainer playing the synchronizer protocol against the real `SyncState`) with pub
 deaths, joins, slow and failing loads, scale-downs, operator drains and synchronizer restarts,
 and checks the invariants after every step:
 
-- with two or more live replicas, a grant never leaves none in rotation, and no live replica is
-  out of rotation for a sync beyond ``max_unavailable``;
+- with two or more live replicas the ingress routes to, a grant never leaves none in rotation,
+  and no live replica is out of rotation for a sync beyond ``max_unavailable`` (new replicas
+  become routable 0.5-3 s after they register, as HAProxy adds them);
 - a replica Ray reported dead never counts as serving;
 - no version a live replica serves, restores to, or is granted has its checkpoint pruned;
 - once the system is quiet, every published version that is not quarantined reaches every live
@@ -165,6 +166,8 @@ class FleetMachine(RuleBasedStateMachine):
                 assert not info.in_rotation and info.state is ComponentState.STOPPED
         assert st_.members.n_in_rotation == sum(x.in_rotation for x in st_.members)
         assert st_.members.n_live == sum(x.live for x in st_.members)
+        assert st_.members.n_warming == sum(x.live and x.warming and x.state is ComponentState.RUNNING
+                                            for x in st_.members)
 
     @invariant()
     def versions_in_use_are_never_pruned(self):

@@ -199,3 +199,19 @@ def test_a_version_being_loaded_stays_loadable():
     assert s.versions.get(1).handle is not None  # r0 is loading it: not released ...
     assert s.in_use_floor(now=102) == 0  # ... nor pruned (r0 restores v0 on failure)
     assert s.versions.get(4).handle is None  # neither served, loaded, nor among the newest 3
+
+
+def test_a_new_replica_counts_as_serving_only_once_a_request_reached_it():
+    """Found by the kill test: the replacement of a killed replica registered before HAProxy
+    routed to it; counted as serving, it let the last routable replica refuse requests."""
+    s = _state(n=1)
+    s.register("new", 0, now=100.5, warming=True)
+    _pub(s, 1, 101)
+    order = s.grant("r0", 101)
+    assert order is not None and order.others_serving is False  # hold requests, do not refuse
+    assert s.renew("r0", 0, 1, now=102) is False
+    s.synced("r0", 1, now=103)
+    s.heartbeat("new", 0, 0, now=104, ready=True)
+    assert s.serving() == 2 and any(e.kind == "ready" for e in s.events)
+    _pub(s, 2, 105)
+    assert s.grant("r0", 106).others_serving is True

@@ -214,4 +214,5 @@ def test_a_new_replica_counts_as_serving_only_once_a_request_reached_it():
     s.heartbeat("new", 0, 0, now=104, ready=True)
     assert s.serving() == 2 and any(e.kind == "ready" for e in s.events)
     _pub(s, 2, 105)
+    s.heartbeat("r0", 1, 0, now=106)  # its poll
     assert s.grant("r0", 106).others_serving is True

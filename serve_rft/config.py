@@ -122,6 +122,18 @@ class BufferConfig(_Strict):
         60.0, gt=0, description="A group with >= 2 rewarded answers is trained this long after its "
         "first reward even if other members have no reward yet, s.")
 
+    @model_validator(mode="after")
+    def _no_reward_outlived(self) -> "BufferConfig":
+        # A rewarded member is kept reward_timeout_s + trained_ttl_s (the REWARD script); its
+        # group is released at the latest reward_timeout_s after the first reward, or
+        # group_timeout_s after it: past both, the member's experience could expire first.
+        if self.group_timeout_s > self.reward_timeout_s:
+            raise ValueError(
+                f"buffer.group_timeout_s={self.group_timeout_s} must not exceed buffer.reward_timeout_s="
+                f"{self.reward_timeout_s}: a group could be held past the time its members' experiences "
+                "are kept, and their accepted rewards would never be trained")
+        return self
+
 
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 """The ``max_lora_rank`` values vLLM accepts (vllm.config.lora.MaxLoRARanks)."""
@@ -199,6 +211,10 @@ class TrainerConfig(_Strict):
         None, ge=0, description="Drop (count, do not train on) an experience whose oldest token "
         "is more than this many policy versions behind the trainer's latest published version "
         "(XTuner's max_staleness: 0 = only the current version). None: no limit.")
+    max_entry_attempts: int = Field(
+        3, ge=1, description="Training steps begun with one ready entry before it is moved to the "
+        "dead-letter stream: a trainer process that died in a step restarts and meets the same "
+        "entries again; past this bound they stop being retried (serve_rft.trainer.intake).")
     num_threads: int = Field(1, ge=1, description="torch threads of the trainer process.")
     device: Literal["cpu", "cuda"] = Field(
         "cpu", description="Where the trainer's policy model lives (cuda: the actor takes one Ray GPU).")

@@ -69,7 +69,9 @@ return n
 """
 
 REWARD = _COMMON + """
--- ARGV: P, cid, i, reward, info, now, group_timeout_s, ttl_long
+-- ARGV: P, cid, i, reward, info, now, group_timeout_s, ttl_rewarded
+-- ttl_rewarded = reward_timeout_s + trained_ttl_s: a held member outlives the longest hold of its
+-- group (released at the latest reward_timeout_s after the first reward) by trained_ttl_s
 -- returns {status, previous reward or ''}; 201 recorded, 200 same reward again, 404, 409, 410
 local P, cid, i = ARGV[1], ARGV[2], ARGV[3]
 local cmp = P..':cmp:'..cid
@@ -159,20 +161,52 @@ return {#gone, timed_out}
 """
 
 ACK = """
--- ARGV: P, count, then per entry: stream id, member, state (trained|stale-dropped), version
-local P, k = ARGV[1], tonumber(ARGV[2])
+-- ARGV: P, trained_ttl_s, count, then per entry: stream id, member, state (trained|stale-dropped),
+-- version
+local P, ttl, k = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
 local trained, dropped = 0, 0
 for j = 0, k - 1 do
-  local id, m, state, v = ARGV[3 + 4*j], ARGV[4 + 4*j], ARGV[5 + 4*j], ARGV[6 + 4*j]
+  local id, m, state, v = ARGV[4 + 4*j], ARGV[5 + 4*j], ARGV[6 + 4*j], ARGV[7 + 4*j]
   if redis.call('XACK', P..':ready', 'trainer', id) == 1 then
     redis.call('XDEL', P..':ready', id)
     local sep = string.find(m, ':[^:]*$')
     local cid, i = string.sub(m, 1, sep - 1), string.sub(m, sep + 1)
-    redis.call('HSET', P..':st:'..cid, i, state, 'v'..i, v)
+    local st = P..':st:'..cid
+    redis.call('HSET', st, i, state, 'v'..i, v)
+    -- readable trained_ttl_s from now (a state hash that had expired is not left without a TTL)
+    if redis.call('TTL', st) < ttl then redis.call('EXPIRE', st, ttl) end
+    redis.call('HDEL', P..':attempts', id)
     if state == 'trained' then trained = trained + 1 else dropped = dropped + 1 end
   end
 end
 if trained > 0 then redis.call('HINCRBY', P..':stat', 'trained', trained) end
 if dropped > 0 then redis.call('HINCRBY', P..':stat', 'stale_dropped', dropped) end
 return {trained, dropped}
+"""
+
+DEAD_LETTER = """
+-- ARGV: P, maxlen, trained_ttl_s, count, then per entry: stream id, member ('' if unknown),
+-- reason, exp JSON ('' if none), reward ('' if none)
+-- Moves ready entries that cannot be trained to the dead-letter stream P:dead (kept for
+-- inspection and replay, capped at about maxlen entries), acknowledging them; returns how many
+local P, maxlen, ttl, k = ARGV[1], ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4])
+local n = 0
+for j = 0, k - 1 do
+  local id, m, why, exp, r = ARGV[5 + 5*j], ARGV[6 + 5*j], ARGV[7 + 5*j], ARGV[8 + 5*j], ARGV[9 + 5*j]
+  if redis.call('XACK', P..':ready', 'trainer', id) == 1 then
+    redis.call('XDEL', P..':ready', id)
+    redis.call('XADD', P..':dead', 'MAXLEN', '~', maxlen, '*', 'id', id, 'member', m, 'reason', why,
+               'exp', exp, 'reward', r)
+    redis.call('HDEL', P..':attempts', id)
+    local sep = m ~= '' and string.find(m, ':[^:]*$')
+    if sep then
+      local st = P..':st:'..string.sub(m, 1, sep - 1)
+      redis.call('HSET', st, string.sub(m, sep + 1), 'dead-letter')
+      if redis.call('TTL', st) < ttl then redis.call('EXPIRE', st, ttl) end
+    end
+    n = n + 1
+  end
+end
+if n > 0 then redis.call('HINCRBY', P..':stat', 'dead_lettered', n) end
+return n
 """

@@ -170,7 +170,8 @@ class ExplorerReplica:
                                           stale_dropped=t["stale_dropped"], error=t["error"],
                                           phase=t["phase"], resumed_from=t["resumed_from"],
                                           pid=t["pid"], redelivered=t["redelivered"],
-                                          resume_acked=t["resume_acked"])
+                                          resume_acked=t["resume_acked"],
+                                          dead_lettered=t["dead_lettered"], reacked=t["reacked"])
         return JSONResponse(sync_status)
 
     def _trainer(self):
@@ -251,7 +252,12 @@ class ExplorerReplica:
         except ApiError as e:
             return _error(e)
         self.metrics.reward_results(results)
-        return JSONResponse({"object": "list", "data": results})
+        status = rewards_api.batch_status(results)
+        body: dict = {"object": "list", "data": results}
+        if status != 200:  # every item refused: the first refusal's error, the rest alongside
+            body = {**next(r for r in results if r["status"] == "refused"), **body}
+            body = {"error": body["error"], "object": "list", "data": results}
+        return JSONResponse(body, status_code=status)
 
     @app.get("/v1/experiences/{completion_id}")
     async def experience(self, request: Request, completion_id: str) -> JSONResponse:

@@ -2,10 +2,15 @@
 replica routes to these and turns `ApiError` into the OpenAI error JSON).
 
 Rewards are recorded one choice at a time by the store's reward script (atomic, idempotent:
-the same reward again is accepted as ``duplicate``). A request of several rewards is checked
-first (every id known, every member in its group) and then recorded in order; if a reward is
-refused mid-way (409 / 410), the ones before it stay recorded, and posting the same request
-again records the rest (the recorded ones answer ``duplicate``). Nothing accepted is dropped.
+the same reward again is accepted as ``duplicate``). The items of a request are independent:
+each gets its own result (``recorded``, ``duplicate`` or ``refused`` with its OpenAI-style
+``error``), a refused item (unknown, expired, conflicting, outside its group) never keeps the
+others from being recorded, and posting the same request again records whatever is left (the
+recorded ones answer ``duplicate``). The request as a whole answers 200 when at least one item
+was recorded or already was; when every item is refused it answers the first refusal's status
+(404 / 409 / 410 / 422) with the per-item results alongside the error. A malformed request
+(bad form, unknown completion of a ``rewards`` list, a list that does not match the choices)
+is refused whole, before anything is recorded. Nothing accepted is dropped.
 """
 
 from __future__ import annotations
@@ -41,14 +46,7 @@ async def _items(store: ExperienceStore, req: RewardRequest) -> list[RewardItem]
         return [RewardItem(completion_id=req.completion_id, choice_index=i, reward=r, info=req.info)
                 for i, r in enumerate(req.rewards)]
     if isinstance(req, GroupRewards):
-        for item in req.rewards:
-            group = await store.completion_group(item.completion_id)
-            if group is None:
-                raise ApiError(404, f"no completion {item.completion_id!r}", "completion_id", code="not_found")
-            if group not in (req.group_id, f"u:{req.group_id}"):
-                raise ApiError(422, f"completion {item.completion_id!r} is not in group {req.group_id!r}",
-                               "group_id", code="not_in_group")
-        return list(req.rewards)
+        return list(req.rewards)  # each member's group is checked with its own result
     assert isinstance(req, ConversationReward)
     turns = await store.conversation_turns(req.conversation_id)
     if not turns:
@@ -61,25 +59,54 @@ async def _items(store: ExperienceStore, req: RewardRequest) -> list[RewardItem]
     return items
 
 
+def _refused(item: RewardItem, e: ApiError) -> dict[str, Any]:
+    return {"completion_id": item.completion_id, "choice_index": item.choice_index, "reward": item.reward,
+            "status": "refused", "status_code": e.status, **e.body()}
+
+
+async def _post_one(store: ExperienceStore, req: RewardRequest, item: RewardItem) -> dict[str, Any]:
+    """Record one item; a refusal becomes its result.
+
+    Raises:
+        ApiError: never for a refusal of the item itself (that is its result).
+    """
+    try:
+        if isinstance(req, GroupRewards):
+            group = await store.completion_group(item.completion_id)
+            if group is None:
+                raise RewardError(404, f"no completion {item.completion_id!r}")
+            if group not in (req.group_id, f"u:{req.group_id}"):
+                return _refused(item, ApiError(422, f"completion {item.completion_id!r} is not in group "
+                                               f"{req.group_id!r}", "group_id", code="not_in_group"))
+        recorded = await store.post_reward(item.completion_id, item.choice_index, item.reward, item.info)
+    except RewardError as e:
+        return _refused(item, ApiError(e.status, e.message, "reward" if e.status == 422 else "completion_id",
+                                       code=_CODES.get(e.status)))
+    return {"completion_id": item.completion_id, "choice_index": item.choice_index,
+            "reward": item.reward, "status": "recorded" if recorded else "duplicate"}
+
+
 async def post_rewards(store: ExperienceStore, req: RewardRequest) -> list[dict[str, Any]]:
-    """Record every reward of ``req``.
+    """Record every reward of ``req``, each independently (module docstring).
 
     Returns:
-        One ``{"completion_id", "choice_index", "reward", "status": "recorded" | "duplicate"}``
-        per choice.
+        One result per choice: ``{"completion_id", "choice_index", "reward", "status"}`` with
+        status ``recorded`` | ``duplicate`` | ``refused``; a refused one also has
+        ``status_code`` (its HTTP status) and ``error`` (OpenAI error object).
     Raises:
-        ApiError: the first reward refused (404 / 409 / 410 / 422) or a bad request form.
+        ApiError: a malformed request (404 unknown completion of a ``rewards`` list or
+            conversation, 422 a list that does not match the choices): nothing recorded.
     """
-    results = []
-    for item in await _items(store, req):
-        try:
-            recorded = await store.post_reward(item.completion_id, item.choice_index, item.reward, item.info)
-        except RewardError as e:
-            raise ApiError(e.status, e.message, "reward" if e.status == 422 else "completion_id",
-                           code=_CODES.get(e.status)) from None
-        results.append({"completion_id": item.completion_id, "choice_index": item.choice_index,
-                        "reward": item.reward, "status": "recorded" if recorded else "duplicate"})
-    return results
+    return [await _post_one(store, req, item) for item in await _items(store, req)]
+
+
+def batch_status(results: list[dict[str, Any]]) -> int:
+    """HTTP status of a reward request: 200 if any item was recorded (or already was), else
+    the first refusal's status."""
+    refused = [r for r in results if r["status"] == "refused"]
+    if not refused or len(refused) < len(results):
+        return 200
+    return int(refused[0]["status_code"])
 
 
 async def describe_completion(store: ExperienceStore, completion_id: str) -> dict[str, Any]:

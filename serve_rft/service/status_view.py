@@ -50,11 +50,11 @@ def render(status: dict[str, Any], r: dict[str, float | None]) -> Group:
                     str(x.get("explorer_step", "-")), _fmt(last, 2), str(x.get("failures", 0)))
     exp = status["experiences"]
     store = Table(title="experiences")
-    for col in ("pending", "ready", "logged", "rewarded", "trained", "expired", "stale dropped"):
+    for col in ("pending", "ready", "logged", "rewarded", "trained", "expired", "stale dropped", "dead letters"):
         store.add_column(col, justify="right")
     store.add_row(*[str(exp.get(k, 0)) for k in ("pending", "ready", "logged", "rewarded", "trained",
-                                                  "expired", "stale_dropped")])
-    store.add_row("", "", *[f"{_fmt(r.get(k))}/s" for k in RATE_COUNTS], "")
+                                                  "expired", "stale_dropped", "dead_lettered")])
+    store.add_row("", "", *[f"{_fmt(r.get(k))}/s" for k in RATE_COUNTS], "", "")
     t = status["trainer"]
     tr = Table(title="trainer")
     for col in ("state", "phase", "step", "steps/s", "staleness of trained (versions: count)"):

@@ -8,7 +8,12 @@ step AdamW, and publish a new policy version when the sync style says so
 Exactly-once: ready-stream entries are acknowledged only after the version that trained on them
 is published *and* a saved trainer state (`serve_rft.trainer.state`) covers them. The actor is
 restarted by Ray when its process dies; it resumes from its newest state, acknowledges what
-that state covers, and trains again what was delivered after it.
+that state covers, and trains again what was delivered after it. An acknowledgement that Redis
+lost is repaired, never trained twice (`serve_rft.trainer.intake.TrainedLedger`).
+
+Never halts: an exception in the loop ends the process (Ray restarts the actor, which resumes
+from its state); entries that cannot be trained, or that were in the steps of too many crashed
+processes, go to the store's dead-letter stream, counted (`serve_rft.trainer.intake`).
 """
 
 from __future__ import annotations
@@ -68,6 +73,7 @@ class PolicyTrainer:
                 self.ref_model.eval().requires_grad_(False)
         self.model.train()
         self.pad_id = self.model.config.pad_token_id or 0
+        self.vocab_size = int(self.model.get_input_embeddings().weight.shape[0])
         self.optimizer = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad],
                                            lr=self.cfg.lr, weight_decay=self.cfg.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
@@ -285,6 +291,12 @@ class Trainer:
         self.resets: list[tuple[int, dict | None]] = []  # canary rejections to reset to (on_reject=reset)
         self.reset_count = 0
         self.method = None  # the sync method, once the loop built it
+        from serve_rft.trainer.intake import TrainedLedger
+
+        self.ledger = TrainedLedger()  # members saved states cover: a lost ack is never retrained
+        self.dead_lettered = 0
+        self.reacked = 0  # entries trained before whose acknowledgement Redis lost, acked again
+        self.started = False
         self._task = asyncio.get_running_loop().create_task(self._run())
 
     async def start(self) -> None:
@@ -315,7 +327,10 @@ class Trainer:
             os._exit(1)
         except Exception as e:
             self.error = repr(e)
-            self.phase = "stopped"
+            if self.started:  # never halt: Ray restarts the process, which resumes from its state
+                log.exception("trainer loop failed; exiting for Ray to restart it")
+                os._exit(1)
+            self.phase = "stopped"  # setting up failed (model, store, resume): stays visible
             log.exception("trainer stopped")
             await sync.set_trainer.remote(ComponentState.STOPPED.value, self.step_num)
             raise
@@ -338,6 +353,7 @@ class Trainer:
         backlog = await store.delivered(TRAINER_NAME)  # delivered before a restart, not acked
         self.redelivered = len(backlog)
         self.resumed_from = self._resumed_version  # status now tells the whole resume at once
+        self.started = True
         scfg = cfg.synchronizer
         while True:
             if backlog:
@@ -345,6 +361,7 @@ class Trainer:
             else:
                 self.phase = "collecting"
                 batch = await self._collect(store, policy, method, sync)
+            batch = await self._intake(store, policy, batch)
             batch = await self._drop_stale(store, batch)
             if self.resets:
                 version, handle = self.resets.pop()
@@ -353,6 +370,9 @@ class Trainer:
                     await asyncio.to_thread(policy.reset_to, handle)
                     self.reset_count += 1
                     log.warning("trainer reset to the weights of version %d (canary rollback)", version)
+            if not batch:
+                continue
+            batch = await self._count_attempts(store, batch)
             if not batch:
                 continue
             self.phase = "training"
@@ -384,7 +404,9 @@ class Trainer:
 
         st = policy.resumed
         if st is not None:
-            self.resume_acked, _ = await store.ack_entries(trained_lists(self.state_root))
+            covered = trained_lists(self.state_root)
+            self.ledger.add(covered)
+            self.resume_acked, _ = await store.ack_entries(covered)
             self.version = self.step_num = st.version
             self._resumed_version = st.version  # reported as resumed_from once the backlog is read
             log.info("resumed from %s (version %d; %d entries acknowledged now)", st.path, st.version,
@@ -436,10 +458,53 @@ class Trainer:
                 save_state, self.state_root, full, policy.optimizer, version, self.step_num,
                 policy.baseline.value, self.unsaved, self.model_path, self.cfg.trainer.keep_states,
                 policy.scheduler, policy.model if policy.export is not None else None)
+            self.ledger.add(self.unsaved)
             await store.ack_entries(self.unsaved)
             self.unsaved = []
             self.publishes_since_save = 0
         return seconds
+
+    async def _intake(self, store: ExperienceStore, policy: PolicyTrainer, batch: list[RewardedExperience]
+                      ) -> list[RewardedExperience]:
+        """Acknowledge again what saved states already cover (a lost ack) and dead-letter what
+        cannot be trained (`serve_rft.trainer.intake`); return the rest."""
+        from serve_rft.buffer.store import DeadLetter
+        from serve_rft.trainer.intake import untrainable
+
+        batch, again = self.ledger.split(batch)
+        if again:
+            trained, _ = await store.ack_entries(again)
+            self.reacked += len(again)
+            log.warning("%d ready entries were trained before (their acknowledgement was lost): "
+                        "acknowledged again, not trained", len(again))
+        vocab = policy.vocab_size
+        keep, letters = [], []
+        for b in batch:
+            why = untrainable(b, vocab)
+            if why is None:
+                keep.append(b)
+            else:
+                letters.append(DeadLetter(b.stream_id, b.member, why, b.experience.model_dump_json(), repr(b.reward)))
+        if letters:
+            self.dead_lettered += await store.dead_letter(letters)
+            log.warning("dead-lettered %d ready entries: %s", len(letters), letters[0].reason)
+        return keep
+
+    async def _count_attempts(self, store: ExperienceStore, batch: list[RewardedExperience]
+                              ) -> list[RewardedExperience]:
+        """Count a step attempt per entry; dead-letter those past ``max_entry_attempts`` (each
+        earlier attempt ended with the trainer process dying)."""
+        from serve_rft.buffer.store import DeadLetter
+
+        limit = self.cfg.trainer.max_entry_attempts
+        attempts = await store.begin_attempt([b.stream_id for b in batch])
+        over = [DeadLetter(b.stream_id, b.member, f"in the steps of {n - 1} trainer processes that died",
+                           b.experience.model_dump_json(), repr(b.reward))
+                for b, n in zip(batch, attempts) if n > limit]
+        if over:
+            self.dead_lettered += await store.dead_letter(over)
+            log.error("dead-lettered %d ready entries after %d crashed attempts", len(over), limit)
+        return [b for b, n in zip(batch, attempts) if n <= limit]
 
     async def _drop_stale(self, store: ExperienceStore, batch: list[RewardedExperience]
                           ) -> list[RewardedExperience]:
@@ -544,6 +609,8 @@ class Trainer:
             "redelivered": self.redelivered,
             "resume_acked": self.resume_acked,
             "resets": self.reset_count,
+            "dead_lettered": self.dead_lettered,
+            "reacked": self.reacked,
         }
 
     def latest_published(self) -> PublishedVersion | None:

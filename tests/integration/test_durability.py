@@ -8,6 +8,7 @@ was collected; then that trainer's process is killed mid-run and Ray restarts it
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import threading
@@ -199,3 +200,40 @@ def test_a_trainer_killed_mid_run_resumes_and_loses_or_repeats_nothing(stack, tr
     assert c.trained == c.rewarded and c.stale_dropped == 0, c  # none lost, each counted once
     assert {ch["state"] for cid in ids for ch in _states(stack, cid)} == {"trained"}
     assert _status(stack)["policy_version"] > old_version
+
+
+def test_poison_entries_and_a_lost_acknowledgement_neither_halt_nor_retrain(stack, trainer_stack):
+    """Entries that cannot be trained (unparseable, a NaN behaviour logprob) go to the
+    dead-letter stream and the same trainer process trains on; an entry it trained before
+    coming back (what a Redis that lost its last second of acknowledgements shows) is
+    acknowledged again with its version, not trained twice."""
+    ids = _chat_and_reward(stack, 2)
+    _wait(lambda: all(ch["state"] == "trained" for cid in ids for ch in _states(stack, cid)), 180,
+          "the new experiences to be trained")
+    before = _status(stack)["trainer"]
+    trained_once = _states(stack, ids[0])[0]
+
+    async def inject():
+        s = ExperienceStore(stack.redis_url, stack.prefix)
+        try:
+            exp = await s.get_experience(ids[0], 0)
+            ready = s._k("ready")
+            await s.redis.xadd(ready, {"exp": exp.model_dump_json(), "reward": "0.0", "member": f"{ids[0]}:0"})
+            await s.redis.xadd(ready, {"exp": "{truncated", "reward": "1.0", "member": "chatcmpl-poison:0"})
+            nan = {**json.loads(exp.model_dump_json()), "completion_id": "chatcmpl-nan",
+                   "behaviour_logprobs": [float("nan")] * len(exp.response_token_ids)}  # parses, as NaN
+            await s.redis.xadd(ready, {"exp": json.dumps(nan), "reward": "1.0", "member": "chatcmpl-nan:0"})
+        finally:
+            await s.close()
+    asyncio.run(inject())
+    _wait(lambda: _counts(stack).dead_lettered == 2 and _counts(stack).ready == 0, 120,
+          "both poison entries to be dead-lettered")
+    after = _wait(lambda: (t := _status(stack)["trainer"])["reacked"] >= before["reacked"] + 1 and t, 120,
+                  "the trained entry to be acknowledged again")
+    assert after["pid"] == before["pid"] and after["error"] is None  # the same process trains on
+    assert after["dead_lettered"] == before["dead_lettered"] + 1  # the unparseable one: on read, by the store
+    again = _states(stack, ids[0])[0]
+    assert (again["state"], again["trained_version"]) == ("trained", trained_once["trained_version"])
+    more = _chat_and_reward(stack, 2)
+    _wait(lambda: all(ch["state"] == "trained" for cid in more for ch in _states(stack, cid)), 180,
+          "training to go on")

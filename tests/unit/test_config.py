@@ -70,3 +70,10 @@ def test_shipped_gpu_and_cluster_configs_are_valid(name):
         assert cfg.adapter_sync
     else:
         assert cfg.service.ray_address and cfg.buffer.redis_url
+
+
+def test_a_group_timeout_past_the_reward_timeout_is_refused_with_the_reason():
+    from serve_rft.config import BufferConfig
+
+    with pytest.raises(ValueError, match="group_timeout_s=120.0 must not exceed buffer.reward_timeout_s"):
+        BufferConfig(reward_timeout_s=60, group_timeout_s=120)

@@ -298,3 +298,22 @@ def test_rewards_are_filed_by_policy_version_and_generation_time(redis_server):
     assert got[3][0] == 2 and abs(got[3][1] - 1.5) < 1e-9 and abs(got[3][2] - 1.25) < 1e-9
     assert got[4] == (1, 0.0, 0.0) and got[5] == (0, 0.0, 0.0)
     assert early[3][0] == 0
+
+
+def test_a_rewarded_member_outlives_its_groups_longest_hold(store_factory):
+    """trained_ttl_s <= reward_timeout_s once lost rewards: the member expired while its group
+    was held (released up to reward_timeout_s after the first reward). Now it is kept
+    reward_timeout_s + trained_ttl_s from its reward, and a trained one trained_ttl_s from its ack."""
+    async def go():
+        s = store_factory(reward_timeout_s=100.0, trained_ttl_s=10.0)
+        await s.log_experiences([_exp("chatcmpl-h", 0), _exp("chatcmpl-h", 1)])
+        await s.post_reward("chatcmpl-h", 0, 1.0)
+        assert await s.redis.ttl(s._k("exp", "chatcmpl-h", "0")) > 100
+        await s.ensure_group()
+        await s.post_reward("chatcmpl-h", 1, 0.0)
+        batch = await s.read_ready("t", 10, block_ms=10)
+        await s.redis.delete(s._k("st", "chatcmpl-h"))  # as if the state hash had expired
+        await s.ack(batch, version=1)
+        assert 0 < await s.redis.ttl(s._k("st", "chatcmpl-h")) <= 10  # never left without a TTL
+        await s.close()
+    run(go())

@@ -1,0 +1,82 @@
+"""What the trainer lets into a step: entries it can train, each at most once.
+
+Three filters run on every batch read from the ready stream, before the step:
+
+- **already trained** (`TrainedLedger`): a member (``{completion_id}:{choice_index}``) that a
+  saved trainer state covers was acknowledged once; if Redis lost that acknowledgement (the last
+  second of an ``appendfsync everysec`` AOF, a crash) the entry comes back as delivered and
+  unacknowledged. The ledger re-acknowledges it with the version that trained it instead of
+  training it twice.
+- **untrainable** (`untrainable`): a non-finite reward or behaviour logprob, logprobs that do
+  not match the response, a token id outside the model's vocabulary. Such an entry would poison
+  the step (NaN weights) or crash it; it goes to the store's dead-letter stream, counted.
+- **crashed the trainer before** (``trainer.max_entry_attempts``): every step counts an attempt
+  per entry in Redis before it runs; a trainer process that died in the step is restarted by Ray
+  and meets the same entries again. Past the bound they are dead-lettered, so one poison batch
+  cannot keep the trainer in a restart loop.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+
+from serve_rft.types import RewardedExperience
+
+
+def untrainable(b: RewardedExperience, vocab_size: int) -> str | None:
+    """Why ``b`` cannot be trained, or None.
+
+    Args:
+        vocab_size: rows of the policy's input embedding; token ids must be in ``[0, vocab_size)``.
+    """
+    e = b.experience
+    if not math.isfinite(b.reward):
+        return f"non-finite reward {b.reward!r}"
+    if len(e.behaviour_logprobs) != len(e.response_token_ids):
+        return (f"{len(e.behaviour_logprobs)} behaviour logprobs for {len(e.response_token_ids)} "
+                "response tokens")
+    if not all(math.isfinite(x) for x in e.behaviour_logprobs):
+        return "non-finite behaviour logprob"
+    ids = e.prompt_token_ids + e.response_token_ids
+    if not ids or min(ids) < 0 or max(ids) >= vocab_size:
+        return f"token id outside the vocabulary [0, {vocab_size})"
+    if not math.isfinite(e.sampling.temperature) or e.sampling.temperature < 0:
+        return f"temperature {e.sampling.temperature!r}"
+    return None
+
+
+class TrainedLedger:
+    """Members that saved trainer states cover, with the stream id and version that trained
+    them; the newest ``cap`` kept (far more than one second of acknowledgements).
+
+    Args:
+        cap: members kept (oldest forgotten first).
+    """
+
+    def __init__(self, cap: int = 200_000):
+        self.cap = cap
+        self._seen: OrderedDict[str, tuple[str, int]] = OrderedDict()
+
+    def add(self, entries: list[tuple[str, str, int]]) -> None:
+        """Record ``(stream id, member, version)`` triples, as a saved state lists them."""
+        for sid, member, version in entries:
+            self._seen[member] = (sid, version)
+            self._seen.move_to_end(member)
+        while len(self._seen) > self.cap:
+            self._seen.popitem(last=False)
+
+    def split(self, batch: list[RewardedExperience]
+              ) -> tuple[list[RewardedExperience], list[tuple[str, str, int]]]:
+        """(entries never trained, ``(stream id, member, version)`` of those already trained)."""
+        fresh, again = [], []
+        for b in batch:
+            hit = self._seen.get(b.member)
+            if hit is None:
+                fresh.append(b)
+            else:
+                again.append((b.stream_id, b.member, hit[1]))
+        return fresh, again
+
+    def __len__(self) -> int:
+        return len(self._seen)

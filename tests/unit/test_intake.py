@@ -1,0 +1,61 @@
+"""The trainer's intake: poison entries dead-lettered, lost acknowledgements never retrained,
+crash-looping entries bounded (store parts against a real redis-server)."""
+
+import asyncio
+import json
+import uuid
+
+from serve_rft.buffer.store import DeadLetter, ExperienceStore
+from serve_rft.trainer.intake import TrainedLedger, untrainable
+from serve_rft.types import RewardedExperience
+from tests.unit.test_store import _exp
+
+
+def _rx(**changes):
+    e = _exp("chatcmpl-x", 0).model_copy(update=changes)
+    return RewardedExperience(experience=e, reward=changes.pop("reward", 1.0), stream_id="1-0")
+
+
+def test_untrainable_names_the_reason():
+    assert untrainable(_rx(), vocab_size=100) is None
+    assert "non-finite behaviour logprob" in untrainable(_rx(behaviour_logprobs=[-1.0, float("nan"), 0.0]), 100)
+    assert "2 behaviour logprobs for 3" in untrainable(_rx(behaviour_logprobs=[-1.0, -1.0]), 100)
+    assert "vocabulary" in untrainable(_rx(response_token_ids=[5, 6, 100]), 100)
+    bad_reward = RewardedExperience(experience=_exp("c", 0), reward=float("inf"), stream_id="1-0")
+    assert "non-finite reward" in untrainable(bad_reward, 100)
+
+
+def test_the_ledger_splits_what_saved_states_cover():
+    ledger = TrainedLedger(cap=2)
+    ledger.add([("1-0", "a:0", 3), ("2-0", "b:0", 3), ("3-0", "c:0", 4)])
+    assert len(ledger) == 2  # a:0 forgotten (oldest)
+    batch = [RewardedExperience(experience=_exp(cid, 0), reward=0.0, stream_id=f"{9 + k}-0")
+             for k, cid in enumerate(["a", "c"])]
+    fresh, again = ledger.split(batch)
+    assert [b.member for b in fresh] == ["a:0"] and again == [("10-0", "c:0", 4)]
+
+
+def test_unparseable_entries_are_dead_lettered_on_read_and_attempts_are_counted(redis_server):
+    async def go():
+        s = ExperienceStore(redis_server.url, prefix=f"t{uuid.uuid4().hex[:8]}")
+        await s.ensure_group()
+        ready = s._k("ready")
+        await s.redis.xadd(ready, {"exp": "{not json", "reward": "1.0", "member": "chatcmpl-p:0"})
+        good = _exp("chatcmpl-g", 0).model_dump_json()
+        await s.redis.xadd(ready, {"exp": good, "reward": "0.5", "member": "chatcmpl-g:0"})
+        got = await s.read_ready("t", 10, block_ms=10)
+        assert [b.member for b in got] == ["chatcmpl-g:0"]
+        assert (await s.counts()).dead_lettered == 1
+        dead = await s.dead_letters()
+        assert dead[0]["member"] == "chatcmpl-p:0" and dead[0]["reason"].startswith("unparseable")
+        assert await s.begin_attempt([got[0].stream_id]) == [1]
+        assert await s.begin_attempt([got[0].stream_id]) == [2]
+        letter = DeadLetter(got[0].stream_id, got[0].member, "test", good, "0.5")
+        assert await s.dead_letter([letter]) == 1
+        assert await s.dead_letter([letter]) == 0  # acknowledged already: counted once
+        assert (await s.counts()).dead_lettered == 2
+        assert await s.redis.hlen(s._k("attempts")) == 0
+        assert await s.delivered("t") == []
+        assert json.loads(dead[0]["reward"]) == 1.0
+        await s.close()
+    asyncio.run(go())

@@ -121,6 +121,14 @@ class BufferConfig(_Strict):
     group_timeout_s: float = Field(
         60.0, gt=0, description="A group with >= 2 rewarded answers is trained this long after its "
         "first reward even if other members have no reward yet, s.")
+    durability: Literal["everysec", "always"] = Field(
+        "everysec", description="Embedded redis-server's AOF fsync (appendfsync): everysec = an "
+        "acknowledged reward or experience is lost in a crash of the machine only if it was written in "
+        "the last second (RPO 1 s); always = fsync before every answer (RPO 0, slower writes).")
+    maxmemory_mb: int | None = Field(
+        2048, ge=16, description="Embedded redis-server's maxmemory (MiB) with noeviction: when full, new "
+        "experiences are served but not logged (counted: unlogged, reason store_full) and rewards get "
+        "503 + Retry-After; nothing stored is evicted. None: unbounded.")
 
     @model_validator(mode="after")
     def _no_reward_outlived(self) -> "BufferConfig":
@@ -208,9 +216,11 @@ class TrainerConfig(_Strict):
         0.9, ge=0, lt=1, description="EMA momentum of the running reward baseline."
     )
     max_staleness: int | None = Field(
-        None, ge=0, description="Drop (count, do not train on) an experience whose oldest token "
-        "is more than this many policy versions behind the trainer's latest published version "
-        "(XTuner's max_staleness: 0 = only the current version). None: no limit.")
+        16, ge=0, description="Drop (count, do not train on) an experience generated more than this many "
+        "weight synchronization cycles ago: more than max_staleness versions were published after the "
+        "version of its oldest token (XTuner v1's max_staleness, counted in sync cycles, not trainer "
+        "steps: 0 = only the current version). Bounds what a trainer slower than the traffic trains "
+        "on. None: no limit.")
     max_entry_attempts: int = Field(
         3, ge=1, description="Training steps begun with one ready entry before it is moved to the "
         "dead-letter stream: a trainer process that died in a step restarts and meets the same "

@@ -48,8 +48,15 @@ class RedisServer:
             self.proc.wait()
 
 
-def start_redis(data_dir: str | Path, port: int | None = None, timeout_s: float = 20.0) -> RedisServer:
+def start_redis(data_dir: str | Path, port: int | None = None, timeout_s: float = 20.0,
+                appendfsync: str = "everysec", maxmemory_bytes: int | None = None) -> RedisServer:
     """Start ``redis-server`` with append-only persistence in ``data_dir``.
+
+    Args:
+        appendfsync: ``everysec`` (an acknowledged write survives a crash unless it was in the
+            last second) or ``always`` (fsync before every reply: none is lost).
+        maxmemory_bytes: Redis ``maxmemory`` with ``noeviction``: past it writes are refused
+            (the store counts and reports them), nothing is evicted. None: no bound.
 
     Raises:
         FileNotFoundError: no ``redis-server`` on PATH (run scripts/bootstrap.sh).
@@ -63,10 +70,12 @@ def start_redis(data_dir: str | Path, port: int | None = None, timeout_s: float 
     port = port or free_port()
     args = [
         exe, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(data),
-        "--appendonly", "yes", "--appendfsync", "everysec", "--save", "",
+        "--appendonly", "yes", "--appendfsync", appendfsync, "--save", "",
         "--daemonize", "no", "--protected-mode", "yes",
         "--logfile", str(data / "redis.log"),
     ]
+    if maxmemory_bytes is not None:
+        args += ["--maxmemory", str(maxmemory_bytes), "--maxmemory-policy", "noeviction"]
     proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, start_new_session=True)
     server = RedisServer(proc=proc, port=port, data_dir=data)

@@ -68,6 +68,10 @@ redis.call('HINCRBY', P..':stat', 'logged', n)
 return n
 """
 
+# Scripts that free memory (or move it) run even when Redis is past maxmemory (noeviction):
+# the trainer's acknowledgements and the sweep's expiries are how a full store drains.
+ALLOW_OOM = "#!lua flags=allow-oom\n"
+
 REWARD = _COMMON + """
 -- ARGV: P, cid, i, reward, info, now, group_timeout_s, ttl_rewarded
 -- ttl_rewarded = reward_timeout_s + trained_ttl_s: a held member outlives the longest hold of its
@@ -126,11 +130,12 @@ end
 return {201, ARGV[4]}
 """
 
-SWEEP = _COMMON + """
--- ARGV: P, now, reward_timeout_s ; expire pending experiences, release timed-out groups
+SWEEP = ALLOW_OOM + _COMMON + """
+-- ARGV: P, now, reward_timeout_s, limit ; expire pending experiences, release timed-out groups,
+-- at most `limit` of each per call (one call never blocks Redis for long; the caller loops)
 -- returns {expired, groups released by timeout}
-local P, now, rto = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
-local gone = redis.call('ZRANGEBYSCORE', P..':pending', '-inf', now)
+local P, now, rto, lim = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
+local gone = redis.call('ZRANGEBYSCORE', P..':pending', '-inf', now, 'LIMIT', 0, lim)
 for _, m in ipairs(gone) do
   redis.call('ZREM', P..':pending', m)
   local sep = string.find(m, ':[^:]*$')
@@ -145,7 +150,7 @@ for _, m in ipairs(gone) do
 end
 if #gone > 0 then redis.call('HINCRBY', P..':stat', 'expired', #gone) end
 local timed_out = 0
-for _, gid in ipairs(redis.call('ZRANGEBYSCORE', P..':gdl', '-inf', now)) do
+for _, gid in ipairs(redis.call('ZRANGEBYSCORE', P..':gdl', '-inf', now, 'LIMIT', 0, lim)) do
   local g = P..':grp:'..gid
   local rewarded = tonumber(redis.call('HGET', g, 'rewarded') or '0')
   local first = tonumber(redis.call('HGET', g, 'first') or ARGV[2])
@@ -160,7 +165,7 @@ if timed_out > 0 then redis.call('HINCRBY', P..':stat', 'groups_timed_out', time
 return {#gone, timed_out}
 """
 
-ACK = """
+ACK = ALLOW_OOM + """
 -- ARGV: P, trained_ttl_s, count, then per entry: stream id, member, state (trained|stale-dropped),
 -- version
 local P, ttl, k = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
@@ -184,7 +189,7 @@ if dropped > 0 then redis.call('HINCRBY', P..':stat', 'stale_dropped', dropped) 
 return {trained, dropped}
 """
 
-DEAD_LETTER = """
+DEAD_LETTER = ALLOW_OOM + """
 -- ARGV: P, maxlen, trained_ttl_s, count, then per entry: stream id, member ('' if unknown),
 -- reason, exp JSON ('' if none), reward ('' if none)
 -- Moves ready entries that cannot be trained to the dead-letter stream P:dead (kept for

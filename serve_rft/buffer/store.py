@@ -70,6 +70,7 @@ import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import OutOfMemoryError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from serve_rft.buffer import scripts
@@ -77,6 +78,8 @@ from serve_rft.types import Experience, RewardedExperience
 
 TRAINER_GROUP = "trainer"
 REWARD_BUCKET_S = 5
+SWEEP_BATCH = 1000
+"""Expiries (and group releases) per SWEEP script call."""
 DEAD_LETTER_MAXLEN = 10_000
 """About this many newest dead letters are kept in ``P:dead`` (XADD MAXLEN ~); all are counted."""
 """Seconds of generation time per bucket of ``P:vr:{version}`` (the REWARD script's 5)."""
@@ -89,6 +92,10 @@ class RewardError(Exception):
         super().__init__(message)
         self.status = status
         self.message = message
+
+
+class StoreFull(Exception):
+    """Redis is past ``maxmemory`` (noeviction) and refused a write; nothing was written."""
 
 
 @dataclass
@@ -218,6 +225,8 @@ class ExperienceStore:
             group_size: answers the group should have (None: ``len(experiences)`` when the group
                 is the completion itself, else unknown).
             conversation_id: the conversation this completion is a turn of, if any.
+        Raises:
+            StoreFull: Redis is past ``maxmemory``; nothing of the completion was written.
         """
         if not experiences:
             return
@@ -227,6 +236,12 @@ class ExperienceStore:
             group_size = len(experiences) if gid == cid else 0
         now = time.time()
         exps = sorted(experiences, key=lambda e: e.choice_index)
+        try:
+            await self._log_script(exps, cid, gid, group_size, now, conversation_id)
+        except OutOfMemoryError as e:
+            raise StoreFull(str(e)) from None
+
+    async def _log_script(self, exps, cid, gid, group_size, now, conversation_id) -> None:
         await self._log(args=[self.p, cid, len(exps), gid, group_size,
                               max(1, math.ceil(self.reward_timeout_s)), self._long_ttl(), now,
                               now + self.reward_timeout_s, conversation_id or "",
@@ -245,16 +260,21 @@ class ExperienceStore:
             True if recorded now, False if the same reward was already recorded (idempotent).
         Raises:
             RewardError: 422 not finite, 404 unknown completion/choice, 409 a different reward
-            is recorded, 410 the experience expired before its reward came.
+            is recorded, 410 the experience expired before its reward came, 503 the store is
+            full (nothing recorded; retry).
         """
         if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward):
             raise RewardError(422, f"reward must be a finite number, got {reward!r}")
         if choice_index < 0:
             raise RewardError(404, f"no choice {choice_index} in completion {completion_id!r}")
-        status, prev = await self._reward(args=[
-            self.p, completion_id, str(choice_index), repr(float(reward)),
-            json.dumps(info) if info is not None else "", time.time(), self.group_timeout_s,
-            max(1, math.ceil(self.reward_timeout_s + self.trained_ttl_s))])
+        try:
+            status, prev = await self._reward(args=[
+                self.p, completion_id, str(choice_index), repr(float(reward)),
+                json.dumps(info) if info is not None else "", time.time(), self.group_timeout_s,
+                max(1, math.ceil(self.reward_timeout_s + self.trained_ttl_s))])
+        except OutOfMemoryError:
+            raise RewardError(503, "the experience store is full (maxmemory); the reward was not "
+                              "recorded: retry later") from None
         status = int(status)
         if status == 201:
             return True
@@ -332,14 +352,20 @@ class ExperienceStore:
         return out
 
     async def sweep(self, now: float | None = None) -> tuple[int, int]:
-        """Expire pending experiences past their deadline and release timed-out groups.
+        """Expire pending experiences past their deadline and release timed-out groups, in
+        script calls of at most `SWEEP_BATCH` of each (a backlog of a million expiries never
+        holds Redis in one long script).
 
         Returns:
             (experiences expired, groups released by timeout) in this call; both counted.
         """
-        expired, released = await self._sweep(args=[self.p, now if now is not None else time.time(),
-                                                     self.reward_timeout_s])
-        return int(expired), int(released)
+        now = now if now is not None else time.time()
+        expired = released = 0
+        while True:
+            e, r = await self._sweep(args=[self.p, now, self.reward_timeout_s, SWEEP_BATCH])
+            expired, released = expired + int(e), released + int(r)
+            if int(e) < SWEEP_BATCH and int(r) < SWEEP_BATCH:
+                return expired, released
 
     async def counts(self) -> StoreCounts:
         await self.sweep()

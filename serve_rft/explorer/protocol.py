@@ -11,7 +11,11 @@ import json
 import math
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr,
+                      field_validator)
+
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+"""``seed``'s range (vLLM: ``torch.iinfo(torch.long)``)."""
 
 
 class ApiError(Exception):
@@ -50,7 +54,7 @@ class ChatMessage(BaseModel):
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="allow")
-    include_usage: bool = False
+    include_usage: StrictBool = False
 
 
 class ChatCompletionRequest(BaseModel):
@@ -63,19 +67,22 @@ class ChatCompletionRequest(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     messages: list[ChatMessage] = Field(min_length=1)
-    model: str | None = None
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    model: StrictStr | None = None
+    max_tokens: StrictInt | None = Field(None, ge=1)
+    max_completion_tokens: StrictInt | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    n: int = Field(1, ge=1)
+    n: StrictInt = Field(1, ge=1)
     stop: str | list[str] | None = None
-    seed: int | None = None
-    logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
-    stream: bool = False
+    seed: StrictInt | None = Field(None, ge=INT64_MIN, le=INT64_MAX, description="vLLM's bound: int64.")
+    logprobs: StrictBool = False
+    top_logprobs: StrictInt | None = Field(None, ge=0, le=20)
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    store: StrictBool | None = Field(None, description=(
+        "OpenAI's flag: false = do not keep this conversation. Served, never logged as an "
+        "experience (so never trained on); counted as unlogged."))
     # serve_rft extensions (the openai SDK sends them with ``extra_body``):
     group_id: str | None = Field(None, min_length=1, max_length=256, description=(
         "Put this request's answers in a client-named group, with the answers of other requests "
@@ -111,7 +118,13 @@ MAX_INFO_BYTES = 16 * 1024
 
 
 def _small_info(v: dict | None) -> dict | None:
-    if v is not None and len(json.dumps(v)) > MAX_INFO_BYTES:
+    if v is None:
+        return v
+    try:
+        text = json.dumps(v, allow_nan=False)
+    except ValueError:
+        raise ValueError("info must hold finite numbers only (no NaN or Infinity)") from None
+    if len(text) > MAX_INFO_BYTES:
         raise ValueError(f"info must serialize to at most {MAX_INFO_BYTES} bytes")
     return v
 

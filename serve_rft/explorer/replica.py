@@ -18,17 +18,19 @@ import json
 import logging
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
 
-from serve_rft.buffer.store import ExperienceStore
+from serve_rft.buffer.store import ExperienceStore, StoreFull
 from serve_rft.config import Config
 from serve_rft.explorer import openai_format as fmt
-from serve_rft.explorer import rewards_api, sync_api
+from serve_rft.explorer import openapi, rewards_api, sync_api
 from serve_rft.explorer.auth import ApiKeys
+from serve_rft.explorer.body import parse_json, read_body, read_json
 from serve_rft.explorer.protocol import ApiError, ChatCompletionRequest, parse_reward_body
 from serve_rft.observability.explorer_metrics import ExplorerMetrics
 from serve_rft.explorer.weight_swap import WeightSwap
@@ -38,25 +40,14 @@ log = logging.getLogger("serve_rft.explorer")
 
 REPLICA_HEADER = "x-serve-rft-replica"
 VERSION_HEADER = "x-serve-rft-policy-version"
-MAX_BODY_BYTES = 8 * 1024 * 1024
-
 app = FastAPI(title="serve_rft", version="0.1.0")
+openapi.install(app)
 
 
 def _validation_message(e: ValidationError) -> tuple[str, str | None]:
     err = e.errors()[0]
     param = ".".join(str(p) for p in err.get("loc", ())) or None
     return f"{param}: {err.get('msg')}" if param else str(err.get("msg")), param
-
-
-async def _json_body(request: Request) -> Any:
-    raw = await request.body()
-    if len(raw) > MAX_BODY_BYTES:
-        raise ApiError(413, f"request body is larger than {MAX_BODY_BYTES} bytes")
-    try:
-        return json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ApiError(400, f"request body is not valid JSON: {e}") from None
 
 
 def _error(e: ApiError, headers: dict[str, str] | None = None) -> JSONResponse:
@@ -83,6 +74,9 @@ class ExplorerReplica:
         context = serve.get_replica_context()
         self.replica_id = context.replica_id.unique_id
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        # one thread: the tokenizer is not shared across threads, and request order is kept
+        self._cpu = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
+        self.unlogged = 0  # choices served with store=false (not logged)
         self.store = ExperienceStore.from_config(self.cfg.buffer)
         self.sync = ensure_control(self.cfg, model_path)  # `serve deploy`: nobody else starts them
         nccl = self.cfg.synchronizer.sync_method.value == "nccl"
@@ -223,7 +217,7 @@ class ExplorerReplica:
         if (refused := self._refused(request)) is not None:
             return refused
         try:
-            body = sync_api.parse(model, await _json_body(request))
+            body = sync_api.parse(model, await read_json(request))
             return JSONResponse(await sync_api.call(action(body)))
         except ApiError as e:
             return _error(e)
@@ -240,7 +234,7 @@ class ExplorerReplica:
         if (refused := self._refused(request)) is not None:
             return refused
         try:
-            body = await _json_body(request)
+            body = await read_json(request)
             try:
                 req = parse_reward_body(body)
             except ValidationError as e:
@@ -255,9 +249,9 @@ class ExplorerReplica:
         status = rewards_api.batch_status(results)
         body: dict = {"object": "list", "data": results}
         if status != 200:  # every item refused: the first refusal's error, the rest alongside
-            body = {**next(r for r in results if r["status"] == "refused"), **body}
-            body = {"error": body["error"], "object": "list", "data": results}
-        return JSONResponse(body, status_code=status)
+            first = next(r for r in results if r["status"] == "refused")
+            body = {"error": first["error"], "object": "list", "data": results}
+        return JSONResponse(body, status_code=status, headers={"Retry-After": "5"} if status == 503 else None)
 
     @app.get("/v1/experiences/{completion_id}")
     async def experience(self, request: Request, completion_id: str) -> JSONResponse:
@@ -290,13 +284,11 @@ class ExplorerReplica:
                          "drained); retry on another replica", type_="service_unavailable", code="replica_draining")
             return _error(e, {"Retry-After": "1"})
         try:
-            body = await _json_body(request)
-            try:
-                req = ChatCompletionRequest.model_validate(body)
-            except ValidationError as e:
-                msg, param = _validation_message(e)
-                raise ApiError(400, msg, param) from None
-            prompt_ids, params, sampling = self._prepare(req)
+            raw = await read_body(request)
+            # parsing, validation and the chat template run on the replica's tokenizer thread:
+            # a multi-megabyte prompt never stalls the event loop that streams other answers
+            req, prompt_ids, params, sampling = await asyncio.get_running_loop().run_in_executor(
+                self._cpu, self._decode_chat, raw)
         except ApiError as e:
             return _error(e)
         cid = f"chatcmpl-{uuid.uuid4().hex}"
@@ -312,6 +304,23 @@ class ExplorerReplica:
             raise
         self.swap.record(version, True, time.perf_counter() - t0)
         return response
+
+    def _decode_chat(self, raw: bytes):
+        """Body bytes -> (request, prompt ids, `SamplingParams`, `SamplingInfo`); on the
+        tokenizer thread.
+
+        Raises:
+            ApiError: 400 bad JSON or fields, 404 a model this service does not serve, 400 from
+                `_prepare`.
+        """
+        try:
+            req = ChatCompletionRequest.model_validate(parse_json(raw))
+        except ValidationError as e:
+            msg, param = _validation_message(e)
+            raise ApiError(400, msg, param) from None
+        if req.model is not None and req.model != self.cfg.model.served_name:
+            raise ApiError(404, f"The model `{req.model}` does not exist.", "model", code="model_not_found")
+        return (req, *self._prepare(req))
 
     def _prepare(self, req: ChatCompletionRequest):
         """Tokenize with the chat template and build vLLM `SamplingParams`.
@@ -352,11 +361,22 @@ class ExplorerReplica:
         return prompt_ids, params, sampling
 
     async def _log(self, req, cid, prompt_ids, accs, sampling, created_at, version) -> None:
+        if req.store is False:  # OpenAI's "do not keep my data": served, never logged nor trained
+            self.unlogged += len(accs)
+            self.metrics.served(len(prompt_ids), sum(len(c.token_ids) for c in accs), 0, unlogged=len(accs))
+            return
         group = f"u:{req.group_id}" if req.group_id else None  # client groups never collide with ids
         exps = fmt.build_experiences(cid, self.replica_id, prompt_ids, accs, sampling, created_at, version,
                                      group)
-        await self.store.log_experiences(exps, group_size=req.group_size if group else None,
-                                         conversation_id=req.conversation_id)
+        try:
+            await self.store.log_experiences(exps, group_size=req.group_size if group else None,
+                                             conversation_id=req.conversation_id)
+        except StoreFull:  # backpressure (buffer.maxmemory_mb): the user is served, the loss counted
+            self.unlogged += len(exps)
+            self.metrics.served(len(prompt_ids), sum(len(c.token_ids) for c in accs), 0,
+                                unlogged=len(exps), reason="store_full")
+            log.warning("experience store full: completion %s served, not logged", cid)
+            return
         self.experiences_logged += len(exps)
         self.metrics.served(len(prompt_ids), sum(len(c.token_ids) for c in accs), len(exps))
 

@@ -32,6 +32,10 @@ class ExplorerMetrics:
                               tag_keys=("replica", "kind"))
         self.logged = Counter("serve_rft_experiences_logged_total",
                               description="Experiences written to the store.", tag_keys=("replica",))
+        self.unlogged = Counter("serve_rft_experiences_unlogged_total",
+                                description="Choices served and not logged, by reason (store_false: the "
+                                "client's store=false; store_full: Redis past maxmemory).",
+                                tag_keys=("replica", "reason"))
         self.rewards = Counter("serve_rft_rewards_total", description="Rewards posted, by result.",
                                tag_keys=("replica", "result"))
         self.experiences = Gauge("serve_rft_experiences",
@@ -46,7 +50,12 @@ class ExplorerMetrics:
     def first_token(self, seconds: float) -> None:
         self.ttft.observe(seconds, tags=self.tags)
 
-    def served(self, prompt_tokens: int, completion_tokens: int, experiences: int) -> None:
+    def served(self, prompt_tokens: int, completion_tokens: int, experiences: int, unlogged: int = 0,
+               reason: str = "store_false") -> None:
+        """Tokens of one completion; ``experiences`` logged, ``unlogged`` served and not logged
+        (``reason``: store_false, or store_full under backpressure)."""
+        if unlogged:
+            self.unlogged.inc(unlogged, tags={**self.tags, "reason": reason})
         self.tokens.inc(prompt_tokens, tags={**self.tags, "kind": "prompt"})
         if completion_tokens:
             self.tokens.inc(completion_tokens, tags={**self.tags, "kind": "completion"})

@@ -10,7 +10,8 @@ from ray.util.metrics import Counter, Gauge, Histogram
 
 STALENESS_BUCKETS = [0.5, 1.5, 2.5, 4.5, 8.5, 16.5, 32.5, 64.5]
 STEP_SECONDS_BUCKETS = [0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0]
-STEP_STATS = ("loss", "reward_mean", "adv_abs_mean", "ratio_mean", "ratio_max", "clip_fraction",
+SAMPLE_AGE_BUCKETS = [1.0, 5.0, 15.0, 30.0, 60.0, 120.0, 300.0, 900.0, 3600.0, 14400.0, 86400.0]
+STEP_STATS = ("sample_age_s_mean", "sample_age_s_max", "loss", "reward_mean", "adv_abs_mean", "ratio_mean", "ratio_max", "clip_fraction",
               "approx_kl", "kl_ref", "entropy", "grad_norm", "lr", "max_abs_logprob_diff", "batch_size",
               "tokens")
 """`PolicyTrainer.step` statistics exported as ``serve_rft_trainer_stat{stat=...}`` (last step)."""
@@ -24,6 +25,9 @@ class TrainerMetrics:
         self.staleness = Histogram("serve_rft_trained_staleness_versions",
                                    description="Staleness of trained experiences, policy versions.",
                                    boundaries=STALENESS_BUCKETS)
+        self.sample_age = Histogram("serve_rft_trained_sample_age_seconds",
+                                    description="Seconds from an experience's generation to the step "
+                                    "that trained it.", boundaries=SAMPLE_AGE_BUCKETS)
         self.stale_dropped = Counter("serve_rft_stale_dropped_total",
                                      description="Experiences dropped for exceeding max_staleness.")
         self.trained = Counter("serve_rft_trained_experiences_total",
@@ -49,9 +53,12 @@ class TrainerMetrics:
             if isinstance(stats.get(name), (int, float)):
                 self.stat.set(float(stats[name]), tags={"stat": name})
 
-    def observe(self, staleness: list[int], dropped: int) -> None:
+    def observe(self, staleness: list[int], dropped: int, ages_s: list[float] | None = None) -> None:
+        """Trained experiences' staleness (sync cycles) and age (s); ``dropped`` stale ones."""
         for s in staleness:
             self.staleness.observe(s)
+        for a in ages_s or []:
+            self.sample_age.observe(a)
         if staleness:
             self.trained.inc(len(staleness))
         if dropped:

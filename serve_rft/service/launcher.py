@@ -82,7 +82,9 @@ class ServiceStack:
         self.model_path = resolve_model_path(cfg.model.path, cfg.model.cache_dir)
         check_mode(cfg, self.mode)
         if not cfg.buffer.redis_url:
-            self.redis = start_redis(run_dir / "redis")
+            b = cfg.buffer
+            self.redis = start_redis(run_dir / "redis", appendfsync=b.durability,
+                                     maxmemory_bytes=b.maxmemory_mb * 2**20 if b.maxmemory_mb else None)
             cfg.buffer.redis_url = self.redis.url
         if cfg.service.port == 0:
             cfg.service.port = free_port(cfg.service.host)

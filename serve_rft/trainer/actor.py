@@ -33,6 +33,8 @@ from serve_rft.types import ComponentState, PublishedVersion, RewardedExperience
 
 log = logging.getLogger("serve_rft.trainer")
 TRAINER_NAME = "serve_rft_trainer"
+PUBLISHED_KEPT = 4096
+"""Published version numbers the trainer remembers (and saves) for counting staleness in cycles."""
 
 
 class PolicyTrainer:
@@ -280,7 +282,8 @@ class Trainer:
         self.resumed_from: int | None = None
         self._resumed_version: int | None = None
         self.phase = "starting"
-        self.staleness_trained: dict[int, int] = {}  # staleness (versions) -> experiences trained
+        self.staleness_trained: dict[int, int] = {}  # staleness (sync cycles) -> experiences trained
+        self.published_versions: list[int] = [0]  # ascending, the newest PUBLISHED_KEPT
         self.stale_dropped = 0
         from serve_rft.observability.trainer_metrics import TrainerMetrics
 
@@ -380,10 +383,13 @@ class Trainer:
             self.step_num += 1
             self.steps_done += 1
             self.unpublished.extend(batch)
-            ages = [self.version - b.experience.min_version for b in batch]
-            for age in ages:
-                self.staleness_trained[age] = self.staleness_trained.get(age, 0) + 1
-            self.metrics.observe(ages, 0)
+            cycles = [self.staleness(b.experience.min_version) for b in batch]
+            for c in cycles:
+                self.staleness_trained[c] = self.staleness_trained.get(c, 0) + 1
+            now = time.time()
+            ages_s = [max(0.0, now - b.experience.finished_at) for b in batch]
+            self.metrics.observe(cycles, 0, ages_s)
+            stats.update(sample_age_s_mean=sum(ages_s) / len(ages_s), sample_age_s_max=max(ages_s))
             stats["step"] = self.step_num
             stats["t"] = time.time()
             requested = await sync.sync_requested.remote()
@@ -408,6 +414,7 @@ class Trainer:
             self.ledger.add(covered)
             self.resume_acked, _ = await store.ack_entries(covered)
             self.version = self.step_num = st.version
+            self.published_versions = sorted(set(st.published) | {0, st.version})[-PUBLISHED_KEPT:]
             self._resumed_version = st.version  # reported as resumed_from once the backlog is read
             log.info("resumed from %s (version %d; %d entries acknowledged now)", st.path, st.version,
                      self.resume_acked)
@@ -416,6 +423,7 @@ class Trainer:
                     published_floor(self.state_root))
         if floor > self.step_num:  # versions published after the resumed state: their weights
             self.version = self.step_num = floor  # are lost, their entries get trained again
+            self._published(floor)
         stale_handle = latest is not None and not method.durable
         if stale_handle or (st is not None and (latest is None or latest.version < st.version)):
             await self._publish(policy, method, sync, store, self.step_num + 1)
@@ -447,6 +455,7 @@ class Trainer:
         await sync.publish.remote(version, handle)
         self.published = PublishedVersion(version=version, handle=handle)
         self.version = version
+        self._published(version)
         self.unsaved.extend((b.stream_id, b.member, version) for b in self.unpublished)
         self.unpublished = []
         self.publishes_since_save += 1
@@ -457,7 +466,7 @@ class Trainer:
             await asyncio.to_thread(
                 save_state, self.state_root, full, policy.optimizer, version, self.step_num,
                 policy.baseline.value, self.unsaved, self.model_path, self.cfg.trainer.keep_states,
-                policy.scheduler, policy.model if policy.export is not None else None)
+                policy.scheduler, policy.model if policy.export is not None else None, self.published_versions)
             self.ledger.add(self.unsaved)
             await store.ack_entries(self.unsaved)
             self.unsaved = []
@@ -509,17 +518,29 @@ class Trainer:
     async def _drop_stale(self, store: ExperienceStore, batch: list[RewardedExperience]
                           ) -> list[RewardedExperience]:
         """Acknowledge as ``stale-dropped`` (counted, never trained) the experiences whose oldest
-        token is more than ``max_staleness`` versions behind the latest published version
-        (XTuner's max_staleness, seed 003); return the rest."""
+        token is more than ``max_staleness`` sync cycles old (`staleness`; XTuner v1's RL
+        trainer documentation, max_staleness); return the rest."""
         limit = self.cfg.trainer.max_staleness
         if limit is None:
             return batch
-        stale = [b for b in batch if self.version - b.experience.min_version > limit]
+        stale = [b for b in batch if self.staleness(b.experience.min_version) > limit]
         if stale:
             _, dropped = await store.ack(stale, self.version, state="stale-dropped")
             self.stale_dropped += dropped
             self.metrics.observe([], dropped)
-        return [b for b in batch if self.version - b.experience.min_version <= limit]
+        return [b for b in batch if self.staleness(b.experience.min_version) <= limit]
+
+    def staleness(self, version: int) -> int:
+        """Sync cycles since ``version`` over what this trainer (or the state it resumed from)
+        published (`serve_rft.trainer.intake.sync_cycles`)."""
+        from serve_rft.trainer.intake import sync_cycles
+
+        return sync_cycles(self.published_versions, version)
+
+    def _published(self, version: int) -> None:
+        if version > self.published_versions[-1]:
+            self.published_versions.append(version)
+            del self.published_versions[:-PUBLISHED_KEPT]
 
     async def _handshake(self, method, sync) -> float:
         """NCCL (seed 000's two-way handshake): REQUIRE_SYNC while replicas pull the version

@@ -18,6 +18,7 @@ Three filters run on every batch read from the ready stream, before the step:
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections import OrderedDict
 
@@ -80,3 +81,13 @@ class TrainedLedger:
 
     def __len__(self) -> int:
         return len(self._seen)
+
+
+def sync_cycles(published: list[int], version: int) -> int:
+    """Weight synchronization cycles an experience of policy ``version`` is behind: how many of
+    the ``published`` versions (ascending) came after it. XTuner v1's RL trainer documentation
+    counts ``max_staleness`` in these cycles (its step threshold ``(max_staleness + 1) *
+    sync_weights_interval``); version numbers here are trainer steps, so ``latest - version``
+    would count steps. A version older than the history kept counts the whole history.
+    """
+    return len(published) - bisect.bisect_right(published, version)

@@ -12,7 +12,8 @@ written like a published version (`serve_rft.trainer.checkpoint`: temp folder, f
 ``rng.pt``            torch CPU (and CUDA) RNG state
 ``trainer_state.json`` ``version``, ``step``, ``baseline`` (running reward baseline), ``trained``:
                       ``[stream id, "{cid}:{i}", version]`` for every ready-stream entry trained
-                      since the previous saved state
+                      since the previous saved state, ``published``: the version numbers
+                      published so far (the newest 4,096), for staleness in sync cycles
 ====================  ==========================================================================
 
 ``PUBLISHED`` (a file in ``root``) holds the highest version number the trainer ever started to
@@ -51,15 +52,17 @@ class TrainerState:
     step: int
     baseline: float | None
     trained: list[tuple[str, str, int]] = field(default_factory=list)
+    published: list[int] = field(default_factory=list)
 
 
 def save_state(root: str | Path, model, optimizer, version: int, step: int, baseline: float | None,
                trained: list[tuple[str, str, int]], tokenizer_dir: str | Path | None, keep: int = 2,
-               scheduler=None, adapter_model=None) -> Path:
+               scheduler=None, adapter_model=None, published: list[int] | None = None) -> Path:
     """Save a resumable trainer state as ``root/v{version:06d}`` (committed atomically).
 
     Args:
         trained: ``(stream id, member, version)`` of the entries trained since the last state.
+        published: version numbers published so far, ascending (staleness counts cycles over them).
         tokenizer_dir: a model directory whose tokenizer files are copied alongside, so the
             folder is a complete Hugging Face model directory (None: no tokenizer).
     Returns:
@@ -83,7 +86,7 @@ def save_state(root: str | Path, model, optimizer, version: int, step: int, base
         torch.save(rng, folder / "rng.pt")
         (folder / STATE_FILE).write_text(json.dumps(
             {"version": version, "step": step, "baseline": baseline,
-             "trained": [list(t) for t in trained]}))
+             "trained": [list(t) for t in trained], "published": list(published or [])}))
         if tokenizer_dir is not None:
             for name in TOKENIZER_FILES:
                 src = Path(tokenizer_dir) / name
@@ -124,7 +127,8 @@ def load_state(path: str | Path, optimizer, scheduler=None) -> TrainerState:
     meta = json.loads((path / STATE_FILE).read_text())
     return TrainerState(path=path, version=int(meta["version"]), step=int(meta["step"]),
                         baseline=meta["baseline"],
-                        trained=[(str(a), str(b), int(c)) for a, b, c in meta["trained"]])
+                        trained=[(str(a), str(b), int(c)) for a, b, c in meta["trained"]],
+                        published=[int(v) for v in meta.get("published", [])])
 
 
 def record_published(root: str | Path, version: int) -> None:

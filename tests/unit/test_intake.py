@@ -6,7 +6,7 @@ import json
 import uuid
 
 from serve_rft.buffer.store import DeadLetter, ExperienceStore
-from serve_rft.trainer.intake import TrainedLedger, untrainable
+from serve_rft.trainer.intake import TrainedLedger, sync_cycles, untrainable
 from serve_rft.types import RewardedExperience
 from tests.unit.test_store import _exp
 
@@ -59,3 +59,10 @@ def test_unparseable_entries_are_dead_lettered_on_read_and_attempts_are_counted(
         assert json.loads(dead[0]["reward"]) == 1.0
         await s.close()
     asyncio.run(go())
+
+
+def test_staleness_counts_sync_cycles_not_trainer_steps():
+    """sync_interval=4: versions 0, 4, 8, 12. A sample of v8 is one cycle behind v12 (XTuner's
+    max_staleness=1 keeps it), not 4 steps."""
+    published = [0, 4, 8, 12]
+    assert [sync_cycles(published, v) for v in (12, 8, 5, 4, 0)] == [0, 1, 2, 2, 3]

@@ -317,3 +317,61 @@ def test_a_rewarded_member_outlives_its_groups_longest_hold(store_factory):
         assert 0 < await s.redis.ttl(s._k("st", "chatcmpl-h")) <= 10  # never left without a TTL
         await s.close()
     run(go())
+
+
+def test_a_sweep_works_in_bounded_script_calls_and_misses_nothing(store_factory, monkeypatch):
+    import serve_rft.buffer.store as store_mod
+
+    monkeypatch.setattr(store_mod, "SWEEP_BATCH", 7)
+    calls = []
+
+    async def go():
+        s = store_factory(reward_timeout_s=1.0)
+        for k in range(20):
+            await s.log_experiences([_exp(f"chatcmpl-s{k}", 0)])
+        real = s._sweep
+
+        async def counted(args):
+            calls.append(args[-1])
+            return await real(args=args)
+        s._sweep = counted
+        assert await s.sweep(now=10**10) == (20, 0)
+        assert (await s.counts()).expired == 20
+        await s.close()
+    run(go())
+    assert calls[:3] == [7, 7, 7]  # 7 + 7 + 6 expiries, each call bounded
+
+
+def test_a_full_store_refuses_new_writes_cleanly_and_still_drains(tmp_path):
+    """maxmemory + noeviction: past it a completion is refused whole (StoreFull) and a reward
+    gets 503 (nothing half-written, nothing evicted), while the sweep's expiries and the
+    trainer's acknowledgements still run, which is how a full store drains."""
+    from serve_rft.buffer.redis_server import start_redis
+    from serve_rft.buffer.store import StoreFull
+
+    server = start_redis(tmp_path / "r", maxmemory_bytes=3 * 2**20)
+
+    async def go():
+        s = ExperienceStore(server.url, prefix="full", reward_timeout_s=1.0)
+        await s.ensure_group()
+        await s.log_experiences([_exp("chatcmpl-keep", 0), _exp("chatcmpl-keep", 1)])
+        await s.post_reward("chatcmpl-keep", 0, 1.0)
+        await s.post_reward("chatcmpl-keep", 1, 0.0)
+        ready = await s.read_ready("t", 10, block_ms=10)
+        await s.log_experiences([_exp("chatcmpl-late", 0)])
+        assert (await s.redis.config_get("maxmemory-policy"))["maxmemory-policy"] == "noeviction"
+        await s.redis.config_set("maxmemory", 1)  # full, whatever the allocator does next
+        with pytest.raises(StoreFull):
+            await s.log_experiences([_exp("chatcmpl-refused", 0)])
+        assert await s.num_choices("chatcmpl-refused") is None  # nothing of it was written
+        with pytest.raises(RewardError) as e:
+            await s.post_reward("chatcmpl-late", 0, 1.0)
+        assert e.value.status == 503
+        assert await s.ack(ready, version=1) == (2, 0)  # acknowledgements run past maxmemory
+        expired, _ = await s.sweep(now=10**10)
+        assert expired >= 1
+        await s.close()
+    try:
+        run(go())
+    finally:
+        server.stop()

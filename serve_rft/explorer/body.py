@@ -1,0 +1,95 @@
+"""Request bodies in, bounded: no body makes a replica answer 5xx or stall its event loop.
+
+- size: ``Content-Length`` is checked first and the body is counted while it streams in, so a
+  body over `MAX_BODY_BYTES` is refused (413) without being held whole;
+- JSON: nesting deeper than `MAX_JSON_DEPTH` (a 100 KB run of ``[`` once raised RecursionError)
+  and integers longer than `MAX_INT_DIGITS` digits (Python refuses to convert more than 4,300,
+  and no field needs more than int64's 19) are refused (400) while parsing;
+- ``NaN`` / ``Infinity`` parse (Python's json accepts them) and are refused by the field that
+  receives them, with that field as ``param`` (a reward: 422; a sampling setting: 400);
+- a body larger than `THREAD_PARSE_BYTES` is parsed on a worker thread, off the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+from starlette.requests import Request
+
+from serve_rft.explorer.protocol import ApiError
+
+MAX_BODY_BYTES = 8 * 1024 * 1024
+MAX_JSON_DEPTH = 64
+MAX_INT_DIGITS = 32
+THREAD_PARSE_BYTES = 256 * 1024
+
+
+async def read_body(request: Request, max_bytes: int = MAX_BODY_BYTES) -> bytes:
+    """The raw body, at most ``max_bytes``.
+
+    Raises:
+        ApiError: 413 larger than ``max_bytes`` (declared or streamed).
+    """
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > max_bytes:
+        raise ApiError(413, f"request body is larger than {max_bytes} bytes", code="body_too_large")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_bytes:
+            raise ApiError(413, f"request body is larger than {max_bytes} bytes", code="body_too_large")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _int(text: str) -> int:
+    if len(text.lstrip("-")) > MAX_INT_DIGITS:
+        raise ApiError(400, f"request body has an integer of {len(text.lstrip('-'))} digits (at most "
+                       f"{MAX_INT_DIGITS})", code="invalid_json")
+    return int(text)
+
+
+def _depth(obj: Any) -> int:
+    """Nesting depth of parsed JSON, iteratively (no recursion limit)."""
+    deepest, stack = 0, [(obj, 1)]
+    while stack:
+        node, d = stack.pop()
+        if isinstance(node, dict):
+            node = list(node.values())
+        if isinstance(node, list):
+            deepest = max(deepest, d)
+            if d <= MAX_JSON_DEPTH:
+                stack.extend((x, d + 1) for x in node if isinstance(x, (dict, list)))
+    return deepest
+
+
+def parse_json(raw: bytes) -> Any:
+    """Parse a request body (module docstring for the bounds).
+
+    Raises:
+        ApiError: 400 not JSON, nested deeper than `MAX_JSON_DEPTH`, an oversized integer.
+    """
+    try:
+        obj = json.loads(raw, parse_int=_int)
+    except RecursionError:
+        raise ApiError(400, f"request body is nested more than {MAX_JSON_DEPTH} levels deep",
+                       code="invalid_json") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ApiError(400, f"request body is not valid JSON: {e}", code="invalid_json") from None
+    if _depth(obj) > MAX_JSON_DEPTH:
+        raise ApiError(400, f"request body is nested more than {MAX_JSON_DEPTH} levels deep", code="invalid_json")
+    return obj
+
+
+async def read_json(request: Request, max_bytes: int = MAX_BODY_BYTES) -> Any:
+    """`read_body` then `parse_json` (on a thread when the body is large).
+
+    Raises:
+        ApiError: 413 too large, 400 not acceptable JSON.
+    """
+    raw = await read_body(request, max_bytes)
+    if len(raw) > THREAD_PARSE_BYTES:
+        return await asyncio.to_thread(parse_json, raw)
+    return parse_json(raw)

@@ -1,0 +1,52 @@
+"""The service's OpenAPI document, with the request bodies the routes parse themselves.
+
+The routes read raw bodies (`serve_rft.explorer.body`: bounded size, depth and integers) and
+validate them with the pydantic models of `serve_rft.explorer.protocol`, so FastAPI cannot see
+the bodies; this module puts those models' JSON schemas into ``/openapi.json``. Clients and
+schemathesis (tests/integration/test_stack.py) read it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+from pydantic import TypeAdapter
+
+from serve_rft.explorer.protocol import ChatCompletionRequest, RewardRequest
+from serve_rft.explorer.sync_api import DrainRequest, PinRequest, PromotionRequest, RollbackRequest
+
+REF = "#/components/schemas/{model}"
+BODIES: dict[str, Any] = {
+    "/v1/chat/completions": ChatCompletionRequest,
+    "/v1/rewards": RewardRequest,
+    "/v1/sync/pin": PinRequest,
+    "/v1/sync/rollback": RollbackRequest,
+    "/v1/sync/promotion": PromotionRequest,
+    "/v1/sync/replicas/{replica_id}/drain": DrainRequest,
+}
+
+
+def build_openapi(app: FastAPI) -> dict[str, Any]:
+    """``app``'s OpenAPI 3.1 document with the JSON request bodies of `BODIES` (cached on
+    ``app.openapi_schema``)."""
+    if app.openapi_schema is not None:
+        return app.openapi_schema
+    doc = get_openapi(title=app.title, version=app.version, routes=app.routes,
+                      description="OpenAI-compatible chat with online RL (serve_rft).")
+    schemas = doc.setdefault("components", {}).setdefault("schemas", {})
+    for path, body in BODIES.items():
+        if path not in doc["paths"]:
+            continue
+        schema = TypeAdapter(body).json_schema(ref_template=REF)
+        schemas.update(schema.pop("$defs", {}))
+        doc["paths"][path]["post"]["requestBody"] = {
+            "required": True, "content": {"application/json": {"schema": schema}}}
+    app.openapi_schema = doc
+    return doc
+
+
+def install(app: FastAPI) -> None:
+    """Serve `build_openapi` at ``/openapi.json``."""
+    app.openapi = lambda: build_openapi(app)  # type: ignore[method-assign]

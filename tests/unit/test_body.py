@@ -1,0 +1,50 @@
+"""Request bodies: every hostile body becomes a 4xx `ApiError`, never an exception."""
+
+import asyncio
+
+import pytest
+
+from serve_rft.explorer.body import MAX_JSON_DEPTH, parse_json, read_body
+from serve_rft.explorer.protocol import ApiError, ChatCompletionRequest, RewardItem
+
+
+@pytest.mark.parametrize("raw", [b"[" * 100_000, b"{\"a\": " * 70 + b"1" + b"}" * 70,
+                                 b'{"seed": ' + b"9" * 5000 + b"}", b"{not json", b"\xff\xfe"])
+def test_hostile_json_is_a_400(raw):
+    with pytest.raises(ApiError) as e:
+        parse_json(raw)
+    assert e.value.status == 400
+
+
+def test_depth_at_the_bound_parses():
+    assert parse_json(b"[" * MAX_JSON_DEPTH + b"]" * MAX_JSON_DEPTH) is not None
+
+
+class _Req:
+    """The two things `read_body` uses of a Starlette request."""
+
+    def __init__(self, chunks, declared=None):
+        self.headers = {"content-length": str(declared)} if declared is not None else {}
+        self._chunks = chunks
+
+    async def stream(self):
+        for c in self._chunks:
+            yield c
+
+
+def test_the_size_bound_holds_while_streaming_and_on_the_declared_length():
+    assert asyncio.run(read_body(_Req([b"ab", b"cd"]), max_bytes=4)) == b"abcd"
+    for req in (_Req([b"abc", b"de"]), _Req([b"a"], declared=5)):
+        with pytest.raises(ApiError) as e:
+            asyncio.run(read_body(req, max_bytes=4))
+        assert e.value.status == 413
+
+
+def test_strict_types_and_vllms_seed_bound():
+    base = {"messages": [{"role": "user", "content": "x"}]}
+    for bad in ({"stream": "yes"}, {"seed": 2**64}, {"n": "2"}, {"logprobs": 1}, {"model": 5}):
+        with pytest.raises(ValueError):
+            ChatCompletionRequest.model_validate({**base, **bad})
+    assert ChatCompletionRequest.model_validate({**base, "seed": 2**63 - 1, "temperature": 1}).seed == 2**63 - 1
+    with pytest.raises(ValueError, match="finite"):
+        RewardItem.model_validate({"completion_id": "c", "reward": 1.0, "info": {"x": float("nan")}})

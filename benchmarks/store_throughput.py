@@ -1,7 +1,7 @@
 """Experience store throughput and the latency logging adds to a request (issue 4).
 
-In one run, on one freshly started embedded redis-server (AOF on, ``appendfsync everysec``, as
-the service runs it):
+In one run, on one freshly started embedded redis-server (AOF on, ``appendfsync everysec`` as
+the service runs it by default, or ``--durability always``: ``buffer.durability``):
 
 1. ``redis-benchmark`` raw rates: SET and XADD with a value the size of one logged experience,
    ``--clients`` connections, no pipelining: the ceiling of this Redis on this machine.
@@ -19,6 +19,8 @@ experience is realistic for the embedded model's traffic: ``--prompt-tokens`` pr
 ``--response-tokens`` response ids with their logprobs.
 
     .venv/bin/python benchmarks/store_throughput.py --out benchmarks/results/store_throughput.json
+    .venv/bin/python benchmarks/store_throughput.py --durability always \
+        --out benchmarks/results/store_throughput_always.json
 """
 
 from __future__ import annotations
@@ -151,13 +153,15 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=40)
     ap.add_argument("--response-tokens", type=int, default=64)
     ap.add_argument("--bench-requests", type=int, default=100000, help="redis-benchmark -n")
+    ap.add_argument("--durability", choices=["everysec", "always"], default="everysec",
+                    help="the AOF's appendfsync (buffer.durability)")
     ap.add_argument("--out", default="benchmarks/results/store_throughput.json")
     a = ap.parse_args()
 
     one = _experience("chatcmpl-size", 0, a.prompt_tokens, a.response_tokens)
     value_bytes = len(one.model_dump_json())
     with tempfile.TemporaryDirectory() as tmp:
-        server = start_redis(Path(tmp) / "redis")
+        server = start_redis(Path(tmp) / "redis", appendfsync=a.durability)
         try:
             raw = redis_benchmark(server.port, a.bench_requests, a.clients, value_bytes)
             print("redis-benchmark", raw, flush=True)
@@ -175,6 +179,7 @@ def main() -> None:
         "command": "python benchmarks/store_throughput.py " + " ".join(
             f"--{k.replace('_', '-')} {v}" for k, v in vars(a).items() if k != "out"),
         "machine": f"{platform.machine()}, {platform.node()}",
+        "durability": a.durability,
         "experience_json_bytes": value_bytes,
         "redis_benchmark_requests_per_s": raw,
         "store": rates,

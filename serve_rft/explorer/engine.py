@@ -269,6 +269,11 @@ class ExplorerEngine:
         await self.llm.finish_weight_update(str(version))
         self.policy_version = version
 
+    async def check_health(self) -> None:
+        """Raises:
+            vllm.v1.engine.exceptions.EngineDeadError: the EngineCore process died."""
+        await self.llm.check_health()
+
     async def resume(self) -> None:
         await self.llm.resume_generation()
 

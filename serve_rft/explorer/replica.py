@@ -98,7 +98,10 @@ class ExplorerReplica:
         return {"draining": self.swap.draining, "policy_version": self.swap.version}
 
     async def check_health(self) -> None:
+        """Serve's health check: raises if the sync loop failed or the vLLM engine died, so Serve
+        replaces this replica (a dead EngineCore would otherwise answer every request with 503)."""
         self.swap.check()
+        await self.engine.check_health()
 
     def __del__(self):
         swap = getattr(self, "swap", None)
@@ -296,9 +299,15 @@ class ExplorerReplica:
             return StreamingResponse(self._stream(req, cid, prompt_ids, params, sampling, t0),
                                      media_type="text/event-stream",
                                      headers=self._headers(self.swap.version))
+        from vllm.v1.engine.exceptions import EngineDeadError
+
         version = self.swap.version
         try:
             response = await self._complete(req, cid, prompt_ids, params, sampling)
+        except EngineDeadError:  # nothing was sent: HAProxy re-sends a 503 to another replica,
+            self.swap.record(version, False, time.perf_counter() - t0)  # and Serve replaces this
+            return _error(ApiError(503, f"replica {self.replica_id}'s engine died; retry on another "
+                                   "replica", type_="service_unavailable", code="engine_dead"), {"Retry-After": "1"})
         except Exception:
             self.swap.record(version, False, time.perf_counter() - t0)
             raise

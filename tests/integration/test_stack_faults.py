@@ -229,9 +229,8 @@ def test_kill_9_of_a_replica_while_it_syncs_fails_only_its_own_requests(stack):
     leftovers = _descendants(pid)  # its vLLM engine processes (ended here after the test)
 
     # hold a's next sync in its drain: long requests in flight on it (a wait-mode drain lets them
-    # finish); versions wait behind a pin until those requests run
-    assert httpx.post(f"{stack.url}/v1/sync/pin", json={"version": st["policy_version"]},
-                      headers=ADMIN).status_code == 200
+    # finish); versions wait behind a pin until those requests run, then a pin to the newest
+    # version makes every replica due at once
     long_started = threading.Semaphore(0)
     long_result: list = []
 
@@ -239,7 +238,7 @@ def test_kill_9_of_a_replica_while_it_syncs_fails_only_its_own_requests(stack):
         try:
             with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/chat/completions", timeout=600, json={
                     "model": "serve-rft", "messages": [{"role": "user", "content": "tell a long story"}],
-                    "max_tokens": 900, "n": 16, "temperature": 1.0, "stream": True}) as r:
+                    "max_tokens": 960, "n": 16, "temperature": 1.0, "stream": True}) as r:
                 first = True
                 for line in r.iter_lines():
                     if first and line.startswith("data:"):
@@ -249,25 +248,43 @@ def test_kill_9_of_a_replica_while_it_syncs_fails_only_its_own_requests(stack):
         except httpx.HTTPError as e:
             long_result.append(repr(e))
 
+    killed = False
     try:
         with Load(stack, users=3) as load:
             t_load = time.time()
-            _wait(lambda: _publishes(stack, t_load), 180, "a version behind the pin")
-            for _ in range(3):
-                threading.Thread(target=long_request, daemon=True).start()
-            for _ in range(3):
-                assert long_started.acquire(timeout=60), "a long request did not start"
-            t_unpin = time.time()
-            assert httpx.post(f"{stack.url}/v1/sync/pin", json={"version": None}, headers=ADMIN).status_code == 200
-            st = _wait(lambda: (lambda s: s if any(r["id"] == a and r["state"] == "REQUIRE_SYNC" for r in s["replicas"])
-                                else None)(_status(stack)), 60, f"{a} syncing", period_s=0.1)
-            assert len(long_result) < 3, (f"the long requests ended {time.time() - t_unpin:.1f} s after the "
-                                          f"unpin, before the sync could be held: {long_result}")
+            for _attempt in range(3):  # the drain must still hold the long requests when a syncs
+                held = _status(stack)["policy_version"]
+                assert httpx.post(f"{stack.url}/v1/sync/pin", json={"version": held},
+                                  headers=ADMIN).status_code == 200
+                newest = _wait(lambda: (v := _status(stack)["policy_version"]) > held and v, 180,
+                               "a version behind the pin")
+                long_result.clear()
+                threads = [threading.Thread(target=long_request, daemon=True) for _ in range(3)]
+                for t in threads:
+                    t.start()
+                for _ in range(3):
+                    assert long_started.acquire(timeout=60), "a long request did not start"
+                assert httpx.post(f"{stack.url}/v1/sync/pin", json={"version": newest},
+                                  headers=ADMIN).status_code == 200
+                _wait(lambda: (lambda s: s if any(r["id"] == a and (r["state"] == "REQUIRE_SYNC"
+                                                                    or r["policy_version"] == newest)
+                                                  for r in s["replicas"]) else None)(_status(stack)),
+                      60, f"{a} syncing", period_s=0.1)
+                st = _status(stack)
+                if len(long_result) < 3 and any(r["id"] == a and r["state"] == "REQUIRE_SYNC" for r in st["replicas"]):
+                    break
+                for t in threads:  # a synced before it could be held, or they ended: set it up again
+                    t.join(timeout=300)
+                httpx.post(f"{stack.url}/v1/sync/pin", json={"version": None}, headers=ADMIN)
+            else:
+                pytest.fail(f"a's sync was never held by its in-flight requests in 3 attempts: {long_result}")
             t_kill = time.time()
             os.kill(pid, signal.SIGKILL)
+            killed = True
             lost = _wait(lambda: [e for e in _events(stack, t_kill) if e["kind"] == "lost" and e["component"] == a],
                          10, "the synchronizer to learn of the death")
             assert lost[0]["t"] - t_kill < 3.0, lost
+            httpx.post(f"{stack.url}/v1/sync/pin", json={"version": None}, headers=ADMIN)
             # Serve replaces the replica; the replacement loads the latest version before serving
             st = _wait(lambda: (lambda s: s if len(_live(s)) >= 2 and a not in {r["id"] for r in _live(s)}
                                 else None)(_status(stack)), 300, "a replacement replica", period_s=2.0)
@@ -282,11 +299,12 @@ def test_kill_9_of_a_replica_while_it_syncs_fails_only_its_own_requests(stack):
               LAG_S + 10, "every replica, the replacement too, on the incumbent version")
     finally:
         httpx.post(f"{stack.url}/v1/sync/pin", json={"version": None}, headers=ADMIN)
-        for child in leftovers:  # vLLM's engine processes outlive a SIGKILLed replica (not this test's subject)
-            try:
-                os.kill(child, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        if killed:  # vLLM's engine processes outlive a SIGKILLed replica (issue 14; not this test's subject)
+            for child in leftovers:
+                try:
+                    os.kill(child, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
     assert any(not isinstance(x, int) for x in long_result), long_result  # in flight on a: broken by the kill
 
 

@@ -18,7 +18,8 @@ local function release(P, gid)
     local st = P..':st:'..cid
     local reward = redis.call('HGET', st, 'r'..i)
     if exp and reward then
-      redis.call('XADD', P..':ready', '*', 'exp', exp, 'reward', reward, 'member', m)
+      local prompt = redis.call('GET', P..':pr:'..cid) or ''
+      redis.call('XADD', P..':ready', '*', 'exp', exp, 'reward', reward, 'member', m, 'prompt', prompt)
       redis.call('HSET', st, i, 'ready')
       n = n + 1
     end
@@ -40,7 +41,8 @@ end
 """
 
 LOG = """
--- ARGV: P, cid, n, gid, group_size, ttl_pending, ttl_long, now, deadline, conv, version, exp_1..exp_n
+-- ARGV: P, cid, n, gid, group_size, ttl_pending, ttl_long, now, deadline, conv, version, prompt,
+-- exp_1..exp_n (the prompt's token ids once per completion; each choice's JSON without them)
 local P, cid, n, gid = ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4]
 local ttl_p, ttl_l = tonumber(ARGV[6]), tonumber(ARGV[7])
 local cmp = P..':cmp:'..cid
@@ -54,11 +56,12 @@ redis.call('HSETNX', g, 'size', ARGV[5])
 redis.call('HINCRBY', g, 'logged', n)
 redis.call('EXPIRE', g, ttl_l)
 for i = 0, n - 1 do
-  redis.call('SET', P..':exp:'..cid..':'..i, ARGV[12 + i], 'EX', ttl_p)
+  redis.call('SET', P..':exp:'..cid..':'..i, ARGV[13 + i], 'EX', ttl_p)
   redis.call('ZADD', P..':pending', ARGV[9], cid..':'..i)
   redis.call('HSET', st, tostring(i), 'pending')
 end
 redis.call('EXPIRE', st, ttl_l)
+redis.call('SET', P..':pr:'..cid, ARGV[12], 'EX', ttl_l)
 if ARGV[10] ~= '' then
   local ck = P..':conv:'..ARGV[10]
   redis.call('RPUSH', ck, cid)
@@ -95,6 +98,8 @@ redis.call('HSET', st, 'r'..i, ARGV[4], i, 'rewarded')
 if ARGV[5] ~= '' then redis.call('HSET', st, 'info'..i, ARGV[5]) end
 redis.call('EXPIRE', st, ttl)
 redis.call('EXPIRE', ek, ttl)
+local pk = P..':pr:'..cid
+if redis.call('TTL', pk) < ttl then redis.call('EXPIRE', pk, ttl) end
 redis.call('ZREM', P..':pending', cid..':'..i)
 redis.call('HINCRBY', P..':stat', 'rewarded', 1)
 -- per policy version and generation time (REWARD_BUCKET_S buckets): what canary verdicts compare

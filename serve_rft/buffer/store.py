@@ -10,7 +10,10 @@ Schema (``P`` = ``buffer.key_prefix``; ``{cid}`` a completion id, ``{i}`` a choi
 =====================  ======  =============================================================
 key                    type    meaning
 =====================  ======  =============================================================
-``P:exp:{cid}:{i}``    string  Experience JSON. TTL ``reward_timeout_s`` while pending,
+``P:pr:{cid}``         string  The completion's prompt token ids (JSON), once for all its
+                               choices; kept as long as its longest-kept choice.
+``P:exp:{cid}:{i}``    string  Experience JSON without the prompt (``P:pr:{cid}`` holds it).
+                               TTL ``reward_timeout_s`` while pending,
                                ``reward_timeout_s + trained_ttl_s`` from its reward (a
                                held member outlives its group's longest hold); deleted when it
                                expires.
@@ -28,7 +31,8 @@ key                    type    meaning
                                ``group_timeout_s``; then + ``reward_timeout_s``).
 ``P:pending``          zset    ``{cid}:{i}`` awaiting a reward, scored by its deadline.
 ``P:conv:{conv}``      list    Completion ids of a conversation's turns, in order.
-``P:ready``            stream  Released experiences (fields ``exp``, ``reward``, ``member``);
+``P:ready``            stream  Released experiences (fields ``exp``, ``reward``, ``member``,
+                               ``prompt``);
                                consumer group ``trainer``; XACK + XDEL once trained.
 ``P:stat``             hash    Counters: logged, rewarded, ready, trained, expired,
                                stale_dropped, groups_timed_out, dead_lettered.
@@ -139,6 +143,14 @@ class DeadLetter:
     reward: str = ""
 
 
+def _experience(exp_json: str, prompt_json: str | None) -> Experience:
+    """An experience from its stored JSON and its completion's prompt ids (stored once per
+    completion, ``P:pr:{cid}``; an experience logged with its prompt inline has none)."""
+    if not prompt_json:
+        return Experience.model_validate_json(exp_json)
+    return Experience.model_validate({**json.loads(exp_json), "prompt_token_ids": json.loads(prompt_json)})
+
+
 def _parse(entries: list[tuple[str, dict]]) -> tuple[list[RewardedExperience], list[DeadLetter]]:
     """Stream entries -> (experiences, entries that do not parse). An entry deleted while
     pending has no fields: skipped."""
@@ -147,7 +159,7 @@ def _parse(entries: list[tuple[str, dict]]) -> tuple[list[RewardedExperience], l
         if not f:
             continue
         try:
-            good.append(RewardedExperience(experience=Experience.model_validate_json(f["exp"]),
+            good.append(RewardedExperience(experience=_experience(f["exp"], f.get("prompt")),
                                            reward=float(f["reward"]), stream_id=entry_id))
         except (KeyError, ValueError, TypeError) as e:  # pydantic's ValidationError is a ValueError
             bad.append(DeadLetter(entry_id, str(f.get("member", "")), f"unparseable: {str(e)[:200]}",
@@ -242,14 +254,18 @@ class ExperienceStore:
             raise StoreFull(str(e)) from None
 
     async def _log_script(self, exps, cid, gid, group_size, now, conversation_id) -> None:
+        prompt = json.dumps(exps[0].prompt_token_ids, separators=(",", ":"))
         await self._log(args=[self.p, cid, len(exps), gid, group_size,
                               max(1, math.ceil(self.reward_timeout_s)), self._long_ttl(), now,
                               now + self.reward_timeout_s, conversation_id or "",
-                              min(e.min_version for e in exps), *[e.model_dump_json() for e in exps]])
+                              min(e.min_version for e in exps), prompt,
+                              *[e.model_dump_json(exclude={"prompt_token_ids"}) for e in exps]])
 
     async def get_experience(self, completion_id: str, choice_index: int) -> Experience | None:
-        raw = await self.redis.get(self._k("exp", completion_id, str(choice_index)))
-        return Experience.model_validate_json(raw) if raw else None
+        """One choice's experience (its prompt joined back in), or None once it expired."""
+        raw, prompt = await self.redis.mget(self._k("exp", completion_id, str(choice_index)),
+                                            self._k("pr", completion_id))
+        return _experience(raw, prompt) if raw else None
 
     async def post_reward(self, completion_id: str, choice_index: int, reward: float,
                           info: dict | None = None) -> bool:

@@ -375,3 +375,21 @@ def test_a_full_store_refuses_new_writes_cleanly_and_still_drains(tmp_path):
         run(go())
     finally:
         server.stop()
+
+
+def test_the_prompt_is_stored_once_per_completion_and_joined_back_on_every_read(store_factory):
+    async def go():
+        s = store_factory()
+        exps = [_exp("chatcmpl-p", i).model_copy(update={"prompt_token_ids": list(range(500))}) for i in range(4)]
+        await s.log_experiences(exps)
+        raw = await s.redis.get(s._k("exp", "chatcmpl-p", "2"))
+        assert "prompt_token_ids" not in raw and len(raw) < 600  # 500 ids would be ~2 KB more
+        assert (await s.get_experience("chatcmpl-p", 2)).prompt_token_ids == list(range(500))
+        await s.ensure_group()
+        for i in range(4):
+            await s.post_reward("chatcmpl-p", i, float(i))
+        got = await s.read_ready("t", 10, block_ms=10)
+        assert len(got) == 4 and all(b.experience.prompt_token_ids == list(range(500)) for b in got)
+        assert await s.redis.ttl(s._k("pr", "chatcmpl-p")) >= await s.redis.ttl(s._k("exp", "chatcmpl-p", "0"))
+        await s.close()
+    run(go())

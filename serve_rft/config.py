@@ -121,6 +121,11 @@ class BufferConfig(_Strict):
     group_timeout_s: float = Field(
         60.0, gt=0, description="A group with >= 2 rewarded answers is trained this long after its "
         "first reward even if other members have no reward yet, s.")
+    max_ready: int | None = Field(
+        100_000, ge=1, description="Bound of the ready stream (rewarded experiences waiting for the "
+        "trainer). Past it the oldest entries not yet delivered to the trainer are dropped (state "
+        "backlog-dropped, counted): what nothing consumes (serve-only mode, a trainer slower than the "
+        "traffic) cannot grow without bound. None: unbounded.")
     durability: Literal["everysec", "always"] = Field(
         "everysec", description="Embedded redis-server's AOF fsync (appendfsync): everysec = an "
         "acknowledged reward or experience is lost in a crash of the machine only if it was written in "

@@ -136,10 +136,12 @@ return {201, ARGV[4]}
 """
 
 SWEEP = ALLOW_OOM + _COMMON + """
--- ARGV: P, now, reward_timeout_s, limit ; expire pending experiences, release timed-out groups,
--- at most `limit` of each per call (one call never blocks Redis for long; the caller loops)
--- returns {expired, groups released by timeout}
+-- ARGV: P, now, reward_timeout_s, limit, max_ready ; expire pending experiences, release timed-out
+-- groups, drop the oldest undelivered ready entries past max_ready (0: no bound), at most `limit`
+-- of each per call (one call never blocks Redis for long; the caller loops)
+-- returns {expired, groups released by timeout, ready entries dropped}
 local P, now, rto, lim = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
+local max_ready = tonumber(ARGV[5])
 local gone = redis.call('ZRANGEBYSCORE', P..':pending', '-inf', now, 'LIMIT', 0, lim)
 for _, m in ipairs(gone) do
   redis.call('ZREM', P..':pending', m)
@@ -167,7 +169,34 @@ for _, gid in ipairs(redis.call('ZRANGEBYSCORE', P..':gdl', '-inf', now, 'LIMIT'
   end
 end
 if timed_out > 0 then redis.call('HINCRBY', P..':stat', 'groups_timed_out', timed_out) end
-return {#gone, timed_out}
+-- the ready stream past max_ready: nothing consumes it fast enough (serve-only mode, a trainer
+-- slower than the traffic); the oldest entries not yet delivered to the trainer are dropped,
+-- each choice marked and counted (entries a trainer holds are never touched)
+local shed = 0
+local rk = P..':ready'
+local excess = max_ready > 0 and redis.call('XLEN', rk) - max_ready or 0
+if excess > 0 then
+  local after = '-'
+  if redis.call('EXISTS', rk) == 1 then
+    for _, g in ipairs(redis.call('XINFO', 'GROUPS', rk)) do
+      local info = {}
+      for j = 1, #g, 2 do info[g[j]] = g[j + 1] end
+      if info['name'] == 'trainer' then after = '(' .. info['last-delivered-id'] end
+    end
+  end
+  if after == '(0-0' then after = '-' end
+  for _, e in ipairs(redis.call('XRANGE', rk, after, '+', 'COUNT', math.min(excess, lim))) do
+    local f = {}
+    for j = 1, #e[2], 2 do f[e[2][j]] = e[2][j + 1] end
+    local m = f['member'] or ''
+    local sep = string.find(m, ':[^:]*$')
+    if sep then redis.call('HSET', P..':st:'..string.sub(m, 1, sep - 1), string.sub(m, sep + 1), 'backlog-dropped') end
+    redis.call('XDEL', rk, e[1])
+    shed = shed + 1
+  end
+  if shed > 0 then redis.call('HINCRBY', P..':stat', 'backlog_dropped', shed) end
+end
+return {#gone, timed_out, shed}
 """
 
 ACK = ALLOW_OOM + """

@@ -35,7 +35,8 @@ key                    type    meaning
                                ``prompt``);
                                consumer group ``trainer``; XACK + XDEL once trained.
 ``P:stat``             hash    Counters: logged, rewarded, ready, trained, expired,
-                               stale_dropped, groups_timed_out, dead_lettered.
+                               stale_dropped, groups_timed_out, dead_lettered,
+                               backlog_dropped (ready entries past ``max_ready``).
 ``P:dead``             stream  Dead letters: ready entries that cannot be trained (fields ``id``,
                                ``member``, ``reason``, ``exp``, ``reward``), about
                                ``DEAD_LETTER_MAXLEN`` newest kept.
@@ -118,6 +119,7 @@ class StoreCounts:
     stale_dropped: int
     groups_timed_out: int
     dead_lettered: int = 0
+    backlog_dropped: int = 0
 
 
 @dataclass
@@ -181,11 +183,13 @@ class ExperienceStore:
         trained_ttl_s: how long rewarded / trained experiences stay readable, s.
         group_timeout_s: a group with >= 2 rewarded members is released this long after its
             first reward even if other members are still pending, s.
+        max_ready: bound of the ready stream (None: none); past it, `sweep` drops the oldest
+            entries not yet delivered to the trainer.
     """
 
     def __init__(self, url: str, prefix: str = "srft", reward_timeout_s: float = 3600.0,
                  trained_ttl_s: float = 86400.0, group_timeout_s: float = 60.0,
-                 reconnect_s: float = 30.0):
+                 reconnect_s: float = 30.0, max_ready: int | None = None):
         # A Redis restart (AOF reload) must not kill a replica's logging or the trainer's loop:
         # redis-py retries a command on a dropped connection with exponential backoff for
         # about ``reconnect_s`` seconds, then raises.
@@ -201,6 +205,7 @@ class ExperienceStore:
         self.reward_timeout_s = reward_timeout_s
         self.trained_ttl_s = trained_ttl_s
         self.group_timeout_s = group_timeout_s
+        self.max_ready = max_ready
         self._log = self.redis.register_script(scripts.LOG)
         self._reward = self.redis.register_script(scripts.REWARD)
         self._sweep = self.redis.register_script(scripts.SWEEP)
@@ -211,7 +216,8 @@ class ExperienceStore:
     def from_config(cls, buffer_cfg) -> "ExperienceStore":
         """A store for a `serve_rft.config.BufferConfig` (its ``redis_url`` must be set)."""
         return cls(buffer_cfg.redis_url, buffer_cfg.key_prefix, buffer_cfg.reward_timeout_s,
-                   buffer_cfg.trained_ttl_s, buffer_cfg.group_timeout_s, buffer_cfg.reconnect_s)
+                   buffer_cfg.trained_ttl_s, buffer_cfg.group_timeout_s, buffer_cfg.reconnect_s,
+                   buffer_cfg.max_ready)
 
     def _k(self, *parts: str) -> str:
         return ":".join((self.p, *parts))
@@ -368,9 +374,10 @@ class ExperienceStore:
         return out
 
     async def sweep(self, now: float | None = None) -> tuple[int, int]:
-        """Expire pending experiences past their deadline and release timed-out groups, in
-        script calls of at most `SWEEP_BATCH` of each (a backlog of a million expiries never
-        holds Redis in one long script).
+        """Expire pending experiences past their deadline, release timed-out groups, and drop
+        the oldest undelivered ready entries past ``max_ready`` (state ``backlog-dropped``,
+        counted), in script calls of at most `SWEEP_BATCH` of each (a backlog of a million
+        expiries never holds Redis in one long script).
 
         Returns:
             (experiences expired, groups released by timeout) in this call; both counted.
@@ -378,9 +385,10 @@ class ExperienceStore:
         now = now if now is not None else time.time()
         expired = released = 0
         while True:
-            e, r = await self._sweep(args=[self.p, now, self.reward_timeout_s, SWEEP_BATCH])
+            e, r, shed = await self._sweep(args=[self.p, now, self.reward_timeout_s, SWEEP_BATCH,
+                                                 self.max_ready or 0])
             expired, released = expired + int(e), released + int(r)
-            if int(e) < SWEEP_BATCH and int(r) < SWEEP_BATCH:
+            if int(e) < SWEEP_BATCH and int(r) < SWEEP_BATCH and int(shed) < SWEEP_BATCH:
                 return expired, released
 
     async def counts(self) -> StoreCounts:
@@ -396,7 +404,8 @@ class ExperienceStore:
                            logged=s.get("logged", 0), rewarded=rewarded, trained=s.get("trained", 0),
                            expired=s.get("expired", 0), stale_dropped=s.get("stale_dropped", 0),
                            groups_timed_out=s.get("groups_timed_out", 0),
-                           dead_lettered=s.get("dead_lettered", 0))
+                           dead_lettered=s.get("dead_lettered", 0),
+                           backlog_dropped=s.get("backlog_dropped", 0))
 
     async def ensure_group(self) -> None:
         """Create the trainer's consumer group on the ready stream (idempotent)."""

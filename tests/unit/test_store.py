@@ -332,7 +332,7 @@ def test_a_sweep_works_in_bounded_script_calls_and_misses_nothing(store_factory,
         real = s._sweep
 
         async def counted(args):
-            calls.append(args[-1])
+            calls.append(args[3])
             return await real(args=args)
         s._sweep = counted
         assert await s.sweep(now=10**10) == (20, 0)
@@ -391,5 +391,27 @@ def test_the_prompt_is_stored_once_per_completion_and_joined_back_on_every_read(
         got = await s.read_ready("t", 10, block_ms=10)
         assert len(got) == 4 and all(b.experience.prompt_token_ids == list(range(500)) for b in got)
         assert await s.redis.ttl(s._k("pr", "chatcmpl-p")) >= await s.redis.ttl(s._k("exp", "chatcmpl-p", "0"))
+        await s.close()
+    run(go())
+
+
+def test_the_ready_stream_is_bounded_by_dropping_the_oldest_undelivered_entries(store_factory):
+    async def go():
+        s = store_factory(max_ready=4)
+        for k in range(6):  # serve-only: nothing consumes
+            await s.log_experiences([_exp(f"chatcmpl-r{k}", 0)])
+            await s.post_reward(f"chatcmpl-r{k}", 0, 1.0)
+        c = await s.counts()  # counts() sweeps
+        assert (c.ready, c.backlog_dropped) == (4, 2)
+        assert [x.state for x in await s.choices("chatcmpl-r0")] == ["backlog-dropped"]
+        assert [x.state for x in await s.choices("chatcmpl-r2")] == ["ready"]
+        await s.ensure_group()
+        held = await s.read_ready("t", 3, block_ms=10)  # a trainer holds three
+        for k in range(6, 9):
+            await s.log_experiences([_exp(f"chatcmpl-r{k}", 0)])
+            await s.post_reward(f"chatcmpl-r{k}", 0, 1.0)
+        c = await s.counts()
+        assert c.ready == 4 and c.backlog_dropped == 5
+        assert [b.member for b in await s.delivered("t")] == [b.member for b in held]  # never touched
         await s.close()
     run(go())

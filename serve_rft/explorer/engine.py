@@ -69,6 +69,7 @@ class ExplorerEngine:
         self.adapters: dict[int, object] = {}
         self.adapter_dir = Path(_shm_path("adapters", ""))  # adapters received in memory
         self.world_size = 1
+        self.engine_pids: list[int] = []  # processes running the model (the EngineCore on CPU)
         self.nccl_update_info: dict | None = None
 
     @classmethod
@@ -111,6 +112,8 @@ class ExplorerEngine:
         llm = AsyncLLM.from_engine_args(args)
         engine = cls(llm, 0, replica_id, adapter_sync=lora_rank is not None)
         await llm.update_weight_version("0")
+        # the engine's processes end when this process does, even by SIGKILL (no orphans)
+        engine.engine_pids = await llm.collective_rpc("watch_replica", kwargs={"pid": os.getpid()})
         return engine
 
     def generate(self, prompt_token_ids: list[int], sampling_params, request_id: str,

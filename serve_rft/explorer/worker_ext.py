@@ -18,6 +18,37 @@ from __future__ import annotations
 class PolicyWeightsExtension:
     """Methods run in every vLLM worker of an explorer replica."""
 
+    def watch_replica(self, pid: int, period_s: float = 0.5) -> int:
+        """End this process once the replica process ``pid`` is gone, whatever killed it.
+
+        vLLM's EngineCore is a child of the replica; when the replica dies by SIGKILL nothing
+        tells it, and it kept running as an orphan holding the model (~2.4 GB here, the GPU
+        memory the replacement needs on a GPU). On CPU (and single-GPU) the worker runs inside
+        the EngineCore, so this ends the EngineCore; vLLM's multiprocess workers watch their
+        EngineCore themselves. Idempotent.
+
+        Returns:
+            This process's pid.
+        """
+        import os
+        import threading
+        import time
+
+        if getattr(self, "_replica_watch", None) is None:
+            def watch() -> None:
+                while True:
+                    time.sleep(period_s)
+                    try:
+                        os.kill(pid, 0)
+                    except ProcessLookupError:
+                        os._exit(1)  # the replica is gone: nothing here can be used again
+                    except PermissionError:  # alive (another user's pid cannot be ours)
+                        pass
+
+            self._replica_watch = threading.Thread(target=watch, name="serve-rft-replica-watch", daemon=True)
+            self._replica_watch.start()
+        return os.getpid()
+
     def load_policy_weights(self, weights_path: str) -> None:
         """Reload all weights from a checkpoint folder (``config.json`` + ``*.safetensors``).
 

@@ -121,6 +121,11 @@ class BufferConfig(_Strict):
     group_timeout_s: float = Field(
         60.0, gt=0, description="A group with >= 2 rewarded answers is trained this long after its "
         "first reward even if other members have no reward yet, s.")
+    store_wait_s: float = Field(
+        5.0, gt=0, description="How long a request waits for the store (a Redis restart, an outage). "
+        "Past it a chat completion is answered anyway, not logged (counted: unlogged, reason "
+        "store_unavailable), a reward gets 503 + Retry-After (nothing lost: retrying is safe) and "
+        "/v1/status answers with store: unavailable.")
     max_ready: int | None = Field(
         100_000, ge=1, description="Bound of the ready stream (rewarded experiences waiting for the "
         "trainer). Past it the oldest entries not yet delivered to the trainer are dropped (state "

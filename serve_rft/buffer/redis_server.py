@@ -92,3 +92,89 @@ def start_redis(data_dir: str | Path, port: int | None = None, timeout_s: float 
             time.sleep(0.05)
     server.stop()
     raise RuntimeError(f"redis-server on port {port} did not answer within {timeout_s} s")
+
+
+class RedisSupervisor:
+    """Keeps the embedded redis-server running: when its process dies (kill -9, OOM killer), it
+    is started again on the same port and data directory, so it reloads its AOF and every
+    client's retrying connection (`serve_rft.buffer.store`, ``buffer.reconnect_s``) finds it.
+
+    Restarts are bounded: at most ``max_restarts`` within ``window_s`` seconds, each after an
+    exponential backoff (0.5 s doubling, at most 8 s); past the bound it gives up, logs the
+    reason and keeps it in ``failed`` (a crash loop is not hidden behind restarts). Each restart
+    is logged and counted (``restarts``; and ``redis_restarts`` in the store's ``P:stat`` when
+    ``key_prefix`` is given). Same interface as `RedisServer` for its owner (``url``, ``pid``,
+    ``stop``).
+
+    Raises (constructor):
+        Whatever `start_redis` raises for the first start.
+    """
+
+    def __init__(self, data_dir: str | Path, appendfsync: str = "everysec",
+                 maxmemory_bytes: int | None = None, key_prefix: str | None = None,
+                 max_restarts: int = 5, window_s: float = 300.0, poll_s: float = 0.5):
+        import threading
+
+        self._args = dict(appendfsync=appendfsync, maxmemory_bytes=maxmemory_bytes)
+        self.data_dir = Path(data_dir)
+        self.server = start_redis(self.data_dir, **self._args)
+        self.port = self.server.port
+        self.key_prefix = key_prefix
+        self.max_restarts, self.window_s, self.poll_s = max_restarts, window_s, poll_s
+        self.restarts = 0
+        self.failed: str | None = None
+        self._recent: list[float] = []
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="redis-supervisor", daemon=True)
+        self._thread.start()
+
+    @property
+    def url(self) -> str:
+        return self.server.url
+
+    @property
+    def pid(self) -> int:
+        return self.server.pid
+
+    def _watch(self) -> None:
+        import logging
+
+        log = logging.getLogger("serve_rft.buffer")
+        while not self._stopping.wait(self.poll_s):
+            if self.server.proc.poll() is None:
+                continue
+            code = self.server.proc.returncode
+            now = time.monotonic()
+            self._recent = [t for t in self._recent if now - t < self.window_s]
+            if len(self._recent) >= self.max_restarts:
+                self.failed = (f"redis-server died {len(self._recent) + 1} times in {self.window_s:.0f} s "
+                               f"(last exit {code}); not restarted again: see {self.data_dir}/redis.log")
+                log.error(self.failed)
+                return
+            time.sleep(min(8.0, 0.5 * 2 ** len(self._recent)))
+            if self._stopping.is_set():
+                return
+            self._recent.append(time.monotonic())
+            try:
+                self.server = start_redis(self.data_dir, port=self.port, **self._args)
+            except (RuntimeError, OSError) as e:  # e.g. the port not yet free: the next poll retries
+                log.warning("restarting redis-server failed (%s); retrying", e)
+                continue
+            self.restarts += 1
+            log.warning("redis-server (exit %s) restarted from its AOF on port %d, pid %d (restart %d)",
+                        code, self.port, self.server.pid, self.restarts)
+            self._record()
+
+    def _record(self) -> None:
+        if self.key_prefix is None:
+            return
+        with socket.create_connection(("127.0.0.1", self.port), timeout=2.0) as s:
+            key = f"{self.key_prefix}:stat".encode()
+            s.sendall(b"*4\r\n$7\r\nHINCRBY\r\n$%d\r\n%s\r\n$14\r\nredis_restarts\r\n$1\r\n1\r\n" % (len(key), key))
+            s.recv(64)
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Stop watching, then stop the server (SIGTERM, SIGKILL after ``timeout_s``)."""
+        self._stopping.set()
+        self._thread.join(timeout=5.0)
+        self.server.stop(timeout_s)

@@ -120,6 +120,7 @@ class StoreCounts:
     groups_timed_out: int
     dead_lettered: int = 0
     backlog_dropped: int = 0
+    redis_restarts: int = 0
 
 
 @dataclass
@@ -405,7 +406,8 @@ class ExperienceStore:
                            expired=s.get("expired", 0), stale_dropped=s.get("stale_dropped", 0),
                            groups_timed_out=s.get("groups_timed_out", 0),
                            dead_lettered=s.get("dead_lettered", 0),
-                           backlog_dropped=s.get("backlog_dropped", 0))
+                           backlog_dropped=s.get("backlog_dropped", 0),
+                           redis_restarts=s.get("redis_restarts", 0))
 
     async def ensure_group(self) -> None:
         """Create the trainer's consumer group on the ready stream (idempotent)."""

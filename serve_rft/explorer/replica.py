@@ -24,6 +24,7 @@ from typing import Any, AsyncIterator
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
+from redis.exceptions import RedisError
 
 from serve_rft.buffer.store import ExperienceStore, StoreFull
 from serve_rft.config import Config
@@ -139,9 +140,21 @@ class ExplorerReplica:
 
     @app.get("/health")
     async def health(self) -> JSONResponse:
-        return JSONResponse({"status": "ok", "replica": self.replica_id,
-                             "policy_version": self.swap.version, "draining": self.swap.draining},
-                            headers=self._headers(self.swap.version))
+        """Readiness: 503 when the engine died (nothing can be served here); 200 otherwise, with
+        ``store`` ok / unavailable (chat is still served while the store is away, unlogged)."""
+        engine_ok = not self.engine.llm.errored
+        store_ok = await self._store_ok()
+        return JSONResponse({"status": ("ok" if store_ok else "degraded") if engine_ok else "engine_dead",
+                             "replica": self.replica_id, "policy_version": self.swap.version,
+                             "draining": self.swap.draining, "engine": "ok" if engine_ok else "dead",
+                             "store": "ok" if store_ok else "unavailable"},
+                            status_code=200 if engine_ok else 503, headers=self._headers(self.swap.version))
+
+    async def _store_ok(self, timeout_s: float = 0.5) -> bool:
+        try:
+            return await asyncio.wait_for(self.store.ping(), timeout_s)
+        except (asyncio.TimeoutError, RedisError):
+            return False
 
     @app.get("/v1/models")
     async def models(self, request: Request) -> JSONResponse:
@@ -158,8 +171,11 @@ class ExplorerReplica:
         if (refused := self._refused(request)) is not None:
             return refused
         sync_status = await self.sync.status.remote()
-        counts = await self.store.counts()
-        sync_status["experiences"] = counts.__dict__
+        try:
+            counts = await asyncio.wait_for(self.store.counts(), self.cfg.buffer.store_wait_s)
+            sync_status["experiences"], sync_status["store"] = counts.__dict__, "ok"
+        except (asyncio.TimeoutError, RedisError):  # the store is away: say so, do not hang
+            sync_status["experiences"], sync_status["store"] = None, "unavailable"
         trainer = self._trainer()
         if trainer is not None:
             t = await trainer.status.remote()
@@ -245,9 +261,14 @@ class ExplorerReplica:
                 raise ApiError(422, msg, param) from None
             except ValueError as e:
                 raise ApiError(422, str(e)) from None
-            results = await rewards_api.post_rewards(self.store, req)
+            try:
+                results = await asyncio.wait_for(rewards_api.post_rewards(self.store, req),
+                                                 self.cfg.buffer.store_wait_s)
+            except (asyncio.TimeoutError, RedisError):  # recorded items answer duplicate on retry
+                raise ApiError(503, "the experience store is unavailable; retry (items already recorded "
+                               "answer duplicate)", type_="service_unavailable", code="store_unavailable") from None
         except ApiError as e:
-            return _error(e)
+            return _error(e, {"Retry-After": "2"} if e.status == 503 else None)
         self.metrics.reward_results(results)
         status = rewards_api.batch_status(results)
         body: dict = {"object": "list", "data": results}
@@ -378,13 +399,17 @@ class ExplorerReplica:
         exps = fmt.build_experiences(cid, self.replica_id, prompt_ids, accs, sampling, created_at, version,
                                      group)
         try:
-            await self.store.log_experiences(exps, group_size=req.group_size if group else None,
-                                             conversation_id=req.conversation_id)
-        except StoreFull:  # backpressure (buffer.maxmemory_mb): the user is served, the loss counted
+            await asyncio.wait_for(self.store.log_experiences(exps, group_size=req.group_size if group else None,
+                                                              conversation_id=req.conversation_id),
+                                   self.cfg.buffer.store_wait_s)
+        except (StoreFull, asyncio.TimeoutError, RedisError) as e:
+            # the user is served, the loss counted: the store is full (buffer.maxmemory_mb) or
+            # away longer than buffer.store_wait_s (a timed-out call may still have landed)
+            reason = "store_full" if isinstance(e, StoreFull) else "store_unavailable"
             self.unlogged += len(exps)
             self.metrics.served(len(prompt_ids), sum(len(c.token_ids) for c in accs), 0,
-                                unlogged=len(exps), reason="store_full")
-            log.warning("experience store full: completion %s served, not logged", cid)
+                                unlogged=len(exps), reason=reason)
+            log.warning("experience store %s: completion %s served, not logged", reason, cid)
             return
         self.experiences_logged += len(exps)
         self.metrics.served(len(prompt_ids), sum(len(c.token_ids) for c in accs), len(exps))

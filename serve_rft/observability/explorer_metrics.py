@@ -34,7 +34,8 @@ class ExplorerMetrics:
                               description="Experiences written to the store.", tag_keys=("replica",))
         self.unlogged = Counter("serve_rft_experiences_unlogged_total",
                                 description="Choices served and not logged, by reason (store_false: the "
-                                "client's store=false; store_full: Redis past maxmemory).",
+                                "client's store=false; store_full: Redis past maxmemory; "
+                                "store_unavailable: Redis away longer than buffer.store_wait_s).",
                                 tag_keys=("replica", "reason"))
         self.rewards = Counter("serve_rft_rewards_total", description="Rewards posted, by result.",
                                tag_keys=("replica", "result"))

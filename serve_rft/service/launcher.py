@@ -25,7 +25,7 @@ from typing import Callable
 
 import httpx
 
-from serve_rft.buffer.redis_server import RedisServer, free_port, start_redis
+from serve_rft.buffer.redis_server import RedisSupervisor, free_port
 from serve_rft.config import Config
 from serve_rft.service.ingress import HAPROXY_FLAG, haproxy_env
 from serve_rft.model.embedded import resolve_model_path
@@ -51,7 +51,7 @@ class ServiceStack:
         self.cfg = cfg.model_copy(deep=True)
         if mode == "serve":
             self.cfg.trainer.enabled = False
-        self.redis: RedisServer | None = None
+        self.redis: RedisSupervisor | None = None
         self.url = ""
         self.model_path: Path | None = None
         self.started_ray = False
@@ -83,8 +83,9 @@ class ServiceStack:
         check_mode(cfg, self.mode)
         if not cfg.buffer.redis_url:
             b = cfg.buffer
-            self.redis = start_redis(run_dir / "redis", appendfsync=b.durability,
-                                     maxmemory_bytes=b.maxmemory_mb * 2**20 if b.maxmemory_mb else None)
+            self.redis = RedisSupervisor(run_dir / "redis", appendfsync=b.durability,
+                                         maxmemory_bytes=b.maxmemory_mb * 2**20 if b.maxmemory_mb else None,
+                                         key_prefix=b.key_prefix)
             cfg.buffer.redis_url = self.redis.url
         if cfg.service.port == 0:
             cfg.service.port = free_port(cfg.service.host)

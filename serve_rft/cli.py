@@ -7,6 +7,8 @@ Every command that takes a config accepts ``--config FILE`` (YAML) and any numbe
 
 from __future__ import annotations
 
+import contextlib
+
 import json
 import sys
 import time
@@ -70,6 +72,18 @@ class Mode(str, Enum):
     train = "train"
 
 
+def _progress(status):
+    """Start-up progress: the spinner's text on a terminal, one line per new step elsewhere."""
+    said: list[str] = []
+
+    def show(msg: str) -> None:
+        status.update(msg)
+        if not console.is_terminal and (not said or said[-1] != msg):
+            console.print(f"[serve-rft] {msg}", highlight=False)
+            said.append(msg)
+    return show
+
+
 @cli.command()
 def up(config: Optional[Path] = ConfigOpt, sets: list[str] = SetOpt, model: Optional[str] = ModelOpt,
        port: Optional[int] = PortOpt,
@@ -95,7 +109,9 @@ def up(config: Optional[Path] = ConfigOpt, sets: list[str] = SetOpt, model: Opti
     except ValueError as e:
         console.print(f"[red]config error:[/red] {e}")
         raise typer.Exit(2) from None
-    with ServiceStack(cfg, mode.value) as stack:
+    with contextlib.ExitStack() as running:
+        with console.status("starting serve_rft") as status:  # says what start-up waits for
+            stack = running.enter_context(ServiceStack(cfg, mode.value, progress=_progress(status)))
         what = f"at {stack.url}" if stack.url else "(training)"
         console.print(f"[green]serve_rft up --mode {mode.value}[/green] {what} "
                       f"(model {stack.model_path}, started in {stack.startup_seconds:.1f} s)")

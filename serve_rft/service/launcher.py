@@ -44,7 +44,8 @@ class ServiceStack:
         ValueError: an unknown ``mode``.
     """
 
-    def __init__(self, cfg: Config, mode: str = "both"):
+    def __init__(self, cfg: Config, mode: str = "both", progress: Callable[[str], None] | None = None):
+        """``progress`` is told, in words, what start-up is doing or waiting for (the CLI shows it)."""
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
         self.mode = mode
@@ -58,6 +59,7 @@ class ServiceStack:
         self.metrics_url = ""  # Ray's Prometheus endpoint when this process started Ray
         self.startup_seconds = 0.0
         self.ray_address = ""
+        self.progress = progress or (lambda _msg: None)
 
     def __enter__(self) -> "ServiceStack":
         try:
@@ -83,6 +85,7 @@ class ServiceStack:
         check_mode(cfg, self.mode)
         if not cfg.buffer.redis_url:
             b = cfg.buffer
+            self.progress(f"starting redis-server (data in {run_dir / 'redis'})")
             self.redis = RedisSupervisor(run_dir / "redis", appendfsync=b.durability,
                                          maxmemory_bytes=b.maxmemory_mb * 2**20 if b.maxmemory_mb else None,
                                          key_prefix=b.key_prefix)
@@ -96,6 +99,7 @@ class ServiceStack:
         from serve_rft.service.app import APP_NAME, build_app, ensure_control, start_training
 
         if not ray.is_initialized():
+            self.progress(f"starting Ray{' (joining ' + cfg.service.ray_address + ')' if cfg.service.ray_address else ''}")
             if cfg.service.ray_address:
                 ray.init(address=cfg.service.ray_address, log_to_driver=False)
             else:
@@ -114,12 +118,15 @@ class ServiceStack:
                 self.metrics_url = f"http://127.0.0.1:{cfg.service.metrics_port}/metrics"
         self.ray_address = ray.get_runtime_context().gcs_address
         if self.mode == "train":
+            self.progress("starting the trainer (loading the policy model)")
             start_training(cfg, self.model_path)
         else:
             if cfg.trainer.enabled:  # a trainer that cannot start fails `up` here, with its error
+                self.progress("starting the trainer (loading the policy model)")
                 start_training(cfg, self.model_path)
             else:
                 ensure_control(cfg, self.model_path)
+            self.progress(f"deploying {cfg.explorer.num_replicas} explorer replicas (each starts a vLLM engine)")
             serve.start(http_options={"host": cfg.service.host, "port": cfg.service.port})
             app = build_app(cfg, self.model_path)
             serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
@@ -137,6 +144,8 @@ class ServiceStack:
                 if r.status_code == 200:
                     st = r.json()
                     running = [x for x in st["replicas"] if x["state"] == "RUNNING"]
+                    self.progress(f"waiting for the replicas to serve: {len(running)} of "
+                                  f"{self.cfg.explorer.num_replicas} running")
                     if len(running) >= self.cfg.explorer.num_replicas:
                         return
             except httpx.HTTPError:

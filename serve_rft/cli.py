@@ -117,7 +117,8 @@ def up(config: Optional[Path] = ConfigOpt, sets: list[str] = SetOpt, model: Opti
                       f"(model {stack.model_path}, started in {stack.startup_seconds:.1f} s)")
         print(json.dumps({"url": stack.url, "startup_seconds": stack.startup_seconds,
                           "ray_address": stack.ray_address, "redis_url": stack.cfg.buffer.redis_url,
-                          "mode": mode.value, "metrics_url": stack.metrics_url}), flush=True)
+                          "mode": mode.value, "metrics_url": stack.metrics_url,
+                          "redis_pid": stack.redis.pid if stack.redis is not None else None}), flush=True)
         done = None
         if mode is Mode.train and max_steps > 0:
             def done() -> bool:

@@ -33,6 +33,7 @@ class Stack:
     ray_address: str
     startup_seconds: float
     metrics_url: str = ""
+    redis_pid: int | None = None  # the embedded redis-server (started with buffer.redis_url empty)
 
 
 def _pump(stream, sink: list[str], log_path: Path) -> None:
@@ -73,9 +74,10 @@ def start_stack(redis_url: str, model_path: Path, run_dir: Path, overrides: list
             if line.startswith('{"url"'):
                 info = json.loads(line)
         time.sleep(0.5)
-    yield Stack(url=info["url"], redis_url=redis_url, prefix=prefix, model_path=model_path,
-                run_dir=run_dir, proc=proc, startup_seconds=info["startup_seconds"],
-                ray_address=info["ray_address"], metrics_url=info.get("metrics_url", ""))
+    yield Stack(url=info["url"], redis_url=info.get("redis_url") or redis_url, prefix=prefix,
+                model_path=model_path, run_dir=run_dir, proc=proc, startup_seconds=info["startup_seconds"],
+                ray_address=info["ray_address"], metrics_url=info.get("metrics_url", ""),
+                redis_pid=info.get("redis_pid"))
     proc.send_signal(signal.SIGINT)
     try:
         proc.wait(timeout=120)

@@ -15,6 +15,7 @@ is refused whole, before anything is recorded. Nothing accepted is dropped.
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict
 from typing import Any
 
@@ -60,7 +61,8 @@ async def _items(store: ExperienceStore, req: RewardRequest) -> list[RewardItem]
 
 
 def _refused(item: RewardItem, e: ApiError) -> dict[str, Any]:
-    return {"completion_id": item.completion_id, "choice_index": item.choice_index, "reward": item.reward,
+    reward = item.reward if math.isfinite(item.reward) else None  # JSON has no NaN / Infinity
+    return {"completion_id": item.completion_id, "choice_index": item.choice_index, "reward": reward,
             "status": "refused", "status_code": e.status, **e.body()}
 
 

@@ -48,3 +48,17 @@ def test_group_members_are_checked_one_by_one(redis_server):
         assert results[0]["error"]["code"] == "not_in_group"
         await store.close()
     asyncio.run(go())
+
+
+def test_a_refused_non_finite_reward_has_a_json_result(redis_server):
+    """NaN cannot be written as JSON: the refusal carries reward null (it once made a 500)."""
+    import json
+
+    async def go():
+        store = ExperienceStore(redis_server.url, prefix=f"t{uuid.uuid4().hex[:8]}")
+        await store.log_experiences([_exp("chatcmpl-n", 0)])
+        results = await _post(store, {"completion_id": "chatcmpl-n", "reward": float("nan")})
+        assert results[0]["status_code"] == 422 and results[0]["reward"] is None
+        json.dumps(results, allow_nan=False)
+        await store.close()
+    asyncio.run(go())

@@ -77,7 +77,7 @@ def parse_json(raw: bytes) -> Any:
         raise ApiError(400, f"request body is nested more than {MAX_JSON_DEPTH} levels deep",
                        code="invalid_json") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ApiError(400, f"request body is not valid JSON: {e}", code="invalid_json") from None
+        raise ApiError(400, f"request body is not valid JSON: {e}") from None  # vLLM's shape: no code
     if _depth(obj) > MAX_JSON_DEPTH:
         raise ApiError(400, f"request body is nested more than {MAX_JSON_DEPTH} levels deep", code="invalid_json")
     return obj

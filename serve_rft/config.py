@@ -124,7 +124,7 @@ class BufferConfig(_Strict):
     store_wait_s: float = Field(
         5.0, gt=0, description="How long a request waits for the store (a Redis restart, an outage). "
         "Past it a chat completion is answered anyway, not logged (counted: unlogged, reason "
-        "store_unavailable), a reward gets 503 + Retry-After (nothing lost: retrying is safe) and "
+        "store_unavailable), a reward gets 504 + Retry-After (nothing lost: retrying is safe) and "
         "/v1/status answers with store: unavailable.")
     max_ready: int | None = Field(
         100_000, ge=1, description="Bound of the ready stream (rewarded experiences waiting for the "
@@ -138,7 +138,7 @@ class BufferConfig(_Strict):
     maxmemory_mb: int | None = Field(
         2048, ge=16, description="Embedded redis-server's maxmemory (MiB) with noeviction: when full, new "
         "experiences are served but not logged (counted: unlogged, reason store_full) and rewards get "
-        "503 + Retry-After; nothing stored is evicted. None: unbounded.")
+        "507 + Retry-After; nothing stored is evicted. None: unbounded.")
 
     @model_validator(mode="after")
     def _no_reward_outlived(self) -> "BufferConfig":

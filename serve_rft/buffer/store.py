@@ -283,7 +283,7 @@ class ExperienceStore:
             True if recorded now, False if the same reward was already recorded (idempotent).
         Raises:
             RewardError: 422 not finite, 404 unknown completion/choice, 409 a different reward
-            is recorded, 410 the experience expired before its reward came, 503 the store is
+            is recorded, 410 the experience expired before its reward came, 507 the store is
             full (nothing recorded; retry).
         """
         if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward):
@@ -296,7 +296,7 @@ class ExperienceStore:
                 json.dumps(info) if info is not None else "", time.time(), self.group_timeout_s,
                 max(1, math.ceil(self.reward_timeout_s + self.trained_ttl_s))])
         except OutOfMemoryError:
-            raise RewardError(503, "the experience store is full (maxmemory); the reward was not "
+            raise RewardError(507, "the experience store is full (maxmemory); the reward was not "
                               "recorded: retry later") from None
         status = int(status)
         if status == 201:

@@ -265,17 +265,18 @@ class ExplorerReplica:
                 results = await asyncio.wait_for(rewards_api.post_rewards(self.store, req),
                                                  self.cfg.buffer.store_wait_s)
             except (asyncio.TimeoutError, RedisError):  # recorded items answer duplicate on retry
-                raise ApiError(503, "the experience store is unavailable; retry (items already recorded "
+                # 504, not 503: HAProxy re-sends a 503 to another replica, which waits on the same store
+                raise ApiError(504, "the experience store is unavailable; retry (items already recorded "
                                "answer duplicate)", type_="service_unavailable", code="store_unavailable") from None
         except ApiError as e:
-            return _error(e, {"Retry-After": "2"} if e.status == 503 else None)
+            return _error(e, {"Retry-After": "2"} if e.status == 504 else None)
         self.metrics.reward_results(results)
         status = rewards_api.batch_status(results)
         body: dict = {"object": "list", "data": results}
         if status != 200:  # every item refused: the first refusal's error, the rest alongside
             first = next(r for r in results if r["status"] == "refused")
             body = {"error": first["error"], "object": "list", "data": results}
-        return JSONResponse(body, status_code=status, headers={"Retry-After": "5"} if status == 503 else None)
+        return JSONResponse(body, status_code=status, headers={"Retry-After": "5"} if status == 507 else None)
 
     @app.get("/v1/experiences/{completion_id}")
     async def experience(self, request: Request, completion_id: str) -> JSONResponse:

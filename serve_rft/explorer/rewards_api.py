@@ -23,7 +23,7 @@ from serve_rft.buffer.store import ExperienceStore, RewardError
 from serve_rft.explorer.protocol import (ApiError, ChoiceRewards, ConversationReward, GroupRewards,
                                          RewardBatch, RewardItem, RewardRequest)
 
-_CODES = {404: "not_found", 409: "conflict", 410: "expired", 422: "invalid_reward", 503: "store_full"}
+_CODES = {404: "not_found", 409: "conflict", 410: "expired", 422: "invalid_reward", 507: "store_full"}
 
 
 async def _items(store: ExperienceStore, req: RewardRequest) -> list[RewardItem]:

@@ -34,7 +34,7 @@ def stack(embedded_model, tmp_path_factory):
 
 
 class Users:
-    """Closed-loop users: chat (n=2), then both rewards, re-sent on 503 (Retry-After) a bounded
+    """Closed-loop users: chat (n=2), then both rewards, re-sent on 504 / 507 (Retry-After) a bounded
     number of times. Keeps every chat outcome and every reward answered 2xx."""
 
     def __init__(self, url: str, users: int = 3):

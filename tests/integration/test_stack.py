@@ -433,6 +433,7 @@ def test_schemathesis_over_the_openapi_document_finds_no_5xx(stack):
     The operator routes (/v1/sync/...) are left out: they would pin or drain the shared stack."""
     import schemathesis
     from hypothesis import HealthCheck, given, settings
+    from hypothesis.errors import Unsatisfiable
     from schemathesis import GenerationMode
 
     u = stack.url
@@ -452,9 +453,12 @@ def test_schemathesis_over_the_openapi_document_finds_no_5xx(stack):
                 r = case.call(base_url=u, headers=ADMIN, timeout=120)
                 checked.setdefault(op.label, []).append(r.status_code)
                 assert r.status_code < 500, (op.label, mode, case.body, r.status_code, r.text[:300])
-            call()
+            try:
+                call()
+            except Unsatisfiable:  # nothing to make invalid (no parameters, no body): no negative case
+                assert mode is GenerationMode.NEGATIVE, op.label
     assert {"POST /v1/chat/completions", "POST /v1/rewards", "GET /v1/status"} <= set(checked), checked
-    assert any(s == 200 for s in checked["POST /v1/chat/completions"]), checked
+    assert len(checked["POST /v1/chat/completions"]) >= 25 and len(checked["POST /v1/rewards"]) >= 25, checked
     assert httpx.get(f"{u}/health").status_code == 200
 
 

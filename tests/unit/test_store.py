@@ -344,7 +344,7 @@ def test_a_sweep_works_in_bounded_script_calls_and_misses_nothing(store_factory,
 
 def test_a_full_store_refuses_new_writes_cleanly_and_still_drains(tmp_path):
     """maxmemory + noeviction: past it a completion is refused whole (StoreFull) and a reward
-    gets 503 (nothing half-written, nothing evicted), while the sweep's expiries and the
+    gets 507 (nothing half-written, nothing evicted), while the sweep's expiries and the
     trainer's acknowledgements still run, which is how a full store drains."""
     from serve_rft.buffer.redis_server import start_redis
     from serve_rft.buffer.store import StoreFull
@@ -366,7 +366,7 @@ def test_a_full_store_refuses_new_writes_cleanly_and_still_drains(tmp_path):
         assert await s.num_choices("chatcmpl-refused") is None  # nothing of it was written
         with pytest.raises(RewardError) as e:
             await s.post_reward("chatcmpl-late", 0, 1.0)
-        assert e.value.status == 503
+        assert e.value.status == 507
         assert await s.ack(ready, version=1) == (2, 0)  # acknowledgements run past maxmemory
         expired, _ = await s.sweep(now=10**10)
         assert expired >= 1

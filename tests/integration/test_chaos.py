@@ -12,6 +12,7 @@ flight on it, the others none).
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import threading
@@ -144,7 +145,11 @@ def test_kill_9_of_a_replica_the_trainer_and_redis_in_turn_under_load(stack):
               "the supervisor to restart redis-server")
         report["redis"] = {"t": t, "failed": len(users.failed(t - 1, t + 30))}
         time.sleep(10)  # traffic on the restarted store
-    print("failed requests per kill:", {k: v["failed"] for k, v in report.items()})
+    summary = {"failed_per_kill": {k: v["failed"] for k, v in report.items()},
+               "chat_requests": len(users.chats), "rewards_accepted": len(users.accepted),
+               "reward_retries": len(users.reward_errors)}
+    (stack.run_dir / "chaos.json").write_text(json.dumps(summary, indent=2))  # the figures of this run
+    print("chaos:", summary)
     assert report["trainer"]["failed"] == 0 and report["redis"]["failed"] == 0, report
     assert report["replica"]["failed"] <= users.users, report  # at most those in flight on it
 

@@ -106,6 +106,8 @@ class ChatCompletionRequest(BaseModel):
     def _stop(cls, v: str | list[str] | None) -> str | list[str] | None:
         if isinstance(v, list) and len(v) > 4:
             raise ValueError("at most 4 stop sequences")
+        if v == "" or (isinstance(v, list) and "" in v):
+            raise ValueError("a stop sequence cannot be empty")
         return v
 
     def stop_list(self) -> list[str]:

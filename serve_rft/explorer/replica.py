@@ -321,11 +321,14 @@ class ExplorerReplica:
             return StreamingResponse(self._stream(req, cid, prompt_ids, params, sampling, t0),
                                      media_type="text/event-stream",
                                      headers=self._headers(self.swap.version))
+        from vllm.exceptions import VLLMValidationError
         from vllm.v1.engine.exceptions import EngineDeadError
 
         version = self.swap.version
         try:
             response = await self._complete(req, cid, prompt_ids, params, sampling)
+        except VLLMValidationError as e:  # the engine refused the request's values: the client's to fix
+            return _error(ApiError(400, str(e), getattr(e, "parameter", None)))
         except EngineDeadError:  # nothing was sent: HAProxy re-sends a 503 to another replica,
             self.swap.record(version, False, time.perf_counter() - t0)  # and Serve replaces this
             return _error(ApiError(503, f"replica {self.replica_id}'s engine died; retry on another "
@@ -381,12 +384,17 @@ class ExplorerReplica:
                            f"the messages take {len(prompt_ids)} and max_tokens asks {asked or 1}",
                            "messages", code="context_length_exceeded")
         max_tokens = asked or min(ecfg.default_max_tokens, room)
-        params = SamplingParams(
-            n=req.n, temperature=req.temperature, top_p=req.top_p, max_tokens=max_tokens,
-            stop=req.stop_list() or None, seed=req.seed,
-            logprobs=(req.top_logprobs or 0) if req.logprobs else 0,
-            output_kind=RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY,
-        )
+        from vllm.exceptions import VLLMValidationError
+
+        try:
+            params = SamplingParams(
+                n=req.n, temperature=req.temperature, top_p=req.top_p, max_tokens=max_tokens,
+                stop=req.stop_list() or None, seed=req.seed,
+                logprobs=(req.top_logprobs or 0) if req.logprobs else 0,
+                output_kind=RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY,
+            )
+        except (VLLMValidationError, ValueError) as e:  # vLLM's own checks: a 400, as its server answers
+            raise ApiError(400, str(e), getattr(e, "parameter", None)) from None
         sampling = SamplingInfo(temperature=req.temperature, top_p=req.top_p, max_tokens=max_tokens,
                                 seed=req.seed, stop=req.stop_list())
         return prompt_ids, params, sampling

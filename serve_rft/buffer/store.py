@@ -145,6 +145,11 @@ class DeadLetter:
     exp: str = ""
     reward: str = ""
 
+    @classmethod
+    def of(cls, entry: RewardedExperience, reason: str) -> "DeadLetter":
+        """A parsed ready entry with why it cannot be trained (its experience kept whole)."""
+        return cls(entry.stream_id, entry.member, reason, entry.experience.model_dump_json(), repr(entry.reward))
+
 
 def _experience(exp_json: str, prompt_json: str | None) -> Experience:
     """An experience from its stored JSON and its completion's prompt ids (stored once per

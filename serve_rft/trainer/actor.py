@@ -493,7 +493,7 @@ class Trainer:
             if why is None:
                 keep.append(b)
             else:
-                letters.append(DeadLetter(b.stream_id, b.member, why, b.experience.model_dump_json(), repr(b.reward)))
+                letters.append(DeadLetter.of(b, why))
         if letters:
             self.dead_lettered += await store.dead_letter(letters)
             log.warning("dead-lettered %d ready entries: %s", len(letters), letters[0].reason)
@@ -507,8 +507,7 @@ class Trainer:
 
         limit = self.cfg.trainer.max_entry_attempts
         attempts = await store.begin_attempt([b.stream_id for b in batch])
-        over = [DeadLetter(b.stream_id, b.member, f"in the steps of {n - 1} trainer processes that died",
-                           b.experience.model_dump_json(), repr(b.reward))
+        over = [DeadLetter.of(b, f"in the steps of {n - 1} trainer processes that died")
                 for b, n in zip(batch, attempts) if n > limit]
         if over:
             self.dead_lettered += await store.dead_letter(over)

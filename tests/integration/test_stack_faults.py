@@ -60,9 +60,11 @@ def _live(st: dict) -> list[dict]:
 
 def _alive(pid: int) -> bool:
     """Whether ``pid`` runs (a zombie does not)."""
+    import psutil
+
     try:
-        return Path(f"/proc/{pid}/stat").read_text().split(") ", 1)[1][0] != "Z"
-    except (FileNotFoundError, IndexError):
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
         return False
 
 
@@ -292,7 +294,7 @@ def test_kill_9_of_a_replica_while_it_syncs_fails_only_its_own_requests(stack):
             killed = True
             lost = _wait(lambda: [e for e in _events(stack, t_kill) if e["kind"] == "lost" and e["component"] == a],
                          15, "the synchronizer to learn of the death")
-            # the contract: Ray's report (usually < 1 s) or, at the latest, the missed heartbeats
+            # the contract: Ray's report (< 3 s in earlier runs) or, at the latest, the missed heartbeats
             # (replica_timeout_s, 5 s) and one monitor period; a CI run under load once took 4.6 s
             assert lost[0]["t"] - t_kill < 5.0 + 1.0 + 0.5, lost
             # its vLLM engine processes end with it (they once lived on as orphans holding the model)

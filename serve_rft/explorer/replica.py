@@ -77,7 +77,6 @@ class ExplorerReplica:
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         # one thread: the tokenizer is not shared across threads, and request order is kept
         self._cpu = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
-        self.unlogged = 0  # choices served with store=false (not logged)
         self.store = ExperienceStore.from_config(self.cfg.buffer)
         self.sync = ensure_control(self.cfg, model_path)  # `serve deploy`: nobody else starts them
         nccl = self.cfg.synchronizer.sync_method.value == "nccl"
@@ -401,7 +400,6 @@ class ExplorerReplica:
 
     async def _log(self, req, cid, prompt_ids, accs, sampling, created_at, version) -> None:
         if req.store is False:  # OpenAI's "do not keep my data": served, never logged nor trained
-            self.unlogged += len(accs)
             self.metrics.served(len(prompt_ids), sum(len(c.token_ids) for c in accs), 0, unlogged=len(accs))
             return
         group = f"u:{req.group_id}" if req.group_id else None  # client groups never collide with ids
@@ -415,7 +413,6 @@ class ExplorerReplica:
             # the user is served, the loss counted: the store is full (buffer.maxmemory_mb) or
             # away longer than buffer.store_wait_s (a timed-out call may still have landed)
             reason = "store_full" if isinstance(e, StoreFull) else "store_unavailable"
-            self.unlogged += len(exps)
             self.metrics.served(len(prompt_ids), sum(len(c.token_ids) for c in accs), 0,
                                 unlogged=len(exps), reason=reason)
             log.warning("experience store %s: completion %s served, not logged", reason, cid)

@@ -211,6 +211,10 @@ class TrainerConfig(_Strict):
     batch_wait_s: float = Field(
         2.0, ge=0, description="Wait this long for a full batch before training on >= min_batch_size."
     )
+    max_batch_wait_s: float | None = Field(
+        30.0, ge=0, description="Train on fewer than min_batch_size (at least one) once the oldest "
+        "experience the trainer holds has waited this long, so the last rewarded experiences before "
+        "traffic stops are trained, s. None: wait for min_batch_size however long it takes.")
     lr: float = Field(1e-3, ge=0, description="AdamW learning rate (peak). 0: dummy mode, all the work "
                       "with fixed weights, for profiling (seed 002 §3.3.1).")
     lr_warmup_steps: int = Field(0, ge=0, description="Linear warm-up from 0 over this many steps.")

@@ -558,30 +558,35 @@ class Trainer:
         return waited
 
     async def _collect(self, store: ExperienceStore, policy, method, sync) -> list[RewardedExperience]:
-        """Up to ``batch_size`` ready experiences: waits ``batch_wait_s`` for a full batch,
-        trains on fewer only if at least ``min_batch_size`` arrived. While it waits it answers
+        """Up to ``batch_size`` ready experiences, when `batch_complete` says so: a full batch at
+        once, at least ``min_batch_size`` after ``batch_wait_s``, any once the oldest has waited
+        ``max_batch_wait_s`` (checked every ``batch_wait_s``). While it waits it answers
         explorer sync requests (seed 000: the trainer syncs during sampling so the explorer can
         keep producing data)."""
+        from serve_rft.trainer.intake import batch_complete
+
         tcfg = self.cfg.trainer
         batch: list[RewardedExperience] = []
-        deadline = time.monotonic() + tcfg.batch_wait_s
-        while len(batch) < tcfg.batch_size:
+        start = first = time.monotonic()  # `first`: when the oldest held experience was read
+        while True:
+            now = time.monotonic()
+            if batch_complete(len(batch), now - start, now - first if batch else 0.0, tcfg.batch_size,
+                              tcfg.min_batch_size, tcfg.batch_wait_s, tcfg.max_batch_wait_s):
+                return batch
             if method.handshake and method.sender.waiting and self.step_num == self.version:
                 await self._handshake(method, sync)  # a replica waits for the published weights
-            left = deadline - time.monotonic()
-            if left <= 0:
-                if len(batch) >= tcfg.min_batch_size:
-                    break
+            left = start + tcfg.batch_wait_s - now
+            if left <= 0:  # too few: publish if asked to, then wait another batch_wait_s
                 if self.step_num > self.version and await sync.sync_requested.remote():
                     await self._publish(policy, method, sync, store)
-                deadline = time.monotonic() + tcfg.batch_wait_s
-                continue
+                start, left = time.monotonic(), tcfg.batch_wait_s
             held = {b.stream_id for b in batch} | {b.stream_id for b in self.unpublished} | {
                 sid for sid, _, _ in self.unsaved}
             got = await store.read_ready(TRAINER_NAME, tcfg.batch_size - len(batch),
                                          block_ms=int(left * 1000) + 1, exclude=held)
+            if got and not batch:
+                first = time.monotonic()
             batch.extend(got)
-        return batch
 
     # -- NCCL (serve_rft.synchronizer.methods.nccl): the trainer's side of each group ---------
     def _nccl(self):

@@ -25,6 +25,28 @@ from collections import OrderedDict
 from serve_rft.types import RewardedExperience
 
 
+def batch_complete(size: int, waited_s: float, oldest_s: float, batch_size: int, min_batch_size: int,
+                   batch_wait_s: float, max_batch_wait_s: float | None) -> bool:
+    """Whether the trainer stops collecting and trains on the ``size`` experiences it holds.
+
+    A full batch (``batch_size``) trains at once; past ``batch_wait_s`` of collecting, a batch of
+    at least ``min_batch_size`` trains; and once the oldest held experience has waited
+    ``max_batch_wait_s`` in the trainer, any non-empty batch trains, so the last experiences
+    before traffic stops are trained instead of waiting for more that may never come.
+
+    Args:
+        size: experiences held.
+        waited_s: seconds since this collection round began (or last restarted), s.
+        oldest_s: seconds since the oldest held experience was read, s (0 when none).
+        max_batch_wait_s: None: wait for ``min_batch_size`` however long it takes.
+    """
+    if size >= batch_size:
+        return True
+    if size == 0 or waited_s < batch_wait_s:
+        return False
+    return size >= min_batch_size or (max_batch_wait_s is not None and oldest_s >= max_batch_wait_s)
+
+
 def untrainable(b: RewardedExperience, vocab_size: int) -> str | None:
     """Why ``b`` cannot be trained, or None.
 

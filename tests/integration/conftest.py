@@ -55,7 +55,7 @@ def start_stack(redis_url: str, model_path: Path, run_dir: Path, overrides: list
            "--set", f"buffer.key_prefix={prefix}",
            "--set", f"service.run_dir={run_dir}", "--set", "service.metrics_port=0",
            "--set", "trainer.min_batch_size=8", "--set", "trainer.batch_size=32",
-           "--set", "trainer.batch_wait_s=1.0"]
+           "--set", "trainer.batch_wait_s=1.0", "--set", "trainer.max_batch_wait_s=10"]
     for o in overrides:
         cmd += ["--set", o]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

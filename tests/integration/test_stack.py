@@ -340,10 +340,8 @@ def test_reward_forms_groups_conversations_and_experience_states(stack):
     r = httpx.post(f"{u}/v1/rewards", json={"group_id": "task-1", "rewards": [
         {"completion_id": b.id, "reward": 0.5}]})
     assert r.status_code == 200
-    # the trainer trains on >= trainer.min_batch_size (8) experiences: make up a batch
-    filler = client.chat.completions.create(model="serve-rft", messages=msg, max_tokens=2, n=8)
-    assert httpx.post(f"{u}/v1/rewards", json={"completion_id": filler.id,
-                                               "rewards": [i / 8 for i in range(8)]}).status_code == 200
+    # 3 ready experiences, below trainer.min_batch_size (8), and no more traffic: trained once the
+    # oldest has waited trainer.max_batch_wait_s (10 s on this stack), not left waiting for ever
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:  # released together, then trained by the running trainer
         states = [c["state"] for c in httpx.get(f"{u}/v1/experiences/{a.id}").json()["choices"]]

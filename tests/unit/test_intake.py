@@ -6,7 +6,7 @@ import json
 import uuid
 
 from serve_rft.buffer.store import DeadLetter, ExperienceStore
-from serve_rft.trainer.intake import TrainedLedger, sync_cycles, untrainable
+from serve_rft.trainer.intake import TrainedLedger, batch_complete, sync_cycles, untrainable
 from serve_rft.types import RewardedExperience
 from tests.unit.test_store import _exp
 
@@ -14,6 +14,19 @@ from tests.unit.test_store import _exp
 def _rx(**changes):
     e = _exp("chatcmpl-x", 0).model_copy(update=changes)
     return RewardedExperience(experience=e, reward=changes.pop("reward", 1.0), stream_id="1-0")
+
+
+def test_a_batch_trains_full_at_once_min_after_the_wait_and_any_size_after_the_max_wait():
+    def done(size, waited_s, oldest_s, max_wait=30.0):
+        return batch_complete(size, waited_s, oldest_s, batch_size=32, min_batch_size=4, batch_wait_s=2.0,
+                              max_batch_wait_s=max_wait)
+
+    assert done(32, 0.0, 0.0)  # full: at once
+    assert not done(31, 1.9, 1.9) and done(4, 2.0, 2.0) and not done(3, 2.0, 2.0)
+    # traffic stopped with 2 left (one group of n=2): trained once the oldest waited 30 s, not never
+    assert not done(2, 2.0, 29.9) and done(2, 2.0, 30.0)
+    assert not done(2, 1.0, 31.0)  # only at the end of a collection round
+    assert not done(0, 100.0, 0.0) and not done(2, 2.0, 1e9, max_wait=None)
 
 
 def test_untrainable_names_the_reason():

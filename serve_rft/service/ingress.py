@@ -41,6 +41,16 @@ HAPROXY_FLAG = "RAY_SERVE_ENABLE_HA_PROXY"
 RETRY_ON = "conn-failure empty-response 503\n    option http-buffer-request"
 
 
+# Ray Serve keeps a stopping ingress replica (direct ingress) and a draining proxy open for at
+# least 30 s, so that an *external* load balancer can deregister them. In front of a Ray that
+# `serve-rft up` starts there is none: its own HAProxy is reconfigured by Serve at once and
+# re-sends what a stopping replica refuses (`RETRY_ON`). 30 s made every stop of the service take
+# over 30 s (serve.shutdown alone); 5 s covers HAProxy's reload. A cluster behind an external
+# load balancer sets its own values (deployments/serve_config.yaml).
+DRAIN_ENV = {"RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "5",
+             "RAY_SERVE_PROXY_MIN_DRAINING_PERIOD_S": "5"}
+
+
 def haproxy_enabled() -> bool:
     """True when this process's Ray Serve runs in HAProxy mode (the same test Ray applies to
     ``RAY_SERVE_ENABLE_HA_PROXY`` in ray.serve._private.constants)."""

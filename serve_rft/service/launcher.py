@@ -27,7 +27,7 @@ import httpx
 
 from serve_rft.buffer.redis_server import RedisSupervisor, free_port
 from serve_rft.config import Config
-from serve_rft.service.ingress import HAPROXY_FLAG, haproxy_env
+from serve_rft.service.ingress import DRAIN_ENV, HAPROXY_FLAG, haproxy_env
 from serve_rft.model.embedded import resolve_model_path
 
 log = logging.getLogger("serve_rft.service")
@@ -106,7 +106,9 @@ class ServiceStack:
                 # address="local": always a new cluster, never one another process started
                 if cfg.service.metrics_port == 0:
                     cfg.service.metrics_port = free_port()
-                if cfg.service.ingress == "haproxy":  # Ray's processes inherit this environment
+                for key, value in DRAIN_ENV.items():  # Ray's processes inherit this environment
+                    os.environ.setdefault(key, value)
+                if cfg.service.ingress == "haproxy":
                     for key, value in haproxy_env().items():
                         os.environ.setdefault(key, value)
                 else:

@@ -2,7 +2,9 @@
 whole process group, under load; once with a replica killed -9 just before.
 
 Every process of the run carries a marker in its environment (inherited from the command the
-test starts: Ray's GCS, raylet and workers, the vLLM engines, redis-server, HAProxy). After the
+test starts: Ray's GCS, raylet and workers, the vLLM engines, HAProxy), and every one is a
+descendant of the command while it runs (redis-server too, whose process title overwrites its
+environment). After the
 stop: the command exited with 0 within ``service.shutdown_grace_s`` (25 s) + the keeper's
 SIGTERM-then-SIGKILL of leftovers (3 s); no marked process is left; the service, redis and
 metrics ports no longer accept connections.
@@ -37,6 +39,14 @@ def _marked(mark: str) -> list[psutil.Process]:
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             pass
     return out
+
+
+def _alive(p: psutil.Process) -> bool:
+    """The same process (pid and start time) still running."""
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 def _listening(url: str) -> bool:
@@ -87,9 +97,12 @@ def test_a_stop_ends_every_process_of_the_run_in_bounded_time(embedded_model, tm
     mark = uuid.uuid4().hex
     cmd = stack_command("", tmp_path, "shutdown", ["trainer.min_batch_size=4"])
     proc, lines, info = launch(cmd, tmp_path / "up.log", env={"SERVE_RFT_TEST_RUN": mark})
+    tree: dict[int, psutil.Process] = {}
     try:
         url, redis_url = info["url"], info["redis_url"]
-        before = {p.pid: p.name() for p in _marked(mark)}
+        # redis-server rewrites its environment block (its process title): found as a descendant
+        tree.update((p.pid, p) for p in [*_marked(mark), *psutil.Process(proc.pid).children(recursive=True)])
+        before = {pid: p.name() for pid, p in tree.items()}
         names = " ".join(before.values()).lower()
         assert "redis-server" in names and "raylet" in names and "gcs_server" in names, before
         assert any("haproxy" in n.lower() for n in before.values()), before
@@ -113,12 +126,14 @@ def test_a_stop_ends_every_process_of_the_run_in_bounded_time(embedded_model, tm
         print(f"stop: {took:.1f} s, exit {proc.returncode}, {len(before)} processes before")
         assert proc.returncode == 0, "".join(lines[-60:])
         assert took < STOP_BOUND_S, took
-        left = _marked(mark)
-        assert not left, [(p.pid, p.name(), p.cmdline()[:3]) for p in left]
+        left = {p.pid: p for p in _marked(mark)} | {pid: p for pid, p in tree.items() if _alive(p)}
+        assert not left, [(p.pid, p.name(), p.cmdline()[:3]) for p in left.values()]
         for u in (url, redis_url, info["metrics_url"]):
             assert not _listening(u), f"{u} still accepts connections"
     finally:
         if proc.poll() is None:
             kill_all(proc)
-        for p in _marked(mark):  # never leave a failed case's processes to the next one
-            p.kill()
+        for p in [*_marked(mark), *tree.values()]:  # never leave a failed case's processes behind
+            if _alive(p):
+                p.kill()
+

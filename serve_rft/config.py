@@ -211,6 +211,10 @@ class TrainerConfig(_Strict):
     batch_wait_s: float = Field(
         2.0, ge=0, description="Wait this long for a full batch before training on >= min_batch_size."
     )
+    read_order: Literal["freshest", "oldest"] = Field(
+        "freshest", description="Which ready experiences a step takes first. freshest: the newest "
+        "(with more traffic than the trainer can train, it trains the freshest data; what waits "
+        "grows older until max_staleness drops it, counted); oldest: first in, first out.")
     max_batch_wait_s: float | None = Field(
         30.0, ge=0, description="Train on fewer than min_batch_size (at least one) once the oldest "
         "experience the trainer holds has waited this long, so the last rewarded experiences before "

@@ -31,6 +31,27 @@ local function release(P, gid)
   return n
 end
 
+-- Ready entries no consumer of the trainer group holds (not in its pending entries list, which
+-- is small: what a trainer holds), up to `n`, newest first (`newest`) or oldest first
+local function free_entries(rk, n, newest)
+  local held, h = {}, 0
+  if redis.call('EXISTS', rk) == 0 then return {} end
+  local ok, pend = pcall(redis.call, 'XPENDING', rk, 'trainer', '-', '+', 1000000)
+  if ok then
+    for _, p in ipairs(pend) do held[p[1]] = true end
+    h = #pend
+  end
+  local page
+  if newest then page = redis.call('XREVRANGE', rk, '+', '-', 'COUNT', n + h)
+  else page = redis.call('XRANGE', rk, '-', '+', 'COUNT', n + h) end
+  local out = {}
+  for _, e in ipairs(page) do
+    if #out >= n then break end
+    if not held[e[1]] then out[#out + 1] = e end
+  end
+  return out
+end
+
 local function complete(P, gid)
   local g = P..':grp:'..gid
   local size = tonumber(redis.call('HGET', g, 'size') or '0')
@@ -170,22 +191,13 @@ for _, gid in ipairs(redis.call('ZRANGEBYSCORE', P..':gdl', '-inf', now, 'LIMIT'
 end
 if timed_out > 0 then redis.call('HINCRBY', P..':stat', 'groups_timed_out', timed_out) end
 -- the ready stream past max_ready: nothing consumes it fast enough (serve-only mode, a trainer
--- slower than the traffic); the oldest entries not yet delivered to the trainer are dropped,
+-- slower than the traffic); the oldest entries no trainer holds are dropped,
 -- each choice marked and counted (entries a trainer holds are never touched)
 local shed = 0
 local rk = P..':ready'
 local excess = max_ready > 0 and redis.call('XLEN', rk) - max_ready or 0
 if excess > 0 then
-  local after = '-'
-  if redis.call('EXISTS', rk) == 1 then
-    for _, g in ipairs(redis.call('XINFO', 'GROUPS', rk)) do
-      local info = {}
-      for j = 1, #g, 2 do info[g[j]] = g[j + 1] end
-      if info['name'] == 'trainer' then after = '(' .. info['last-delivered-id'] end
-    end
-  end
-  if after == '(0-0' then after = '-' end
-  for _, e in ipairs(redis.call('XRANGE', rk, after, '+', 'COUNT', math.min(excess, lim))) do
+  for _, e in ipairs(free_entries(rk, math.min(excess, lim), false)) do
     local f = {}
     for j = 1, #e[2], 2 do f[e[2][j]] = e[2][j + 1] end
     local m = f['member'] or ''
@@ -197,6 +209,23 @@ if excess > 0 then
   if shed > 0 then redis.call('HINCRBY', P..':stat', 'backlog_dropped', shed) end
 end
 return {#gone, timed_out, shed}
+"""
+
+READ = ALLOW_OOM + _COMMON + """
+-- ARGV: P, consumer, count, newest (1 | 0)
+-- Deliver to `consumer` of the trainer group up to `count` ready entries no consumer holds, the
+-- newest (1) or the oldest (0) first: XCLAIM ... FORCE puts each in the consumer's pending
+-- entries list, as XREADGROUP would, whatever its position in the stream.
+-- returns {entries (as XRANGE gives them), the newest id in the stream or '0-0'}
+local P, c, n, newest = ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4] == '1'
+local rk = P..':ready'
+local ids = {}
+for _, e in ipairs(free_entries(rk, n, newest)) do ids[#ids + 1] = e[1] end
+local top = redis.call('XREVRANGE', rk, '+', '-', 'COUNT', 1)
+local last = top[1] and top[1][1] or '0-0'
+if #ids == 0 then return {{}, last} end
+ids[#ids + 1] = 'FORCE'  -- (unpack expands only as the last argument)
+return {redis.call('XCLAIM', rk, 'trainer', c, 0, unpack(ids)), last}
 """
 
 ACK = ALLOW_OOM + """

@@ -33,7 +33,8 @@ key                    type    meaning
 ``P:conv:{conv}``      list    Completion ids of a conversation's turns, in order.
 ``P:ready``            stream  Released experiences (fields ``exp``, ``reward``, ``member``,
                                ``prompt``);
-                               consumer group ``trainer``; XACK + XDEL once trained.
+                               consumer group ``trainer`` (entries delivered by XCLAIM
+                               FORCE, newest or oldest first); XACK + XDEL once trained.
 ``P:stat``             hash    Counters: logged, rewarded, ready, trained, expired,
                                stale_dropped, groups_timed_out, dead_lettered,
                                backlog_dropped (ready entries past ``max_ready``).
@@ -216,6 +217,7 @@ class ExperienceStore:
         self._reward = self.redis.register_script(scripts.REWARD)
         self._sweep = self.redis.register_script(scripts.SWEEP)
         self._ack = self.redis.register_script(scripts.ACK)
+        self._read_script = self.redis.register_script(scripts.READ)
         self._dead_letter = self.redis.register_script(scripts.DEAD_LETTER)
 
     @classmethod
@@ -423,10 +425,14 @@ class ExperienceStore:
                 raise
 
     async def read_ready(self, consumer: str, count: int, block_ms: int,
-                         exclude: set[str] | None = None) -> list[RewardedExperience]:
-        """Read up to ``count`` new released experiences for ``consumer`` of the trainer group
-        (after a `sweep`), waiting up to ``block_ms`` ms for them. Entries delivered earlier and
-        never acknowledged are re-read with `delivered`.
+                         exclude: set[str] | None = None, newest_first: bool = True
+                         ) -> list[RewardedExperience]:
+        """Deliver to ``consumer`` of the trainer group up to ``count`` released experiences that
+        no consumer holds (after a `sweep`), the newest first (``newest_first``: a trainer
+        slower than the traffic trains the freshest data, and what waits grows older until the
+        trainer's staleness bound drops it) or the oldest first; waits up to ``block_ms`` ms for
+        one when there is none. Entries delivered earlier and never acknowledged are re-read
+        with `delivered`.
 
         If the connection drops during the read, Redis may have delivered entries with the reply
         lost: then every delivered, unacknowledged entry whose stream id is not in ``exclude``
@@ -434,10 +440,22 @@ class ExperienceStore:
         """
         await self.sweep()
         try:
-            return await self._parsed(await self._read(self._reader, consumer, ">", count, block_ms))
+            raw, last = await self._read_free(consumer, count, newest_first)
+            if not raw and block_ms > 0:  # nothing free: wait for an entry newer than the newest
+                await self._reader.xread({self._k("ready"): last}, count=1, block=block_ms)
+                raw, _ = await self._read_free(consumer, count, newest_first)
+            return await self._parsed(raw)
         except (RedisConnectionError, RedisTimeoutError):
             held = exclude or set()
             return [e for e in await self.delivered(consumer) if e.stream_id not in held]
+
+    async def _read_free(self, consumer: str, count: int, newest_first: bool
+                         ) -> tuple[list[tuple[str, dict]], str]:
+        """The READ script on the never-retried connection: (entries as (id, fields), the
+        stream's newest id)."""
+        entries, last = await self._read_script(args=[self.p, consumer, count, int(newest_first)],
+                                                client=self._reader)
+        return [(eid, dict(zip(f[::2], f[1::2]))) for eid, f in entries], last
 
     async def _parsed(self, raw: list[tuple[str, dict]]) -> list[RewardedExperience]:
         good, bad = _parse(raw)

@@ -583,7 +583,8 @@ class Trainer:
             held = {b.stream_id for b in batch} | {b.stream_id for b in self.unpublished} | {
                 sid for sid, _, _ in self.unsaved}
             got = await store.read_ready(TRAINER_NAME, tcfg.batch_size - len(batch),
-                                         block_ms=int(left * 1000) + 1, exclude=held)
+                                         block_ms=int(left * 1000) + 1, exclude=held,
+                                         newest_first=tcfg.read_order == "freshest")
             if got and not batch:
                 first = time.monotonic()
             batch.extend(got)

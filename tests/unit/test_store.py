@@ -195,7 +195,7 @@ def test_every_delivered_entry_is_redelivered_however_many(store_factory):
         for cid in cids:
             await s.log_experiences([_exp(cid, 0)])
             await s.post_reward(cid, 0, 1.0)
-        first = await s.read_ready("t", 300, block_ms=10)
+        first = await s.read_ready("t", 300, block_ms=10, newest_first=False)
         assert len(first) == 300
         await s.ack(first[:10], version=1)
         assert len(await s.delivered("t")) == 290
@@ -412,6 +412,54 @@ def test_the_ready_stream_is_bounded_by_dropping_the_oldest_undelivered_entries(
             await s.post_reward(f"chatcmpl-r{k}", 0, 1.0)
         c = await s.counts()
         assert c.ready == 4 and c.backlog_dropped == 5
-        assert [b.member for b in await s.delivered("t")] == [b.member for b in held]  # never touched
+        assert sorted(b.member for b in await s.delivered("t")) == sorted(b.member for b in held)  # never touched
+        await s.close()
+    run(go())
+
+
+def test_the_trainer_reads_the_freshest_first_or_the_oldest_and_never_an_entry_it_holds(store_factory):
+    async def go():
+        s = store_factory()
+        await s.ensure_group()
+        for k in range(8):
+            await s.log_experiences([_exp(f"chatcmpl-f{k}", 0)])
+            await s.post_reward(f"chatcmpl-f{k}", 0, 1.0)
+        newest = await s.read_ready("t", 3, block_ms=10)
+        assert [b.experience.completion_id for b in newest] == ["chatcmpl-f7", "chatcmpl-f6", "chatcmpl-f5"]
+        oldest = await s.read_ready("t", 2, block_ms=10, newest_first=False)
+        assert [b.experience.completion_id for b in oldest] == ["chatcmpl-f0", "chatcmpl-f1"]
+        again = await s.read_ready("t", 10, block_ms=10)  # what is held is never delivered twice
+        assert [b.experience.completion_id for b in again] == ["chatcmpl-f4", "chatcmpl-f3", "chatcmpl-f2"]
+        assert await s.read_ready("t", 10, block_ms=10) == []
+        held = sorted(b.stream_id for b in newest + oldest + again)
+        assert sorted(b.stream_id for b in await s.delivered("t")) == held  # all pending, none lost
+        assert await s.ack(newest + oldest + again, version=1) == (8, 0)
+        assert await s.delivered("t") == [] and (await s.counts()).ready == 0
+        await s.close()
+    run(go())
+
+
+def test_a_read_with_nothing_free_waits_for_a_new_entry(store_factory):
+    async def go():
+        s = store_factory()
+        await s.ensure_group()
+        await s.log_experiences([_exp("chatcmpl-w0", 0)])
+        await s.post_reward("chatcmpl-w0", 0, 1.0)
+        held = await s.read_ready("t", 10, block_ms=10)
+        assert len(held) == 1
+
+        async def later():
+            await asyncio.sleep(0.3)
+            await s.log_experiences([_exp("chatcmpl-w1", 0)])
+            await s.post_reward("chatcmpl-w1", 0, 1.0)
+        task = asyncio.create_task(later())
+        t0 = asyncio.get_running_loop().time()
+        got = await s.read_ready("t", 10, block_ms=5000)
+        waited = asyncio.get_running_loop().time() - t0
+        await task
+        assert [b.experience.completion_id for b in got] == ["chatcmpl-w1"] and 0.2 < waited < 4.0
+        t0 = asyncio.get_running_loop().time()
+        assert await s.read_ready("t", 10, block_ms=200) == []  # times out, nothing free
+        assert asyncio.get_running_loop().time() - t0 >= 0.15
         await s.close()
     run(go())

@@ -272,8 +272,8 @@ class ExplorerReplica:
         self.metrics.reward_results(results)
         status = rewards_api.batch_status(results)
         body: dict = {"object": "list", "data": results}
-        if status != 200:  # every item refused: the first refusal's error, the rest alongside
-            first = next(r for r in results if r["status"] == "refused")
+        if status != 200:  # the refusal that decided the status, every item's result alongside
+            first = next(r for r in results if r["status"] == "refused" and r["status_code"] == status)
             body = {"error": first["error"], "object": "list", "data": results}
         return JSONResponse(body, status_code=status, headers={"Retry-After": "5"} if status == 507 else None)
 

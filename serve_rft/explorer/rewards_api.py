@@ -6,9 +6,10 @@ the same reward again is accepted as ``duplicate``). The items of a request are 
 each gets its own result (``recorded``, ``duplicate`` or ``refused`` with its OpenAI-style
 ``error``), a refused item (unknown, expired, conflicting, outside its group) never keeps the
 others from being recorded, and posting the same request again records whatever is left (the
-recorded ones answer ``duplicate``). The request as a whole answers 200 when at least one item
-was recorded or already was; when every item is refused it answers the first refusal's status
-(404 / 409 / 410 / 422) with the per-item results alongside the error. A malformed request
+recorded ones answer ``duplicate``). The request as a whole answers 507 (+ Retry-After) when an
+item was refused because the store is full (retrying the request is safe and needed), else 200
+when at least one item was recorded or already was; when every item is refused it answers the
+first refusal's status (404 / 409 / 410 / 422) with the per-item results alongside the error. A malformed request
 (bad form, unknown completion of a ``rewards`` list, a list that does not match the choices)
 is refused whole, before anything is recorded. Nothing accepted is dropped.
 """
@@ -103,9 +104,14 @@ async def post_rewards(store: ExperienceStore, req: RewardRequest) -> list[dict[
 
 
 def batch_status(results: list[dict[str, Any]]) -> int:
-    """HTTP status of a reward request: 200 if any item was recorded (or already was), else
-    the first refusal's status."""
+    """HTTP status of a reward request: a retryable refusal of any item (507 store full) makes
+    the whole answer that status, so a client that looks only at the status retries (the items
+    recorded answer ``duplicate`` then); otherwise 200 if any item was recorded (or already
+    was), else the first refusal's status."""
     refused = [r for r in results if r["status"] == "refused"]
+    retry = [r for r in refused if int(r["status_code"]) >= 500]
+    if retry:
+        return int(retry[0]["status_code"])
     if not refused or len(refused) < len(results):
         return 200
     return int(refused[0]["status_code"])

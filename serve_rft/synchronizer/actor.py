@@ -19,6 +19,7 @@ import os
 import time
 
 import ray
+from redis.exceptions import RedisError
 
 from serve_rft.config import BufferConfig, SynchronizerConfig
 from serve_rft.synchronizer.canary import ArmStats
@@ -34,6 +35,8 @@ MONITOR_PERIOD_S = 1.0
 RAY_CHECK_MAX_AGE_S = 0.25
 """A grant trusts Ray's list of live replica actors at most this old."""
 EXPIRE_EVERY_S = 0.5
+STORE_STEP_S = 2.0
+"""Bound of the monitor's Redis part per period (canary verdict, rollout save), s."""
 MAX_MONITOR_ERRORS = 30
 """Consecutive failed monitor periods (e.g. Redis away) after which the process exits for Ray
 to restart it."""
@@ -130,9 +133,11 @@ class Synchronizer:
                 del self._actor_names[rid]
 
     async def _watch(self) -> None:
-        """Every `MONITOR_PERIOD_S`: dead and silent replicas, the canary verdict, the saved
-        rollout, the metrics. A failed period (e.g. Redis away for a moment) is retried the next
-        one; `MAX_MONITOR_ERRORS` in a row end the process, and Ray restarts the actor."""
+        """Every `MONITOR_PERIOD_S`: dead and silent replicas and the metrics, then the parts
+        that need Redis (the canary verdict, the saved rollout) within `STORE_STEP_S`, so a
+        Redis outage never holds up the death checks (a store step that runs out is tried again
+        the next period). A failed period is retried the next one; `MAX_MONITOR_ERRORS` in a row
+        end the process, and Ray restarts the actor."""
         errors = 0
         while True:
             await asyncio.sleep(MONITOR_PERIOD_S)
@@ -140,15 +145,21 @@ class Synchronizer:
                 await self._rebuild()
                 await self._check_ray(0.0)
                 self.state.expire(time.time())
-                await self._judge_canary()
-                await self._save_rollout()
                 await self._notify()
+                try:
+                    await asyncio.wait_for(self._store_step(), timeout=STORE_STEP_S)
+                except (asyncio.TimeoutError, RedisError) as e:  # Redis away: tried again next period
+                    log.warning("synchronizer: canary verdict / rollout save deferred: %r", e)
                 errors = 0
             except Exception:  # noqa: BLE001 - retried next period, bounded below
                 errors += 1
                 log.exception("synchronizer monitor (%d in a row)", errors)
                 if errors >= MAX_MONITOR_ERRORS:
                     os._exit(1)
+
+    async def _store_step(self) -> None:
+        await self._judge_canary()
+        await self._save_rollout()
 
     async def _judge_canary(self) -> None:
         window = self.state.rollout.canary_window()

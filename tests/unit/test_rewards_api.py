@@ -33,6 +33,9 @@ def test_a_refused_item_never_blocks_the_rest_and_a_retry_records_what_is_left(r
         results = await _post(store, batch)
         assert [r.get("status_code") for r in results] == [404, 409, 410]
         assert rewards_api.batch_status(results) == 404  # every item refused: the first refusal's
+        full = [{"status": "recorded"}, {"status": "refused", "status_code": 409},
+                {"status": "refused", "status_code": 507}]
+        assert rewards_api.batch_status(full) == 507  # retryable: the whole request is retried
         await store.close()
     asyncio.run(go())
 

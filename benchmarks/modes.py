@@ -1,4 +1,4 @@
-"""RL modes, like Trinity-RFT's Table 1 (seed 002 §3.2), in a serving system (issue 5).
+"""RL modes, like Trinity-RFT's Table 1 (the Trinity-RFT technical report, Pan et al. 2025, §3.2), in a serving system.
 
 Each mode is one `serve-rft demo` run on the real stack (two vLLM-CPU replicas, Redis, GRPO
 trainer, CHECKPOINT syncs), stopped when the trainer has taken ``--steps`` steps. Reported per

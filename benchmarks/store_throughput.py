@@ -1,4 +1,4 @@
-"""Experience store throughput and the latency logging adds to a request (issue 4).
+"""Experience store throughput and the latency logging adds to a request.
 
 In one run, on one freshly started embedded redis-server (AOF on, ``appendfsync everysec`` as
 the service runs it by default, or ``--durability always``: ``buffer.durability``):

@@ -1,4 +1,4 @@
-"""serve_rft side by side with plain vLLM (issue 6): same model, same machine, same load
+"""serve_rft side by side with plain vLLM: same model, same machine, same load
 generator and concurrency levels, runs interleaved A B A B so the machine's drift cancels.
 
 A = ``serve-rft up --mode serve`` with one explorer replica (``--ingress haproxy``, the default:

@@ -21,7 +21,7 @@ class _Strict(BaseModel):
 
 
 class SyncMethod(str, enum.Enum):
-    """How weights travel from trainer to explorer (seed 000, "Synchronization Methods")."""
+    """How weights travel from trainer to explorer (the Trinity-RFT Synchronizer documentation, "Synchronization Methods")."""
 
     CHECKPOINT = "checkpoint"
     MEMORY = "memory"
@@ -29,7 +29,7 @@ class SyncMethod(str, enum.Enum):
 
 
 class SyncStyle(str, enum.Enum):
-    """When a sync happens (seed 000, "Synchronization Styles")."""
+    """When a sync happens (the Trinity-RFT Synchronizer documentation, "Synchronization Styles")."""
 
     FIXED = "fixed"
     EXPLORER_DRIVEN = "explorer_driven"
@@ -158,7 +158,7 @@ VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 
 class LoraSettings(_Strict):
-    """Train LoRA adapters (peft) instead of every weight (seed 004, "merge_and_sync")."""
+    """Train LoRA adapters (peft) instead of every weight (Twinkle's CheckpointEngine documentation, "merge_and_sync")."""
 
     rank: int = Field(8, ge=1, description="LoRA rank r.")
     alpha: float = Field(16.0, gt=0, description="LoRA scaling alpha (update scaled by alpha / r).")
@@ -190,9 +190,9 @@ class TrainerConfig(_Strict):
     algorithm: Literal["grpo", "opmd", "opmd_kimi", "reinforce"] = Field(
         "grpo",
         description="grpo: group-normalised advantages (singletons: reward - running baseline), "
-        "PPO clipped ratio vs behaviour logprobs. opmd: seed 002 A.3, -1/(1+tau) (r - group mean) "
-        "log pi. opmd_kimi: seed 002 A.1 squared loss vs the behaviour policy. reinforce: reward - "
-        "running baseline for every experience, PPO clipped ratio (serve_rft/trainer/losses.py).",
+        "PPO clipped ratio vs behaviour logprobs. opmd: Trinity-RFT technical report appendix A.3, "
+        "-1/(1+tau) (r - group mean) log pi. opmd_kimi: the report's appendix A.1, squared loss vs the "
+        "behaviour policy. reinforce: reward - running baseline for every experience, PPO clipped ratio (serve_rft/trainer/losses.py).",
     )
     loss_agg: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"] | None = Field(
         None, description="Token aggregation of the loss; None: token_mean for grpo/reinforce "
@@ -220,7 +220,7 @@ class TrainerConfig(_Strict):
         "experience the trainer holds has waited this long, so the last rewarded experiences before "
         "traffic stops are trained, s. None: wait for min_batch_size however long it takes.")
     lr: float = Field(1e-3, ge=0, description="AdamW learning rate (peak). 0: dummy mode, all the work "
-                      "with fixed weights, for profiling (seed 002 §3.3.1).")
+                      "with fixed weights, for profiling (Trinity-RFT technical report §3.3.1).")
     lr_warmup_steps: int = Field(0, ge=0, description="Linear warm-up from 0 over this many steps.")
     lr_schedule: Literal["constant", "cosine"] = Field(
         "constant", description="After warm-up: constant, or cosine decay to lr * lr_min_ratio at lr_decay_steps.")

@@ -15,7 +15,7 @@ from pydantic import BaseModel, Field
 
 
 class ComponentState(str, enum.Enum):
-    """Trainer / explorer-replica states kept by the synchronizer (seed 000, "Three Key States")."""
+    """Trainer / explorer-replica states kept by the synchronizer (the Trinity-RFT Synchronizer documentation, "Three Key States")."""
 
     RUNNING = "RUNNING"
     REQUIRE_SYNC = "REQUIRE_SYNC"

@@ -3,7 +3,7 @@
 `ServiceStack` is a context manager used by ``serve-rft up`` and ``serve-rft demo``; it ends
 everything it started (Serve, the local Ray cluster, redis-server by pid) on exit.
 
-Modes (seed 002 §2.1: online / train-only, as roles of one service):
+Modes (the Trinity-RFT technical report (Pan et al., 2025) §2.1: online / train-only, as roles of one service):
 
 - ``both`` (default): explorers, store, synchronizer and trainer.
 - ``serve``: explorers, store and synchronizer; experiences and rewards are collected, nothing

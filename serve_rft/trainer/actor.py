@@ -1,6 +1,6 @@
 """The Trainer Ray actor: ready experiences in, committed policy versions out.
 
-Loop (seed 000, "Inside the Trainer"): sample a batch of rewarded experiences from the store's
+Loop (the Trinity-RFT Synchronizer documentation, "Inside the Trainer"): sample a batch of rewarded experiences from the store's
 ready stream, compute advantages and the PPO-clip loss against the logged behaviour logprobs,
 step AdamW, and publish a new policy version when the sync style says so
 (`serve_rft.synchronizer.styles.trainer_publishes`) through the configured sync method.
@@ -542,7 +542,7 @@ class Trainer:
             del self.published_versions[:-PUBLISHED_KEPT]
 
     async def _handshake(self, method, sync) -> float:
-        """NCCL (seed 000's two-way handshake): REQUIRE_SYNC while replicas pull the version
+        """NCCL (the two-way handshake of the Trinity-RFT Synchronizer documentation): REQUIRE_SYNC while replicas pull the version
         just published, then RUNNING. A no-op for pull-only methods.
 
         Returns:
@@ -561,7 +561,7 @@ class Trainer:
         """Up to ``batch_size`` ready experiences, when `batch_complete` says so: a full batch at
         once, at least ``min_batch_size`` after ``batch_wait_s``, any once the oldest has waited
         ``max_batch_wait_s`` (checked every ``batch_wait_s``). While it waits it answers
-        explorer sync requests (seed 000: the trainer syncs during sampling so the explorer can
+        explorer sync requests (the Trinity-RFT Synchronizer documentation: the trainer syncs during sampling so the explorer can
         keep producing data)."""
         from serve_rft.trainer.intake import batch_complete
 

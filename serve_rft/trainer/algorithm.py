@@ -39,7 +39,7 @@ def compute_advantages(rewards: list[float], group_ids: list[str], baseline: Run
     - ``grpo``: a group with >= 2 rewarded members in the batch gets GRPO's normalisation
       ``A_i = (r_i - mean_g) / (std_g + eps)`` (Shao et al. 2024, DeepSeekMath, eq. 3, outcome
       supervision; unbiased std).
-    - ``group_mean``: ``A_i = r_i - mean_g`` (OPMD's baseline, seed 002 A.3).
+    - ``group_mean``: ``A_i = r_i - mean_g`` (OPMD's baseline, the Trinity-RFT technical report (Pan et al., 2025), appendix A.3).
     - ``baseline``: ``A_i = r_i - b`` for every experience (REINFORCE with a running baseline).
 
     In ``grpo`` and ``group_mean`` a singleton (online traffic usually has ``n = 1``) gets

@@ -1,5 +1,5 @@
 """Logprob agreement: the trainer's logprobs of sampled tokens against the behaviour logprobs
-vLLM logged for them (issue 5: "this is what makes the PPO ratio mean something").
+vLLM logged for them (this is what makes the PPO ratio mean something).
 
 `sample` draws responses from an `ExplorerEngine` with the replica's own sampling settings
 (``processed_logprobs``: after temperature and top-p, as the replica logs them);

@@ -1,4 +1,4 @@
-"""LoRA adapters for the trainer (peft), synced as merged full weights (seed 004,
+"""LoRA adapters for the trainer (peft), synced as merged full weights (Twinkle's CheckpointEngine documentation,
 ``merge_and_sync=True``: "the LoRA is merged into the base model and then synchronized") or as
 the adapter alone (``merge_and_sync=False``: replicas serve it with vLLM's LoRA support).
 

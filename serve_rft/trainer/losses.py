@@ -25,7 +25,7 @@ def aggregate(per_token: torch.Tensor, mask: torch.Tensor, mode: Aggregation, n_
     - ``seq_mean_token_mean``: ``sum_i (sum_t l_it / len_i) / n_seqs`` (GRPO as published, Shao et
       al. 2024 eq. 3): each answer weighs the same whatever its length.
     - ``seq_mean_token_sum``: ``sum_i sum_t l_it / n_seqs``: the sequence-level policy gradient
-      (``log pi(y|x)`` is the sum of token logprobs), as in seed 002 appendix A.
+      (``log pi(y|x)`` is the sum of token logprobs), as in the Trinity-RFT technical report (Pan et al., 2025), appendix A.
 
     Args:
         per_token: ``[B, T]`` loss per token.
@@ -89,7 +89,7 @@ def ppo_clip_loss(logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, adva
 def opmd_loss(logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, tau: float,
               agg: Aggregation = "seq_mean_token_sum", n_tokens: float | None = None,
               n_seqs: float | None = None) -> tuple[torch.Tensor, dict[str, float]]:
-    """OPMD, the "embarrassingly simple" variant (seed 002, appendix A.3):
+    """OPMD, the "embarrassingly simple" variant (the Trinity-RFT technical report (Pan et al., 2025), appendix A.3):
 
     ``J = -1/(1+tau) * sum_i (r_i - mean_g(r)) * log pi(y_i|x)``
 
@@ -114,7 +114,7 @@ def opmd_loss(logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tens
 def opmd_kimi_loss(seq_logprobs: torch.Tensor, seq_ref_logprobs: torch.Tensor, rewards: torch.Tensor,
                    tau_log_z: torch.Tensor, tau: float, n_seqs: float | None = None
                    ) -> tuple[torch.Tensor, dict[str, float]]:
-    """OPMD as in Kimi k1.5 (seed 002, appendix A.1): a squared consistency loss per answer,
+    """OPMD as in Kimi k1.5 (the Trinity-RFT technical report (Pan et al., 2025), appendix A.1): a squared consistency loss per answer,
 
     ``l_i = (r_i - tau * log Z_hat - tau * (log pi_theta(y_i|x) - log pi_ref(y_i|x)))^2``,
     ``tau * log Z_hat = tau * log(1/K * sum_j exp(r_j / tau))`` over the answer's group
@@ -136,7 +136,7 @@ def opmd_kimi_loss(seq_logprobs: torch.Tensor, seq_ref_logprobs: torch.Tensor, r
 
 def group_tau_log_z(rewards: list[float], group_ids: list[str], tau: float) -> torch.Tensor:
     """``[B]``: for each answer, ``tau * log(mean_j exp(r_j / tau))`` over its group in the
-    batch (seed 002, A.1), computed stably with logsumexp."""
+    batch (the report's appendix A.1), computed stably with logsumexp."""
     import math
     from collections import defaultdict
 

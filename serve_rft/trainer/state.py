@@ -20,7 +20,7 @@ written like a published version (`serve_rft.trainer.checkpoint`: temp folder, f
 publish, written (fsynced) before each publish: a restarted trainer numbers new versions after
 it, so a version number never names two different weights, whatever the sync method keeps.
 
-Exactly-once (issue 4): the trainer acknowledges ready entries only after a saved state covers
+Exactly-once: the trainer acknowledges ready entries only after a saved state covers
 them. A trainer killed at any point restarts from its newest state, acknowledges that state's
 ``trained`` entries again (a no-op for those already acknowledged), and re-reads every entry
 still delivered-but-unacknowledged: those were trained only into weights that were lost, so

@@ -1,4 +1,4 @@
-"""The weight-sync method interface (seed 004's CheckpointEngine: prepare, send, receive, finalize).
+"""The weight-sync method interface (Twinkle's CheckpointEngine documentation: prepare, send, receive, finalize).
 
 A method moves one policy version from the trainer to an explorer replica. The trainer calls
 ``prepare`` once and ``send`` per published version; ``send`` returns a *handle* (a small dict,
@@ -29,7 +29,7 @@ class WeightSyncMethod(ABC):
 
     name: ClassVar[str]
     handshake: ClassVar[bool] = False
-    """True when a transfer needs the trainer in it at the same time (NCCL, seed 000's two-way
+    """True when a transfer needs the trainer in it at the same time (NCCL, the two-way
     handshake): the trainer then calls ``serve_window`` after each publish."""
 
     durable: ClassVar[bool] = False

@@ -12,7 +12,7 @@ size). The synchronizer asks the trainer for a rendezvous endpoint (its node add
 port); the replica joins from its workers while the trainer joins rank 0, at the same time.
 One group per replica, not one for all, because replicas sync at different moments (rolling).
 
-Two-way handshake (seed 000, "NCCL Synchronization"): both sides must be in the collective at
+Two-way handshake (the Trinity-RFT Synchronizer documentation, "NCCL Synchronization"): both sides must be in the collective at
 once, so a transfer needs the trainer too. After publishing version v the trainer goes
 REQUIRE_SYNC and opens a *sync window* (`NcclSender.serve_window`): its weights stay at v while
 replicas pull. A replica granted v (REQUIRE_SYNC, drained, paused) *reserves* the trainer

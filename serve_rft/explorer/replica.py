@@ -188,15 +188,9 @@ class ExplorerReplica:
 
     def _trainer(self):
         """The trainer actor, or None (serve-only mode)."""
-        import ray
+        from serve_rft.names import find_trainer
 
-        from serve_rft.synchronizer.actor import NAMESPACE
-        from serve_rft.trainer.actor import TRAINER_NAME
-
-        try:
-            return ray.get_actor(TRAINER_NAME, namespace=NAMESPACE)
-        except ValueError:
-            return None
+        return find_trainer()
 
     @app.get("/v1/sync/events")
     async def sync_events(self, request: Request, since: float = 0.0) -> JSONResponse:

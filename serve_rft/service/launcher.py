@@ -27,6 +27,7 @@ import httpx
 
 from serve_rft.buffer.redis_server import RedisSupervisor, free_port
 from serve_rft.config import Config
+from serve_rft.names import SYNCHRONIZER_NAME, TRAINER_NAME, find_actor, get_trainer
 from serve_rft.service.ingress import DRAIN_ENV, HAPROXY_FLAG, haproxy_env
 from serve_rft.model.embedded import resolve_model_path
 
@@ -165,18 +166,15 @@ class ServiceStack:
 
                 # train mode in a joined cluster leaves Serve and the synchronizer to their owner
                 # serve mode leaves a trainer that joined (a train process) to its owner
-                owned = [] if self.mode == "serve" else ["serve_rft_trainer"]
+                owned = [] if self.mode == "serve" else [TRAINER_NAME]
                 if self.mode != "train" or self.started_ray:
-                    owned.append("serve_rft_synchronizer")
+                    owned.append(SYNCHRONIZER_NAME)
                 try:
                     if self.mode != "train":
                         serve.shutdown()
                 finally:
-                    for name in owned:
-                        try:
-                            ray.kill(ray.get_actor(name, namespace="serve_rft"))
-                        except ValueError:
-                            pass
+                    for actor in filter(None, map(find_actor, owned)):
+                        ray.kill(actor)
                     if self.started_ray:
                         ray.shutdown()
         finally:
@@ -239,10 +237,7 @@ def trainer_status() -> dict:
     """
     import ray
 
-    from serve_rft.synchronizer.actor import NAMESPACE
-    from serve_rft.trainer.actor import TRAINER_NAME
-
-    return ray.get(ray.get_actor(TRAINER_NAME, namespace=NAMESPACE).status.remote(), timeout=60)
+    return ray.get(get_trainer().status.remote(), timeout=60)
 
 
 def quiet_env() -> None:

@@ -22,14 +22,13 @@ import ray
 from redis.exceptions import RedisError
 
 from serve_rft.config import BufferConfig, SynchronizerConfig
+from serve_rft.names import NAMESPACE, SYNCHRONIZER_NAME, find_trainer, get_synchronizer, get_trainer  # noqa: F401
 from serve_rft.synchronizer.canary import ArmStats
 from serve_rft.synchronizer.state import SyncState
 from serve_rft.types import ComponentState, PollReply, PublishedVersion
 
 log = logging.getLogger("serve_rft.synchronizer")
 
-NAMESPACE = "serve_rft"
-SYNCHRONIZER_NAME = "serve_rft_synchronizer"
 MONITOR_PERIOD_S = 1.0
 """How often the actor checks Ray for dead replicas, expires silent ones and judges a canary."""
 RAY_CHECK_MAX_AGE_S = 0.25
@@ -108,11 +107,8 @@ class Synchronizer:
             if raw:
                 self.state.rollout.restore(json.loads(raw), now)
                 self._snapshot = raw
-        from serve_rft.trainer.actor import TRAINER_NAME
-
-        try:
-            trainer = ray.get_actor(TRAINER_NAME, namespace=NAMESPACE)
-        except ValueError:  # no trainer (serve-only mode, or not created yet)
+        trainer = find_trainer()
+        if trainer is None:  # no trainer (serve-only mode, or not created yet)
             return
         published = await trainer.latest_published.remote()
         if published is not None and published.version > self.state.latest_version():
@@ -179,12 +175,9 @@ class Synchronizer:
 
     async def _reset_trainer(self) -> None:
         """``canary.on_reject=reset``: the trainer continues from the incumbent's weights."""
-        from serve_rft.trainer.actor import TRAINER_NAME
-
         inc = self.state.versions.get(self.state.incumbent)
-        try:
-            trainer = ray.get_actor(TRAINER_NAME, namespace=NAMESPACE)
-        except ValueError:
+        trainer = find_trainer()
+        if trainer is None:
             return
         await trainer.reset_to.remote(self.state.incumbent, inc.handle if inc else None)
 
@@ -319,10 +312,7 @@ class Synchronizer:
         Returns:
             vLLM's worker init info (``NCCLWeightTransferInitInfo`` fields).
         """
-        from serve_rft.trainer.actor import TRAINER_NAME
-
-        trainer = ray.get_actor(TRAINER_NAME, namespace=NAMESPACE)
-        return await trainer.nccl_endpoint.remote(world_size)
+        return await get_trainer().nccl_endpoint.remote(world_size)
 
     def set_trainer(self, state: str, step: int) -> None:
         self.state.set_trainer(ComponentState(state), step, time.time())
@@ -382,19 +372,3 @@ def get_or_create_synchronizer(cfg: SynchronizerConfig, buffer: BufferConfig | N
     return Synchronizer.options(name=SYNCHRONIZER_NAME, namespace=NAMESPACE, get_if_exists=True,
                                 lifetime="detached", max_restarts=-1, max_task_retries=10,
                                 ).remote(cfg.model_dump_json(), buffer_json)
-
-
-def get_synchronizer(timeout_s: float = 60.0):
-    """Look the synchronizer up by name, waiting up to ``timeout_s`` for it to exist.
-
-    Raises:
-        ValueError: it did not appear in time.
-    """
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            return ray.get_actor(SYNCHRONIZER_NAME, namespace=NAMESPACE)
-        except ValueError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.5)

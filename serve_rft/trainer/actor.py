@@ -29,10 +29,10 @@ import ray
 
 from serve_rft.buffer.store import ExperienceStore
 from serve_rft.config import Config
+from serve_rft.names import NAMESPACE, TRAINER_NAME, get_synchronizer
 from serve_rft.types import ComponentState, PublishedVersion, RewardedExperience
 
 log = logging.getLogger("serve_rft.trainer")
-TRAINER_NAME = "serve_rft_trainer"
 PUBLISHED_KEPT = 4096
 """Published version numbers the trainer remembers (and saves) for counting staleness in cycles."""
 
@@ -317,7 +317,6 @@ class Trainer:
         from redis.exceptions import ConnectionError as RedisConnectionError
         from redis.exceptions import TimeoutError as RedisTimeoutError
 
-        from serve_rft.synchronizer.actor import get_synchronizer
 
         sync = get_synchronizer()
         try:
@@ -646,8 +645,6 @@ class Trainer:
 
 def get_or_create_trainer(cfg: Config, model_path: str):
     """The named trainer actor (detached), created if it does not exist yet."""
-    from serve_rft.synchronizer.actor import NAMESPACE
-
     gpus = cfg.trainer.num_gpus if cfg.trainer.device == "cuda" else 0
     # max_restarts=-1: Ray restarts a trainer whose process died; it resumes from its state.
     return Trainer.options(name=TRAINER_NAME, namespace=NAMESPACE, get_if_exists=True, num_gpus=gpus,

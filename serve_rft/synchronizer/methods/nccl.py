@@ -294,13 +294,10 @@ class _RayPeers:
     """The replica's view of the synchronizer and trainer actors (by name)."""
 
     def __init__(self):
-        import ray
-
-        from serve_rft.synchronizer.actor import NAMESPACE, get_synchronizer
-        from serve_rft.trainer.actor import TRAINER_NAME
+        from serve_rft.names import get_synchronizer, get_trainer
 
         self.sync = get_synchronizer()
-        self.trainer = ray.get_actor(TRAINER_NAME, namespace=NAMESPACE)
+        self.trainer = get_trainer()
 
     async def group(self, replica_id: str, world_size: int) -> dict:
         return await self.sync.nccl_group.remote(replica_id, world_size)

@@ -22,7 +22,7 @@ import ray
 from redis.exceptions import RedisError
 
 from serve_rft.config import BufferConfig, SynchronizerConfig
-from serve_rft.names import NAMESPACE, SYNCHRONIZER_NAME, find_trainer, get_synchronizer, get_trainer  # noqa: F401
+from serve_rft.names import NAMESPACE, SYNCHRONIZER_NAME, find_trainer, get_trainer
 from serve_rft.synchronizer.canary import ArmStats
 from serve_rft.synchronizer.state import SyncState
 from serve_rft.types import ComponentState, PollReply, PublishedVersion

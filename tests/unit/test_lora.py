@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from serve_rft.config import load_config
-from serve_rft.trainer.actor import PolicyTrainer
+from serve_rft.trainer.policy import PolicyTrainer
 from serve_rft.trainer.state import save_state
 from tests.unit.test_losses import _batch
 

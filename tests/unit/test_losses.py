@@ -95,7 +95,7 @@ def _params(p):
 
 @pytest.mark.parametrize("algorithm", ["grpo", "opmd", "opmd_kimi", "reinforce"])
 def test_micro_batches_give_the_whole_batch_gradient(embedded_model, algorithm):
-    from serve_rft.trainer.actor import PolicyTrainer
+    from serve_rft.trainer.policy import PolicyTrainer
 
     sets = [f"trainer.algorithm={algorithm}", "trainer.kl_coef=0.1", "trainer.lr=0"]  # compare grads
     from serve_rft.config import load_config
@@ -113,7 +113,7 @@ def test_micro_batches_give_the_whole_batch_gradient(embedded_model, algorithm):
 
 def test_lr_schedule_and_dummy_mode(embedded_model):
     from serve_rft.config import load_config
-    from serve_rft.trainer.actor import PolicyTrainer
+    from serve_rft.trainer.policy import PolicyTrainer
 
     p = PolicyTrainer(load_config(None, ["trainer.lr_warmup_steps=4", "trainer.lr_schedule=cosine",
                                          "trainer.lr_decay_steps=10", "trainer.lr_min_ratio=0.1"]),
@@ -174,7 +174,7 @@ def test_bf16_autocast_trains_with_fp32_weights(embedded_model):
     """trainer.precision=bf16 (auto picks it on CUDA; exercised here on CPU autocast): forward
     passes in bf16, weights and optimizer in fp32, statistics close to the fp32 run's."""
     from serve_rft.config import load_config
-    from serve_rft.trainer.actor import PolicyTrainer
+    from serve_rft.trainer.policy import PolicyTrainer
 
     fp32 = PolicyTrainer(load_config(None, ["trainer.lr=0.001"]), str(embedded_model))
     bf16 = PolicyTrainer(load_config(None, ["trainer.lr=0.001", "trainer.precision=bf16"]), str(embedded_model))

@@ -4,7 +4,7 @@ running baseline, so the next step from the resumed trainer equals the next step
 import torch
 
 from serve_rft.config import Config
-from serve_rft.trainer.actor import PolicyTrainer
+from serve_rft.trainer.policy import PolicyTrainer
 from serve_rft.trainer.state import latest_state, save_state
 from serve_rft.types import Experience, RewardedExperience, SamplingInfo
 

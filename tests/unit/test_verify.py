@@ -52,7 +52,7 @@ def test_probe_is_fixed_per_version_and_checked_within_tolerance(embedded_model)
 def test_trainer_reset_takes_the_incumbents_weights_and_clears_adam(embedded_model, tmp_path):
     from serve_rft.config import load_config
     from serve_rft.synchronizer.methods import CheckpointMethod
-    from serve_rft.trainer.actor import PolicyTrainer
+    from serve_rft.trainer.policy import PolicyTrainer
     from tests.unit.test_lora import _batch
 
     cfg = load_config(None, ["trainer.lr=0.01"])

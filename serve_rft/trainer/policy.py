@@ -1,0 +1,235 @@
+"""The trainer's torch side (`PolicyTrainer`), synchronous: the policy model, its optimizer and
+LR schedule, a frozen reference copy for the KL penalty, one policy-gradient step per batch of
+rewarded experiences, and the weights to publish. The `serve_rft.trainer.actor.Trainer` actor
+runs it off its event loop.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+
+from serve_rft.config import Config
+from serve_rft.types import RewardedExperience
+
+
+class PolicyTrainer:
+    """The torch side, synchronous: the policy model, its optimizer and LR schedule, and (with
+    ``kl_coef > 0``) a frozen reference copy of the initial weights."""
+
+    def __init__(self, cfg: Config, model_path: str, resume: Path | None = None):
+        """Load the policy from ``model_path``, or from the trainer state folder ``resume``
+        (weights, optimizer, LR schedule, RNG, running baseline; `serve_rft.trainer.state`)."""
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        from serve_rft.trainer.algorithm import RunningBaseline
+        from serve_rft.trainer.state import load_state
+
+        torch.set_num_threads(cfg.trainer.num_threads)
+        torch.manual_seed(cfg.trainer.seed)
+        self.cfg = cfg.trainer
+        self.device = torch.device(cfg.trainer.device)
+        self.bf16 = cfg.trainer.precision == "bf16" or (cfg.trainer.precision == "auto" and self.device.type == "cuda")
+        def load(path):
+            return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(self.device)
+
+        self.export = None  # LoRA: the plain model that publishes carry (base + adapter merged)
+        self.ref_model = None
+        if self.cfg.lora is not None:
+            from serve_rft.trainer import lora
+
+            self.model = lora.wrap(load(model_path), self.cfg.lora)  # the base never changes
+            if resume is not None:
+                lora.load_adapter(self.model, resume)
+            self.export = load(model_path)
+            self.export.requires_grad_(False)
+        else:
+            self.model = load(resume if resume is not None else model_path)
+            if self.cfg.kl_coef > 0:  # LoRA's reference is the base: the adapter disabled
+                self.ref_model = load(model_path)
+                self.ref_model.eval().requires_grad_(False)
+        self.model.train()
+        self.pad_id = self.model.config.pad_token_id or 0
+        self.vocab_size = int(self.model.get_input_embeddings().weight.shape[0])
+        self.optimizer = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad],
+                                           lr=self.cfg.lr, weight_decay=self.cfg.weight_decay)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
+        self.baseline = RunningBaseline(self.cfg.baseline_momentum)
+        self.resumed = load_state(resume, self.optimizer, self.scheduler) if resume is not None else None
+        if self.resumed is not None:
+            self.baseline.value = self.resumed.baseline
+
+    def full_model(self):
+        """The policy as a plain transformers model: the model itself, or with LoRA the base
+        with the adapter merged in (`serve_rft.trainer.lora.merge_into`). Trainer states hold it."""
+        if self.export is None:
+            return self.model
+        from serve_rft.trainer import lora
+
+        lora.merge_into(self.model, self.export)
+        return self.export
+
+    def reset_to(self, handle: dict) -> None:
+        """Take the weights behind a published ``handle`` (``synchronizer.canary.on_reject=reset``
+        after a rolled-back candidate): full fine-tuning loads the version's tensors (CHECKPOINT
+        folder, MEMORY buckets, or the initial model directory), adapter-only LoRA its adapter
+        (the initial weights: a zero adapter). AdamW's moments are cleared; the LR schedule and
+        the step count go on.
+
+        Raises:
+            ValueError: a handle this trainer cannot take (merged LoRA publishes full weights).
+        """
+        import ray
+        import torch
+        from safetensors.torch import load_file
+
+        lora = self.cfg.lora is not None
+        if lora and self.cfg.lora.merge_and_sync:
+            raise ValueError("reset needs adapter-only LoRA sync (merged publishes lose the adapter)")
+        if lora and not handle.get("adapter"):  # the initial weights: the adapter's B = 0
+            with torch.no_grad():
+                for name, p in self.model.named_parameters():
+                    if "lora_B" in name:
+                        p.zero_()
+            self.optimizer.state.clear()
+            return
+        if handle.get("method") == "checkpoint":
+            files = sorted(Path(handle["path"]).glob("*.safetensors"))
+            tensors = {k: v for f in files for k, v in load_file(str(f)).items()}
+        elif handle.get("method") == "memory":
+            tensors = {}
+            for ref in handle["buckets"]:
+                got = ray.get(ref)
+                tensors.update(got[0] if handle.get("adapter") else dict(got))
+        else:
+            raise ValueError(f"cannot reset to a {handle.get('method')!r} handle")
+        with torch.no_grad():
+            if lora:
+                from peft import set_peft_model_state_dict
+
+                set_peft_model_state_dict(self.model, tensors)
+            else:
+                missing, unexpected = self.model.load_state_dict(tensors, strict=False)
+                tied = {k for k in missing if k.endswith("lm_head.weight")}
+                if set(missing) - tied or unexpected:
+                    raise ValueError(f"the handle's tensors do not fit the model: missing "
+                                     f"{sorted(set(missing) - tied)[:5]}, unexpected {unexpected[:5]}")
+        self.optimizer.state.clear()
+
+    def publish_model(self):
+        """What a publish carries: `full_model`, or with adapter-only LoRA sync
+        (``lora.merge_and_sync=false``) the `peft.PeftModel`, whose adapter alone the sync
+        methods move."""
+        if self.cfg.lora is not None and not self.cfg.lora.merge_and_sync:
+            return self.model
+        return self.full_model()
+
+    def _lr_factor(self, step: int) -> float:
+        """Multiplier of ``lr`` at optimizer step ``step``: linear warm-up, then constant or
+        cosine decay to ``lr_min_ratio``."""
+        c = self.cfg
+        if step < c.lr_warmup_steps:
+            return (step + 1) / c.lr_warmup_steps
+        if c.lr_schedule == "constant":
+            return 1.0
+        t = min(1.0, (step - c.lr_warmup_steps) / c.lr_decay_steps)
+        return c.lr_min_ratio + (1 - c.lr_min_ratio) * 0.5 * (1 + math.cos(math.pi * t))
+
+    def step(self, batch: list[RewardedExperience]) -> dict[str, float]:
+        """One optimizer step on ``batch`` (``trainer.algorithm``), in micro-batches of
+        ``micro_batch_size`` whose summed gradient equals the whole batch's.
+
+        Returns:
+            loss, reward / advantage / ratio / clip / entropy / KL statistics, the learning
+            rate, ``max_abs_logprob_diff`` (trainer vs behaviour logprobs), seconds.
+        """
+        import torch
+
+        from serve_rft.trainer.algorithm import compute_advantages
+        from serve_rft.trainer.losses import group_tau_log_z
+
+        t0 = time.perf_counter()
+        c = self.cfg
+        exps = [b.experience for b in batch]
+        rewards = [b.reward for b in batch]
+        groups = [e.group_id for e in exps]
+        estimator = {"grpo": "grpo", "reinforce": "baseline"}.get(c.algorithm, "group_mean")
+        adv = compute_advantages(rewards, groups, self.baseline, estimator=estimator).to(self.device)
+        tlz = group_tau_log_z(rewards, groups, c.opmd_tau).to(self.device) if c.algorithm == "opmd_kimi" else None
+        n_tokens = float(sum(len(e.response_token_ids) for e in exps))
+        n_seqs = float(len(exps))
+        size = c.micro_batch_size or len(batch)
+        self.optimizer.zero_grad(set_to_none=True)
+        totals: dict[str, float] = {}
+        for start in range(0, len(batch), size):
+            part = slice(start, start + size)
+            loss, stats, tokens = self._micro_step(exps[part], adv[part], rewards[part],
+                                                   tlz[part] if tlz is not None else None, n_tokens, n_seqs)
+            loss.backward()
+            totals["loss"] = totals.get("loss", 0.0) + float(loss.detach())
+            for k, v in stats.items():  # token-weighted means (max for *_max)
+                if k.endswith("_max"):
+                    totals[k] = max(totals.get(k, v), v)
+                else:
+                    totals[k] = totals.get(k, 0.0) + v * tokens / max(n_tokens, 1.0)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), c.grad_clip)
+        lr = self.optimizer.param_groups[0]["lr"]
+        self.optimizer.step()
+        self.scheduler.step()
+        totals.update(grad_norm=float(grad_norm), lr=lr, reward_mean=sum(rewards) / len(rewards),
+                      adv_abs_mean=float(adv.abs().mean()), batch_size=len(batch), tokens=n_tokens,
+                      micro_batches=math.ceil(len(batch) / size), step_seconds=time.perf_counter() - t0)
+        return totals
+
+    def _autocast(self):
+        """bf16 autocast for forward passes (``trainer.precision``: bf16, or auto on CUDA); the
+        weights, the optimizer and the logits' log-softmax stay fp32."""
+        import torch
+
+        return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16, enabled=self.bf16)
+
+    def _micro_step(self, exps, adv, rewards, tlz, n_tokens: float, n_seqs: float):
+        """Loss of one micro-batch, normalised by the whole batch's ``n_tokens`` / ``n_seqs``."""
+        import torch
+
+        from serve_rft.trainer.algorithm import response_logprobs
+        from serve_rft.trainer.losses import aggregate, kl_k3, opmd_kimi_loss, opmd_loss, ppo_clip_loss
+
+        c = self.cfg
+        agg = c.aggregation
+        prompts = [e.prompt_token_ids for e in exps]
+        responses = [e.response_token_ids for e in exps]
+        temps = [e.sampling.temperature for e in exps]
+        top_ps = [e.sampling.top_p for e in exps]
+        with self._autocast():
+            logp, mask, ent = response_logprobs(self.model, prompts, responses, temps, self.pad_id,
+                                                with_entropy=True, top_ps=top_ps)
+        behaviour = torch.zeros_like(logp)
+        for i, e in enumerate(exps):
+            behaviour[i, : len(e.behaviour_logprobs)] = torch.tensor(e.behaviour_logprobs)
+        if c.algorithm in ("grpo", "reinforce"):
+            loss, stats = ppo_clip_loss(logp, behaviour, adv, mask, c.clip_low, c.clip_high, agg, n_tokens, n_seqs)
+        elif c.algorithm == "opmd":
+            loss, stats = opmd_loss(logp, adv, mask, c.opmd_tau, agg, n_tokens, n_seqs)
+        else:
+            loss, stats = opmd_kimi_loss((logp * mask).sum(1), (behaviour * mask).sum(1),
+                                         torch.tensor(rewards, device=logp.device), tlz, c.opmd_tau, n_seqs)
+        tokens = float(mask.sum())
+        here = max(tokens, 1.0)
+        if c.kl_coef > 0:
+            with torch.no_grad(), self._autocast():
+                if self.ref_model is not None:
+                    ref, _ = response_logprobs(self.ref_model, prompts, responses, temps, self.pad_id,
+                                               top_ps=top_ps)
+                else:
+                    with self.model.disable_adapter():
+                        ref, _ = response_logprobs(self.model, prompts, responses, temps, self.pad_id,
+                                                   top_ps=top_ps)
+            kl = kl_k3(logp, ref)
+            loss = loss + c.kl_coef * aggregate(kl, mask, agg, n_tokens, n_seqs)
+            stats["kl_ref"] = float((kl.detach() * mask).sum() / here)
+        stats["entropy"] = float((ent * mask).sum() / here)
+        stats["max_abs_logprob_diff"] = float(((logp.detach() - behaviour).abs() * mask).max())
+        return loss, stats, tokens

@@ -19,7 +19,16 @@ local function release(P, gid)
     local reward = redis.call('HGET', st, 'r'..i)
     if exp and reward then
       local prompt = redis.call('GET', P..':pr:'..cid) or ''
-      redis.call('XADD', P..':ready', '*', 'exp', exp, 'reward', reward, 'member', m, 'prompt', prompt)
+      -- v: the policy version of its oldest token (what staleness is counted from)
+      local v = 0
+      local ok, e = pcall(cjson.decode, exp)
+      if ok and type(e) == 'table' and type(e['token_versions']) == 'table' then
+        for k, span in ipairs(e['token_versions']) do
+          if k == 1 or span[1] < v then v = span[1] end
+        end
+      end
+      redis.call('XADD', P..':ready', '*', 'exp', exp, 'reward', reward, 'member', m, 'prompt', prompt,
+                 'v', v)
       redis.call('HSET', st, i, 'ready')
       n = n + 1
     end
@@ -226,6 +235,33 @@ local last = top[1] and top[1][1] or '0-0'
 if #ids == 0 then return {{}, last} end
 ids[#ids + 1] = 'FORCE'  -- (unpack expands only as the last argument)
 return {redis.call('XCLAIM', rk, 'trainer', c, 0, unpack(ids)), last}
+"""
+
+DROP_STALE = ALLOW_OOM + _COMMON + """
+-- ARGV: P, threshold, version, trained_ttl_s, limit
+-- Of the `limit` oldest ready entries no trainer holds, drop those whose oldest token's policy
+-- version (field v) is below `threshold` (past the trainer's staleness bound): each choice
+-- marked stale-dropped with the trainer's `version`, counted. Returns how many.
+local P, thr, ver, ttl, lim = ARGV[1], tonumber(ARGV[2]), ARGV[3], tonumber(ARGV[4]), tonumber(ARGV[5])
+local rk = P..':ready'
+local n = 0
+for _, e in ipairs(free_entries(rk, lim, false)) do
+  local f = {}
+  for j = 1, #e[2], 2 do f[e[2][j]] = e[2][j + 1] end
+  local v, m = tonumber(f['v'] or ''), f['member'] or ''
+  local sep = string.find(m, ':[^:]*$')
+  if v and v < thr and sep then
+    local st = P..':st:'..string.sub(m, 1, sep - 1)
+    local i = string.sub(m, sep + 1)
+    redis.call('HSET', st, i, 'stale-dropped', 'v'..i, ver)
+    if redis.call('TTL', st) < ttl then redis.call('EXPIRE', st, ttl) end
+    redis.call('XDEL', rk, e[1])
+    redis.call('HDEL', P..':attempts', e[1])
+    n = n + 1
+  end
+end
+if n > 0 then redis.call('HINCRBY', P..':stat', 'stale_dropped', n) end
+return n
 """
 
 ACK = ALLOW_OOM + """

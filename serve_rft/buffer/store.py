@@ -32,7 +32,7 @@ key                    type    meaning
 ``P:pending``          zset    ``{cid}:{i}`` awaiting a reward, scored by its deadline.
 ``P:conv:{conv}``      list    Completion ids of a conversation's turns, in order.
 ``P:ready``            stream  Released experiences (fields ``exp``, ``reward``, ``member``,
-                               ``prompt``);
+                               ``prompt``, ``v`` the policy version of the oldest token);
                                consumer group ``trainer`` (entries delivered by XCLAIM
                                FORCE, newest or oldest first); XACK + XDEL once trained.
 ``P:stat``             hash    Counters: logged, rewarded, ready, trained, expired,
@@ -218,6 +218,7 @@ class ExperienceStore:
         self._sweep = self.redis.register_script(scripts.SWEEP)
         self._ack = self.redis.register_script(scripts.ACK)
         self._read_script = self.redis.register_script(scripts.READ)
+        self._drop_stale = self.redis.register_script(scripts.DROP_STALE)
         self._dead_letter = self.redis.register_script(scripts.DEAD_LETTER)
 
     @classmethod
@@ -456,6 +457,19 @@ class ExperienceStore:
         entries, last = await self._read_script(args=[self.p, consumer, count, int(newest_first)],
                                                 client=self._reader)
         return [(eid, dict(zip(f[::2], f[1::2]))) for eid, f in entries], last
+
+    async def drop_stale(self, threshold: int, version: int, limit: int = SWEEP_BATCH) -> int:
+        """Drop the waiting experiences (ready, held by no trainer) whose oldest token's policy
+        version is below ``threshold``, among the ``limit`` oldest: state ``stale-dropped`` with
+        ``version``, counted in ``stale_dropped``. A trainer that reads the freshest first calls
+        this so that what falls past its staleness bound leaves the store instead of waiting
+        for the ready bound (``max_ready``).
+
+        Returns:
+            How many were dropped.
+        """
+        return int(await self._drop_stale(args=[self.p, threshold, version,
+                                                 max(1, math.ceil(self.trained_ttl_s)), limit]))
 
     async def _parsed(self, raw: list[tuple[str, dict]]) -> list[RewardedExperience]:
         good, bad = _parse(raw)

@@ -141,6 +141,7 @@ class Trainer:
                 batch, backlog = backlog[:cfg.trainer.batch_size], backlog[cfg.trainer.batch_size:]
             else:
                 self.phase = "collecting"
+                await self._shed_stale(store)
                 batch = await self._collect(store, policy, method, sync)
             batch = await self._intake(store, policy, batch)
             batch = await self._drop_stale(store, batch)
@@ -306,6 +307,19 @@ class Trainer:
             self.stale_dropped += dropped
             self.metrics.observe([], dropped)
         return [b for b in batch if self.staleness(b.experience.min_version) <= limit]
+
+    async def _shed_stale(self, store: ExperienceStore) -> None:
+        """Drop from the store, before they are read, the waiting experiences already past
+        ``max_staleness`` (counted as `_drop_stale` does): read freshest first under more traffic
+        than the trainer trains, they would otherwise wait until the ready bound sheds them."""
+        from serve_rft.trainer.intake import stale_threshold
+
+        threshold = stale_threshold(self.published_versions, self.cfg.trainer.max_staleness)
+        if threshold is not None:
+            dropped = await store.drop_stale(threshold, self.version)
+            self.stale_dropped += dropped
+            if dropped:
+                self.metrics.observe([], dropped)
 
     def staleness(self, version: int) -> int:
         """Sync cycles since ``version`` over what this trainer (or the state it resumed from)

@@ -105,6 +105,16 @@ class TrainedLedger:
         return len(self._seen)
 
 
+def stale_threshold(published: list[int], max_staleness: int | None) -> int | None:
+    """The lowest policy version still within ``max_staleness`` sync cycles: a version ``v`` is
+    past the bound (``sync_cycles(published, v) > max_staleness``) exactly when ``v`` is below
+    it. None when nothing can be past it yet (fewer than ``max_staleness + 1`` versions
+    published, or no bound)."""
+    if max_staleness is None or len(published) <= max_staleness:
+        return None
+    return published[len(published) - max_staleness - 1]
+
+
 def sync_cycles(published: list[int], version: int) -> int:
     """Weight synchronization cycles an experience of policy ``version`` is behind: how many of
     the ``published`` versions (ascending) came after it. XTuner v1's RL trainer documentation

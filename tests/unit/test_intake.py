@@ -5,8 +5,10 @@ import asyncio
 import json
 import uuid
 
+from hypothesis import given, strategies as st
+
 from serve_rft.buffer.store import DeadLetter, ExperienceStore
-from serve_rft.trainer.intake import TrainedLedger, batch_complete, sync_cycles, untrainable
+from serve_rft.trainer.intake import TrainedLedger, batch_complete, stale_threshold, sync_cycles, untrainable
 from serve_rft.types import RewardedExperience
 from tests.unit.test_store import _exp
 
@@ -79,3 +81,11 @@ def test_staleness_counts_sync_cycles_not_trainer_steps():
     max_staleness=1 keeps it), not 4 steps."""
     published = [0, 4, 8, 12]
     assert [sync_cycles(published, v) for v in (12, 8, 5, 4, 0)] == [0, 1, 2, 2, 3]
+
+
+@given(st.lists(st.integers(0, 60), unique=True, max_size=20).map(sorted), st.integers(0, 60),
+       st.one_of(st.none(), st.integers(0, 8)))
+def test_the_stale_threshold_agrees_with_counting_sync_cycles(published, version, max_staleness):
+    threshold = stale_threshold(published, max_staleness)
+    past = max_staleness is not None and sync_cycles(published, version) > max_staleness
+    assert past == (threshold is not None and version < threshold)

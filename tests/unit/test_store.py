@@ -463,3 +463,22 @@ def test_a_read_with_nothing_free_waits_for_a_new_entry(store_factory):
         assert asyncio.get_running_loop().time() - t0 >= 0.15
         await s.close()
     run(go())
+
+
+def test_waiting_experiences_past_the_staleness_threshold_are_dropped_before_they_are_read(store_factory):
+    async def go():
+        s = store_factory()
+        await s.ensure_group()
+        for k in range(6):  # choice k's oldest token came from policy version k
+            await s.log_experiences([_exp(f"chatcmpl-s{k}", 0, versions=((k, 0, 2), (k + 1, 2, 3)))])
+            await s.post_reward(f"chatcmpl-s{k}", 0, 1.0)
+        held = await s.read_ready("t", 1, block_ms=10, newest_first=False)  # a trainer holds s0
+        assert held[0].experience.completion_id == "chatcmpl-s0"
+        assert await s.drop_stale(threshold=3, version=9) == 2  # s1, s2: s0 is held, s3.. are fresh
+        assert [x.state for x in await s.choices("chatcmpl-s1")] == ["stale-dropped"]
+        assert (await s.choices("chatcmpl-s2"))[0].trained_version == 9
+        c = await s.counts()
+        assert (c.stale_dropped, c.ready) == (2, 4)  # s0 (held) + s3..s5
+        assert await s.drop_stale(threshold=3, version=9) == 0
+        await s.close()
+    run(go())

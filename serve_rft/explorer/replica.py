@@ -183,7 +183,9 @@ class ExplorerReplica:
                                           phase=t["phase"], resumed_from=t["resumed_from"],
                                           pid=t["pid"], redelivered=t["redelivered"],
                                           resume_acked=t["resume_acked"],
-                                          dead_lettered=t["dead_lettered"], reacked=t["reacked"])
+                                          dead_lettered=t["dead_lettered"], reacked=t["reacked"],
+                                          sample_age_s={k: (t["last"] or {}).get(f"sample_age_s_{k}")
+                                                        for k in ("mean", "max")})
         return JSONResponse(sync_status)
 
     def _trainer(self):

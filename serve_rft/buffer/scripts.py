@@ -61,6 +61,13 @@ local function free_entries(rk, n, newest)
   return out
 end
 
+-- A stream entry's fields ({id, {k1, v1, ...}}) as a table
+local function entry_fields(e)
+  local f = {}
+  for j = 1, #e[2], 2 do f[e[2][j]] = e[2][j + 1] end
+  return f
+end
+
 local function complete(P, gid)
   local g = P..':grp:'..gid
   local size = tonumber(redis.call('HGET', g, 'size') or '0')
@@ -207,8 +214,7 @@ local rk = P..':ready'
 local excess = max_ready > 0 and redis.call('XLEN', rk) - max_ready or 0
 if excess > 0 then
   for _, e in ipairs(free_entries(rk, math.min(excess, lim), false)) do
-    local f = {}
-    for j = 1, #e[2], 2 do f[e[2][j]] = e[2][j + 1] end
+    local f = entry_fields(e)
     local m = f['member'] or ''
     local sep = string.find(m, ':[^:]*$')
     if sep then redis.call('HSET', P..':st:'..string.sub(m, 1, sep - 1), string.sub(m, sep + 1), 'backlog-dropped') end
@@ -246,8 +252,7 @@ local P, thr, ver, ttl, lim = ARGV[1], tonumber(ARGV[2]), ARGV[3], tonumber(ARGV
 local rk = P..':ready'
 local n = 0
 for _, e in ipairs(free_entries(rk, lim, false)) do
-  local f = {}
-  for j = 1, #e[2], 2 do f[e[2][j]] = e[2][j + 1] end
+  local f = entry_fields(e)
   local v, m = tonumber(f['v'] or ''), f['member'] or ''
   local sep = string.find(m, ':[^:]*$')
   if v and v < thr and sep then

@@ -244,20 +244,31 @@ def test_kill_9_of_a_replica_while_it_syncs_fails_only_its_own_requests(stack):
     # version makes every replica due at once
     long_started = threading.Semaphore(0)
     long_result: list = []
+    last_bytes: dict[int, float] = {}  # long request -> when its last bytes arrived (monotonic s)
 
-    def long_request():  # streamed: its first chunk says it runs in a's engine
+    def long_request(i: int):  # streamed: its first chunk says it runs in a's engine
         try:
             with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/chat/completions", timeout=600, json={
                     "model": "serve-rft", "messages": [{"role": "user", "content": "tell a long story"}],
                     "max_tokens": 960, "n": 16, "temperature": 1.0, "stream": True}) as r:
                 first = True
-                for line in r.iter_lines():
-                    if first and line.startswith("data:"):
+                # raw bytes, not parsed lines: the reader keeps up with the replica, so bytes that
+                # arrived a moment ago mean the replica is still generating (a parsing reader once
+                # lagged seconds behind, the whole answer waiting in socket buffers, and a kill
+                # "during" the request broke nothing)
+                for chunk in r.iter_raw():
+                    last_bytes[i] = time.monotonic()
+                    if first and b"data:" in chunk:
                         long_started.release()
                         first = False
                 long_result.append(r.status_code)
         except httpx.HTTPError as e:
             long_result.append(repr(e))
+        finally:
+            last_bytes.pop(i, None)
+
+    def still_generating() -> bool:
+        return any(time.monotonic() - t < 0.25 for t in list(last_bytes.values()))
 
     killed = False
     try:
@@ -270,7 +281,7 @@ def test_kill_9_of_a_replica_while_it_syncs_fails_only_its_own_requests(stack):
                 newest = _wait(lambda: (v := _status(stack)["policy_version"]) > held and v, 180,
                                "a version behind the pin")
                 long_result.clear()
-                threads = [threading.Thread(target=long_request, daemon=True) for _ in range(3)]
+                threads = [threading.Thread(target=long_request, args=(i,), daemon=True) for i in range(3)]
                 for t in threads:
                     t.start()
                 for _ in range(3):
@@ -282,7 +293,8 @@ def test_kill_9_of_a_replica_while_it_syncs_fails_only_its_own_requests(stack):
                                                   for r in s["replicas"]) else None)(_status(stack)),
                       60, f"{a} syncing", period_s=0.1)
                 st = _status(stack)
-                if len(long_result) < 3 and any(r["id"] == a and r["state"] == "REQUIRE_SYNC" for r in st["replicas"]):
+                if any(r["id"] == a and r["state"] == "REQUIRE_SYNC" for r in st["replicas"]) \
+                        and still_generating():
                     break
                 for t in threads:  # a synced before it could be held, or they ended: set it up again
                     t.join(timeout=300)

@@ -5,6 +5,7 @@ The process is tracked by its pid and ended by it, never by name.
 
 from __future__ import annotations
 
+import random
 import shutil
 import socket
 import subprocess
@@ -13,8 +14,34 @@ from dataclasses import dataclass
 from pathlib import Path
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago (bind to 0, read, close)."""
+PORT_BAND = (20000, 32767)
+"""Where `free_port` looks: above Ray's worker ports (10002-19999 by default) and below Linux's
+ephemeral range (``net.ipv4.ip_local_port_range``, 32768-60999 by default). A port the kernel
+hands out for ``bind(0)`` comes from the ephemeral range, where any outgoing connection made
+before the server binds it may take it as its source port (a stack once failed to start with
+Ray Serve's "Failed to bind to address 127.0.0.1:37351")."""
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return PORT_BAND[1] + 1
+
+
+def free_port(host: str = "127.0.0.1", tries: int = 200) -> int:
+    """A TCP port that was free a moment ago, outside the ephemeral range (`PORT_BAND`): a random
+    candidate that binds is returned (closed again). Falls back to ``bind(0)`` if ``tries``
+    candidates were all taken."""
+    low, high = PORT_BAND[0], min(PORT_BAND[1], _ephemeral_low() - 1)
+    for _ in range(tries if high > low else 0):
+        port = random.randint(low, high)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]

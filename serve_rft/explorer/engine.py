@@ -7,6 +7,7 @@ labelled in vLLM itself (`update_weight_version`), so every output carries per-t
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from pathlib import Path
@@ -26,6 +27,17 @@ def engine_env(cfg: ExplorerConfig) -> None:
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    logging.getLogger("vllm").setLevel(os.environ["VLLM_LOGGING_LEVEL"])
+
+
+NO_LOGGING_CONFIG = {"configure_logging": False}
+"""vLLM's ``LoggingConfig`` for an engine inside a replica process. By default vLLM applies a
+``logging.config.dictConfig`` when it builds an engine's config, and ``dictConfig`` closes every
+handler of the process: Ray Serve's buffered log file handler (a ``MemoryHandler``) then lost its
+target and kept every later record, one access-log line per request, in memory for good (~2 KB
+per request: the replicas' RSS grew linearly in benchmarks/soak.py, and their log files stopped
+after "Started initializing replica"). vLLM's loggers log through the process's own handlers
+instead, at ``VLLM_LOGGING_LEVEL`` (`engine_env`)."""
 
 
 def _shm_path(kind: str = "bucket", suffix: str = ".safetensors") -> str:
@@ -85,6 +97,7 @@ class ExplorerEngine:
         """
         engine_env(cfg)
         from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.config import LoggingConfig
         from vllm.v1.engine.async_llm import AsyncLLM
 
         extra = {}
@@ -105,6 +118,7 @@ class ExplorerEngine:
             max_logprobs=20,
             seed=seed,
             disable_log_stats=True,
+            logging_config=LoggingConfig(**NO_LOGGING_CONFIG),
             gpu_memory_utilization=cfg.gpu_memory_utilization,
             worker_extension_cls="serve_rft.explorer.worker_ext.PolicyWeightsExtension",
             **extra,

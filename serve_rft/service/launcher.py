@@ -36,6 +36,12 @@ log = logging.getLogger("serve_rft.service")
 
 MODES = ("both", "serve", "train")
 
+# The GCS keeps ~3.6 KB of task events per Ray task (every actor call, Ray Serve's own included)
+# up to RAY_task_events_max_num_task_in_gcs tasks, 100,000 by default: ~350 MiB that a long-running
+# service reaches after hours. 10,000 bounds it to ~35 MiB within the first hour
+# (benchmarks/soak.py); Ray's task list keeps the newest 10,000 tasks.
+TASK_EVENTS_ENV = {"RAY_task_events_max_num_task_in_gcs": "10000"}
+
 
 class ServiceStack:
     """The running service. Attributes after ``__enter__``: ``url`` (empty in ``train`` mode),
@@ -107,7 +113,7 @@ class ServiceStack:
                 # address="local": always a new cluster, never one another process started
                 if cfg.service.metrics_port == 0:
                     cfg.service.metrics_port = free_port()
-                for key, value in DRAIN_ENV.items():  # Ray's processes inherit this environment
+                for key, value in {**DRAIN_ENV, **TASK_EVENTS_ENV}.items():  # Ray's processes inherit it
                     os.environ.setdefault(key, value)
                 if cfg.service.ingress == "haproxy":
                     for key, value in haproxy_env().items():

@@ -217,6 +217,10 @@ class Synchronizer:
         await self._rebuild()
         return self.state.latest
 
+    # Heartbeats (every replica, every second) are not traced as Ray task events: the GCS keeps
+    # ~3.6 KB per traced call up to RAY_task_events_max_num_task_in_gcs, so traced heartbeats
+    # alone grew it by ~25 MiB per replica-hour (benchmarks/soak.py).
+    @ray.method(enable_task_events=False)
     async def poll(self, replica_id: str, version: int, explorer_step: int = 0, timeout_s: float = 1.0,
                    traffic: dict[int, tuple[int, int, float]] | None = None, refused: int | None = None,
                    ready: bool = True) -> PollReply:
@@ -257,6 +261,7 @@ class Synchronizer:
                 except asyncio.TimeoutError:
                     pass
 
+    @ray.method(enable_task_events=False)
     async def renew(self, replica_id: str, version: int, granted: int, drained: bool = False) -> bool:
         """A syncing replica's lease renewal; returns whether another replica serves."""
         return self.state.renew(replica_id, version, granted, time.time(), drained)

@@ -4,6 +4,9 @@ weights' (transformers) logprobs — the whole model changed, tied LM head inclu
 from __future__ import annotations
 
 import asyncio
+import io
+import logging
+import logging.handlers
 
 import pytest
 import torch
@@ -55,7 +58,12 @@ def test_checkpoint_and_memory_loads_give_exactly_the_new_policy(embedded_model,
     ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False)
     try:
         async def go():
+            # a buffered handler like Ray Serve's replica log handler: the engine's start must not
+            # close it (vLLM's logging dictConfig once did; it then kept every record in memory)
+            buffered = logging.handlers.MemoryHandler(1, target=logging.StreamHandler(io.StringIO()))
+            logging.getLogger("serve_rft.test.buffered").addHandler(buffered)
             engine = await ExplorerEngine.create(str(embedded_model), ExplorerConfig())
+            assert buffered.target is not None, "starting the engine closed the process's log handlers"
             try:
                 results = {}
                 ids0, lp0, _ = await _sample(engine, "v0")

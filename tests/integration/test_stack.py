@@ -523,6 +523,36 @@ def test_haproxy_is_the_ingress_and_is_configured_to_re_send_refusals(stack):
     assert ours[0].count("server SERVE_REPLICA") == 2  # both replicas behind it
 
 
+def test_replica_log_records_reach_their_files_not_memory(stack):
+    """Ray Serve's replica logger buffers each record in a MemoryHandler that hands it to the log
+    file. vLLM's logging setup used to close every handler of the replica process when the engine
+    started: the buffer then had no target and kept every later record (one access-log line per
+    request) in memory for good, and the file stopped at "Started initializing replica"
+    (benchmarks/soak.py found the replicas' RSS growing linearly). Now they reach the file."""
+    import glob
+    from pathlib import Path
+
+    ids = [r["id"] for r in httpx.get(f"{stack.url}/v1/status").json()["replicas"]]
+    for _ in range(6):
+        r = httpx.post(f"{stack.url}/v1/chat/completions", timeout=120, json={
+            "model": "serve-rft", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
+        assert r.status_code == 200, r.text
+
+    def logged() -> int:
+        n = 0
+        for rid in ids:
+            files = sorted(glob.glob(f"/tmp/ray/session_*/logs/serve/replica_serve_rft_explorer_{rid}.log"),
+                           key=lambda f: Path(f).stat().st_mtime)
+            assert files, f"no Serve log file for replica {rid}"
+            n += Path(files[-1]).read_text(errors="replace").count("POST /v1/chat/completions 200")
+        return n
+
+    deadline = time.time() + 30
+    while logged() < 6 and time.time() < deadline:
+        time.sleep(0.5)
+    assert logged() >= 6
+
+
 def test_responses_have_vllms_shape(stack, embedded_model, tmp_path):
     """Conformance: chat, stream chunks, models and errors have the JSON shape of vLLM's own
     OpenAI server's answers to the same requests (tests/integration/conformance.py)."""

@@ -44,3 +44,22 @@ def test_restarts_are_bounded_and_a_crash_loop_is_reported(tmp_path):
         assert "died 2 times" in sup.failed and sup.restarts == 1
     finally:
         sup.stop()
+
+
+def test_free_ports_come_from_outside_the_ephemeral_range_and_skip_taken_ones(monkeypatch):
+    """An outgoing connection takes its source port from the ephemeral range; a port chosen there
+    could be taken before the server binds it."""
+    import random
+    import socket
+
+    from serve_rft.buffer import redis_server
+
+    low, high = redis_server.PORT_BAND
+    ports = {redis_server.free_port() for _ in range(20)}
+    assert all(low <= p <= high for p in ports)
+    with socket.socket() as taken:  # a candidate that is taken is skipped
+        taken.bind(("127.0.0.1", 0))
+        busy = taken.getsockname()[1]
+        picks = iter([busy, busy, low + 7])
+        monkeypatch.setattr(random, "randint", lambda a, b: next(picks))
+        assert redis_server.free_port() == low + 7

@@ -34,9 +34,9 @@ NO_LOGGING_CONFIG = {"configure_logging": False}
 """vLLM's ``LoggingConfig`` for an engine inside a replica process. By default vLLM applies a
 ``logging.config.dictConfig`` when it builds an engine's config, and ``dictConfig`` closes every
 handler of the process: Ray Serve's buffered log file handler (a ``MemoryHandler``) then lost its
-target and kept every later record, one access-log line per request, in memory for good (~2 KB
-per request: the replicas' RSS grew linearly in benchmarks/soak.py, and their log files stopped
-after "Started initializing replica"). vLLM's loggers log through the process's own handlers
+target and kept every later record, one access-log line per request, in memory for good (the
+replicas' RSS grew linearly in benchmarks/soak.py, and their log files stopped after "Started
+initializing replica"). vLLM's loggers log through the process's own handlers
 instead, at ``VLLM_LOGGING_LEVEL`` (`engine_env`)."""
 
 

@@ -36,10 +36,10 @@ log = logging.getLogger("serve_rft.service")
 
 MODES = ("both", "serve", "train")
 
-# The GCS keeps ~3.6 KB of task events per Ray task (every actor call, Ray Serve's own included)
+# The GCS keeps ~3.6 KiB of task events per Ray task (every actor call, Ray Serve's own included)
 # up to RAY_task_events_max_num_task_in_gcs tasks, 100,000 by default: ~350 MiB that a long-running
-# service reaches after hours. 10,000 bounds it to ~35 MiB within the first hour
-# (benchmarks/soak.py); Ray's task list keeps the newest 10,000 tasks.
+# service reaches after hours. With 10,000 the GCS grew 41 MiB and stayed there
+# (benchmarks/gcs_task_events.py); Ray's task list keeps the newest 10,000 tasks.
 TASK_EVENTS_ENV = {"RAY_task_events_max_num_task_in_gcs": "10000"}
 
 

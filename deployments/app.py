@@ -10,7 +10,7 @@
   request_router_config, used only behind Ray Serve's Python proxy).
 
 Either way the explorer replicas create the synchronizer and trainer actors when they start
-(`serve_rft.service.app.ensure_control`).
+(`serve_rft.control.ensure_control`).
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from serve_rft.config import load_config
-from serve_rft.service.app import build_app, preflight
+from serve_rft.control import preflight
+from serve_rft.service.app import build_app
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "default.yaml"
 DEFAULT_REDIS = "redis://127.0.0.1:6379/0"

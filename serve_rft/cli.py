@@ -59,7 +59,7 @@ def _kept(cfg: Config) -> None:
 
 def _runnable(cfg: Config) -> Config:
     """Exit 2 with a plain message if this machine cannot run ``cfg`` (e.g. nccl without CUDA)."""
-    from serve_rft.service.app import preflight
+    from serve_rft.control import preflight
 
     try:
         preflight(cfg)

@@ -63,7 +63,7 @@ class ExplorerReplica:
         from transformers import AutoTokenizer
 
         from serve_rft.explorer.engine import ExplorerEngine
-        from serve_rft.service.app import ensure_control
+        from serve_rft.control import ensure_control
 
         self.cfg = Config.model_validate_json(config_json)
         if model_path is None:

@@ -32,7 +32,7 @@ import time
 from typing import Callable
 
 from serve_rft.config import Config
-from serve_rft.service.ingress import haproxy_enabled, refusals_are_retried
+from serve_rft.explorer.ingress_mode import haproxy_enabled, refusals_are_retried
 from serve_rft.synchronizer.methods import EngineBroken, LoadFailed, load_or_restore, receiver_for
 from serve_rft.synchronizer.methods.verify import ProbeMismatch, VersionCorrupt, check_probe
 from serve_rft.types import PollReply, SyncOrder

@@ -2,9 +2,8 @@
 
 `build_app` is what both `serve-rft up` and `serve deploy` / `serve run` / `serve build`
 (deployments/app.py) call: it only binds the explorer deployment (no side effects, so `serve
-build` can import it). The control actors (synchronizer, trainer; named, detached,
-``get_if_exists``) are created by `ensure_control`, which every explorer replica calls when it
-starts; `serve-rft up` calls `start_training` first to surface a trainer that cannot start.
+build` can import it). The control actors (synchronizer, trainer) are created by
+`serve_rft.control.ensure_control`, which every explorer replica calls when it starts.
 """
 
 from __future__ import annotations
@@ -12,14 +11,14 @@ from __future__ import annotations
 from pathlib import Path
 
 from serve_rft.config import Config
-from serve_rft.service.ingress import haproxy_enabled
+from serve_rft.explorer.ingress_mode import haproxy_enabled
 
 APP_NAME = "serve_rft"
 
 
 def explorer_deployment(cfg: Config):
     """The `ExplorerReplica` class as a Serve deployment with its routing and scaling options
-    (`DrainAwareRouter` unless this process runs Ray Serve's HAProxy mode: serve_rft.service.ingress)."""
+    (`DrainAwareRouter` unless this process runs Ray Serve's HAProxy mode: serve_rft.explorer.ingress_mode)."""
     from ray import serve
     from ray.serve.config import RequestRouterConfig
 
@@ -52,66 +51,6 @@ def explorer_deployment(cfg: Config):
         health_check_timeout_s=60,
         graceful_shutdown_timeout_s=30,
     )
-
-
-def preflight(cfg: Config) -> None:
-    """Refuse, before anything starts, a configuration this machine cannot run.
-
-    Raises:
-        ValueError: ``trainer.device=cuda`` or ``sync_method=nccl`` without CUDA (the message
-            says what to use instead).
-    """
-    if cfg.synchronizer.sync_method.value == "nccl":
-        from serve_rft.synchronizer.methods.nccl import NcclUnavailable, check_available
-
-        try:
-            check_available()
-        except NcclUnavailable as e:
-            raise ValueError(str(e)) from None
-    if cfg.trainer.device == "cuda":
-        import torch
-
-        if not torch.cuda.is_available():
-            raise ValueError("trainer.device=cuda but torch sees no CUDA device; use trainer.device=cpu")
-
-
-def start_training(cfg: Config, model_path: str | Path):
-    """Create (or find) the synchronizer and the trainer and wait until the training loop runs.
-
-    Returns:
-        The trainer actor handle.
-    Raises:
-        ValueError: no Redis URL.
-        ray.exceptions.RayActorError: the trainer failed to start (its error is in the message).
-    """
-    import ray
-
-    from serve_rft.synchronizer.actor import get_or_create_synchronizer
-    from serve_rft.trainer.actor import get_or_create_trainer
-
-    if not cfg.buffer.redis_url:
-        raise ValueError("buffer.redis_url must be set to train")
-    get_or_create_synchronizer(cfg.synchronizer, cfg.buffer)
-    trainer = get_or_create_trainer(cfg, str(model_path))
-    ray.get(trainer.start.remote())
-    return trainer
-
-
-def ensure_control(cfg: Config, model_path: str | Path):
-    """Create (or find) the synchronizer and, if ``trainer.enabled``, the trainer; the trainer
-    starts its loop on its own (`Trainer` begins in ``__init__``). Called by every explorer
-    replica at start; idempotent (named actors, ``get_if_exists``).
-
-    Returns:
-        The synchronizer's handle.
-    """
-    from serve_rft.synchronizer.actor import get_or_create_synchronizer
-    from serve_rft.trainer.actor import get_or_create_trainer
-
-    sync = get_or_create_synchronizer(cfg.synchronizer, cfg.buffer)
-    if cfg.trainer.enabled:
-        get_or_create_trainer(cfg, str(model_path))
-    return sync
 
 
 def build_app(cfg: Config, model_path: str | Path | None = None):

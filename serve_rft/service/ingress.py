@@ -16,9 +16,9 @@ requests ``503`` while another replica is serving, and HAProxy retries them on a
 
 The mode is a property of the Ray cluster (its processes' environment), not of one application:
 `serve-rft up` sets it for a Ray it starts; a cluster started with ``ray start`` gets it from that
-command's environment (deployments/serve_config.yaml says how). `haproxy_enabled` is what the
-running process sees, and both `serve_rft.service.app.explorer_deployment` and the replicas decide
-by it.
+command's environment (deployments/serve_config.yaml says how). What a running process sees is
+`serve_rft.explorer.ingress_mode`, next to the replicas that decide by it; this module holds what
+the launcher sets.
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ from __future__ import annotations
 import os
 
 from serve_rft.buffer.redis_server import free_port
+from serve_rft.explorer.ingress_mode import HAPROXY_FLAG
 
-HAPROXY_FLAG = "RAY_SERVE_ENABLE_HA_PROXY"
 # HAProxy re-sends a request (L7 retry) only if the whole request was in its buffer before it
 # connected to the server; clients that write the body after the headers (httpx, the openai
 # client) would otherwise get the draining replica's 503. ``option http-buffer-request`` makes
@@ -49,22 +49,6 @@ RETRY_ON = "conn-failure empty-response 503\n    option http-buffer-request"
 # load balancer sets its own values (deployments/serve_config.yaml).
 DRAIN_ENV = {"RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "5",
              "RAY_SERVE_PROXY_MIN_DRAINING_PERIOD_S": "5"}
-
-
-def haproxy_enabled() -> bool:
-    """True when this process's Ray Serve runs in HAProxy mode (the same test Ray applies to
-    ``RAY_SERVE_ENABLE_HA_PROXY`` in ray.serve._private.constants)."""
-    return os.environ.get(HAPROXY_FLAG, "0") == "1"
-
-
-def refusals_are_retried() -> bool:
-    """True when this process runs behind HAProxy that re-sends a refused request to another
-    replica: ``RAY_SERVE_HAPROXY_RETRY_ON`` holds ``503`` (or ``all-retryable-errors``) and
-    ``option http-buffer-request`` (`RETRY_ON`). Only then may a draining replica refuse a
-    request; otherwise it holds it until its weights are loaded."""
-    words = os.environ.get("RAY_SERVE_HAPROXY_RETRY_ON", "conn-failure").split()
-    retries_503 = "503" in words or "all-retryable-errors" in words
-    return haproxy_enabled() and retries_503 and "http-buffer-request" in words
 
 
 def haproxy_env() -> dict[str, str]:

@@ -80,7 +80,7 @@ class ServiceStack:
         self.stop()
 
     def _start(self) -> None:
-        from serve_rft.service.app import preflight
+        from serve_rft.control import preflight
 
         t0 = time.monotonic()
         cfg = self.cfg
@@ -103,7 +103,8 @@ class ServiceStack:
         import ray
         from ray import serve
 
-        from serve_rft.service.app import APP_NAME, build_app, ensure_control, start_training
+        from serve_rft.control import ensure_control, start_training
+        from serve_rft.service.app import APP_NAME, build_app
 
         if not ray.is_initialized():
             self.progress(f"starting Ray{' (joining ' + cfg.service.ray_address + ')' if cfg.service.ray_address else ''}")

@@ -1,0 +1,73 @@
+"""The control plane: the synchronizer and trainer actors, found or created.
+
+Below both the explorer replicas (each calls `ensure_control` when it starts, so `serve deploy`
+needs nothing else) and the service launcher (`serve-rft up` runs `preflight`, then
+`start_training` to surface a trainer that cannot start before any replica is up). The actors are
+named, detached and ``get_if_exists`` (`serve_rft.names`): whoever comes first creates them.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from serve_rft.config import Config
+
+
+def preflight(cfg: Config) -> None:
+    """Refuse, before anything starts, a configuration this machine cannot run.
+
+    Raises:
+        ValueError: ``trainer.device=cuda`` or ``sync_method=nccl`` without CUDA (the message
+            says what to use instead).
+    """
+    if cfg.synchronizer.sync_method.value == "nccl":
+        from serve_rft.synchronizer.methods.nccl import NcclUnavailable, check_available
+
+        try:
+            check_available()
+        except NcclUnavailable as e:
+            raise ValueError(str(e)) from None
+    if cfg.trainer.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ValueError("trainer.device=cuda but torch sees no CUDA device; use trainer.device=cpu")
+
+
+def start_training(cfg: Config, model_path: str | Path):
+    """Create (or find) the synchronizer and the trainer and wait until the training loop runs.
+
+    Returns:
+        The trainer actor handle.
+    Raises:
+        ValueError: no Redis URL.
+        ray.exceptions.RayActorError: the trainer failed to start (its error is in the message).
+    """
+    import ray
+
+    from serve_rft.synchronizer.actor import get_or_create_synchronizer
+    from serve_rft.trainer.actor import get_or_create_trainer
+
+    if not cfg.buffer.redis_url:
+        raise ValueError("buffer.redis_url must be set to train")
+    get_or_create_synchronizer(cfg.synchronizer, cfg.buffer)
+    trainer = get_or_create_trainer(cfg, str(model_path))
+    ray.get(trainer.start.remote())
+    return trainer
+
+
+def ensure_control(cfg: Config, model_path: str | Path):
+    """Create (or find) the synchronizer and, if ``trainer.enabled``, the trainer; the trainer
+    starts its loop on its own (`Trainer` begins in ``__init__``). Called by every explorer
+    replica at start; idempotent (named actors, ``get_if_exists``).
+
+    Returns:
+        The synchronizer's handle.
+    """
+    from serve_rft.synchronizer.actor import get_or_create_synchronizer
+    from serve_rft.trainer.actor import get_or_create_trainer
+
+    sync = get_or_create_synchronizer(cfg.synchronizer, cfg.buffer)
+    if cfg.trainer.enabled:
+        get_or_create_trainer(cfg, str(model_path))
+    return sync

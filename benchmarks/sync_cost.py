@@ -87,7 +87,7 @@ async def bench_model(name: str, model_dir: Path, work: Path, bucket_bytes: int)
 
     from serve_rft.config import ExplorerConfig
     from serve_rft.explorer.engine import ExplorerEngine
-    from serve_rft.synchronizer.methods import CheckpointMethod, MemoryMethod
+    from serve_rft.weights import CheckpointMethod, MemoryMethod
 
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
     n_params = sum(p.numel() for p in model.parameters())

@@ -21,7 +21,7 @@ def preflight(cfg: Config) -> None:
             says what to use instead).
     """
     if cfg.synchronizer.sync_method.value == "nccl":
-        from serve_rft.synchronizer.methods.nccl import NcclUnavailable, check_available
+        from serve_rft.weights.nccl import NcclUnavailable, check_available
 
         try:
             check_available()

@@ -156,7 +156,7 @@ class ExplorerEngine:
     async def probe_logprobs(self, token_ids: list[int], version: int | None = None) -> list[float]:
         """Logprobs of ``token_ids[1:]`` given their prefixes under the weights served now (or,
         adapter-only sync, under ``version``'s adapter), temperature 1: what the trainer computed
-        for the same sequence when it published (`serve_rft.synchronizer.methods.verify`).
+        for the same sequence when it published (`serve_rft.weights.verify`).
 
         Returns:
             ``len(token_ids) - 1`` floats.
@@ -184,7 +184,7 @@ class ExplorerEngine:
         """
         from vllm.lora.request import LoRARequest
 
-        from serve_rft.synchronizer.methods.base import EngineUnchanged
+        from serve_rft.weights.base import EngineUnchanged
 
         if not self.adapter_sync:
             raise ValueError("this engine was started without LoRA (lora_rank=None)")
@@ -264,7 +264,7 @@ class ExplorerEngine:
         await self.llm.update_weight_version(str(version))
         self.policy_version = version
 
-    # -- vLLM's weight-transfer engine (NCCL; `serve_rft.synchronizer.methods.nccl`) ----------
+    # -- vLLM's weight-transfer engine (NCCL; `serve_rft.weights.nccl`) ----------
     async def init_weight_transfer(self, init_info: dict) -> None:
         """Join the trainer's NCCL group from every worker (blocks until the trainer joins)."""
         from vllm.distributed.weight_transfer.base import WeightTransferInitRequest

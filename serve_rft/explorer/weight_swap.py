@@ -12,7 +12,7 @@ for a canary); when granted a sync it
    synchronizer's answer to each renewal says which, so a replica whose peer died stops refusing;
 3. pauses vLLM (``wait``: in-flight requests finish first; ``keep``: they freeze and continue on
    the new weights), loads, resumes;
-4. verifies: the probe logprobs against the trainer's (`serve_rft.synchronizer.methods.verify`),
+4. verifies: the probe logprobs against the trainer's (`serve_rft.weights.verify`),
    restoring the previous version if they differ;
 5. opens the gate and reports ``synced`` (or ``failed``; the synchronizer backs off and
    quarantines).
@@ -33,8 +33,8 @@ from typing import Callable
 
 from serve_rft.config import Config
 from serve_rft.explorer.ingress_mode import haproxy_enabled, refusals_are_retried
-from serve_rft.synchronizer.methods import EngineBroken, LoadFailed, load_or_restore, receiver_for
-from serve_rft.synchronizer.methods.verify import ProbeMismatch, VersionCorrupt, check_probe
+from serve_rft.weights import EngineBroken, LoadFailed, load_or_restore, receiver_for
+from serve_rft.weights.verify import ProbeMismatch, VersionCorrupt, check_probe
 from serve_rft.types import PollReply, SyncOrder
 
 log = logging.getLogger("serve_rft.explorer")

@@ -117,7 +117,7 @@ class Trainer:
             raise
 
     async def _loop(self, sync) -> None:
-        from serve_rft.synchronizer.methods import make_method
+        from serve_rft.weights import make_method
         from serve_rft.synchronizer.styles import trainer_publishes
         from serve_rft.trainer.state import latest_state
 
@@ -215,7 +215,7 @@ class Trainer:
         Returns:
             Seconds the method's ``send`` took.
         """
-        from serve_rft.trainer.lora import is_adapter_model
+        from serve_rft.weights.adapters import is_adapter_model
         from serve_rft.trainer.state import record_published, save_state
 
         version = self.step_num if version is None else version
@@ -227,7 +227,7 @@ class Trainer:
         model = await asyncio.to_thread(policy.publish_model)
         handle = await asyncio.to_thread(method.send, model, version, floor)
         if self.cfg.synchronizer.verify:  # replicas check the weights in effect against this
-            from serve_rft.synchronizer.methods.verify import trainer_probe
+            from serve_rft.trainer.algorithm import trainer_probe
 
             handle["probe"] = await asyncio.to_thread(trainer_probe, model, version)
         seconds = time.perf_counter() - t0
@@ -365,7 +365,7 @@ class Trainer:
             if batch_complete(len(batch), now - start, now - first if batch else 0.0, tcfg.batch_size,
                               tcfg.min_batch_size, tcfg.batch_wait_s, tcfg.max_batch_wait_s):
                 return batch
-            if method.handshake and method.sender.waiting and self.step_num == self.version:
+            if method.peer_waiting() and self.step_num == self.version:
                 await self._handshake(method, sync)  # a replica waits for the published weights
             left = start + tcfg.batch_wait_s - now
             if left <= 0:  # too few: publish if asked to, then wait another batch_wait_s
@@ -381,11 +381,12 @@ class Trainer:
                 first = time.monotonic()
             batch.extend(got)
 
-    # -- NCCL (serve_rft.synchronizer.methods.nccl): the trainer's side of each group ---------
+    # -- NCCL (serve_rft.weights.nccl): the trainer's side of each group ---------
     def _nccl(self):
-        if self.method is None or self.method.name != "nccl":
-            raise RuntimeError("the trainer's sync method is not nccl (or it has not started yet)")
-        return self.method.sender
+        """The sync method's trainer-side peer. Raises RuntimeError: not started, or not NCCL."""
+        if self.method is None:
+            raise RuntimeError("the trainer has not started its sync method yet")
+        return self.method.trainer_peer()
 
     def nccl_endpoint(self, world_size: int) -> dict:
         """The worker init info of a new group: a rendezvous address and free port on this

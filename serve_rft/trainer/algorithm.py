@@ -13,6 +13,8 @@ from typing import Literal
 
 import torch
 
+from serve_rft.weights.verify import probe_ids
+
 
 class RunningBaseline:
     """Exponential moving average of rewards: the baseline for singleton experiences.
@@ -135,3 +137,23 @@ def response_logprobs(model, prompts: list[list[int]], responses: list[list[int]
             with torch.no_grad():
                 ent[i, : len(r)] = token_entropy(step_logits)
     return (out, mask, ent) if with_entropy else (out, mask)
+
+
+def trainer_probe(model, version: int) -> dict[str, list]:
+    """The probe a handle carries: ``{"token_ids", "logprobs"}`` of ``model`` (a transformers or
+    peft model, as published) at temperature 1.
+
+    ``logprobs[t] = log_softmax(logits[t])[token_ids[t + 1]]`` for t < n - 1 (the prompt
+    logprobs vLLM returns), computed by `response_logprobs`; the ids are
+    `serve_rft.weights.verify.probe_ids`, which the replica's check uses too.
+    """
+    vocab = model.get_input_embeddings().weight.shape[0]
+    ids = probe_ids(min(vocab, getattr(model.config, "vocab_size", vocab)), version)
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            lp, _ = response_logprobs(model, [ids[:1]], [ids[1:]], [1.0], pad_id=0)
+    finally:
+        model.train(was_training)
+    return {"token_ids": ids, "logprobs": [float(x) for x in lp[0, : len(ids) - 1].float().cpu()]}

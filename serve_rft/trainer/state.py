@@ -1,7 +1,7 @@
 """Trainer state checkpoints: a killed trainer resumes at the version it last saved.
 
 Layout under ``root`` (``run_dir/trainer_state``), one committed folder per saved version,
-written like a published version (`serve_rft.trainer.checkpoint`: temp folder, fsync, rename,
+written like a published version (`serve_rft.weights.folders`: temp folder, fsync, rename,
 ``COMMITTED`` marker), the newest ``keep`` kept:
 
 ====================  ==========================================================================
@@ -35,7 +35,7 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from serve_rft.trainer.checkpoint import MARKER, committed_versions, save_version, version_dir
+from serve_rft.weights.folders import MARKER, committed_versions, save_version, version_dir
 
 STATE_FILE = "trainer_state.json"
 PUBLISHED_FILE = "PUBLISHED"

@@ -18,7 +18,7 @@ def _nccl_runnable() -> bool:
     if not torch.cuda.is_available() or torch.cuda.device_count() < 3:
         return False
     try:
-        from serve_rft.synchronizer.methods.nccl import check_available
+        from serve_rft.weights.nccl import check_available
 
         check_available()
     except Exception:

@@ -53,7 +53,7 @@ def test_checkpoint_and_memory_loads_give_exactly_the_new_policy(embedded_model,
 
     from serve_rft.config import ExplorerConfig
     from serve_rft.explorer.engine import ExplorerEngine
-    from serve_rft.synchronizer.methods import CheckpointMethod, LoadFailed, MemoryMethod, load_or_restore
+    from serve_rft.weights import CheckpointMethod, LoadFailed, MemoryMethod, load_or_restore
 
     ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False)
     try:
@@ -132,7 +132,7 @@ def test_adapter_only_sync_serves_each_version_as_its_adapter(embedded_model, tm
 
     from serve_rft.config import ExplorerConfig
     from serve_rft.explorer.engine import ExplorerEngine
-    from serve_rft.synchronizer.methods import CheckpointMethod, LoadFailed, MemoryMethod, load_or_restore
+    from serve_rft.weights import CheckpointMethod, LoadFailed, MemoryMethod, load_or_restore
     from serve_rft.trainer import lora
 
     from transformers import AutoModelForCausalLM

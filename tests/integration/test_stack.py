@@ -287,7 +287,7 @@ def check_served_logprobs(stack, folder: str):
     from transformers import AutoModelForCausalLM
 
     from serve_rft.trainer.algorithm import response_logprobs
-    from serve_rft.trainer.checkpoint import version_dir
+    from serve_rft.weights.folders import version_dir
 
     client = openai.OpenAI(base_url=f"{stack.url}/v1", api_key="x")
     for _ in range(10):  # pick a response whose tokens all come from one trained version

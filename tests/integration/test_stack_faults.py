@@ -165,7 +165,7 @@ def _corrupt(folder: Path) -> None:
 
 
 def test_a_corrupted_version_is_quarantined_while_traffic_continues_and_the_next_one_rolls(stack):
-    from serve_rft.trainer.checkpoint import version_dir
+    from serve_rft.weights.folders import version_dir
 
     st = _trainer_idle(stack)
     current = st["policy_version"]

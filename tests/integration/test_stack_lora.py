@@ -24,7 +24,7 @@ def stack(redis_server, embedded_model, tmp_path_factory):
 
 def test_adapter_versions_roll_without_pause_or_failures(stack):
     loop.test_training_rolls_new_versions_across_replicas_without_failures(stack)
-    from serve_rft.trainer.checkpoint import committed_versions, version_dir
+    from serve_rft.weights.folders import committed_versions, version_dir
 
     st = httpx.get(f"{stack.url}/v1/status").json()
     for r in st["replicas"]:

@@ -80,7 +80,7 @@ def test_a_replaced_replica_loads_the_latest_version_before_serving(stack):
 def test_lora_versions_serve_the_merged_weights_the_trainer_trained(stack):
     """With LoRA + merge_and_sync, a replica serving version v has exactly the trainer's base +
     adapter of v (its saved state holds the merged weights and the adapter)."""
-    from serve_rft.trainer.checkpoint import committed_versions, version_dir
+    from serve_rft.weights.folders import committed_versions, version_dir
 
     states = committed_versions(stack.run_dir / "trainer_state")
     assert states and (version_dir(stack.run_dir / "trainer_state", states[-1]) / "adapter"

@@ -50,8 +50,8 @@ def test_swap_verifies_before_serving_and_never_reuses_another_versions_cache(em
     from serve_rft.config import Config, SynchronizerConfig
     from serve_rft.explorer.engine import ExplorerEngine
     from serve_rft.explorer.weight_swap import WeightSwap
-    from serve_rft.synchronizer.methods import CheckpointMethod
-    from serve_rft.synchronizer.methods.verify import trainer_probe
+    from serve_rft.weights import CheckpointMethod
+    from serve_rft.trainer.algorithm import trainer_probe
     from serve_rft.types import SyncOrder
 
     cfg = Config(synchronizer=SynchronizerConfig(verify_tolerance=0.01))

@@ -15,7 +15,7 @@ import pytest
 
 from serve_rft.buffer.redis_server import start_redis
 from serve_rft.buffer.store import ExperienceStore
-from serve_rft.trainer.checkpoint import committed_versions
+from serve_rft.weights.folders import committed_versions
 from serve_rft.types import Experience, SamplingInfo
 
 pytestmark = pytest.mark.integration

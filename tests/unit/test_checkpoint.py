@@ -1,7 +1,7 @@
 import torch
 from safetensors.torch import load_file
 
-from serve_rft.trainer.checkpoint import MARKER, committed_versions, save_version, version_dir
+from serve_rft.weights.folders import MARKER, committed_versions, save_version, version_dir
 
 
 class _Tiny(torch.nn.Module):
@@ -67,7 +67,7 @@ def test_replicas_refuse_an_uncommitted_folder(tmp_path):
 
     import pytest
 
-    from serve_rft.synchronizer.methods import CheckpointMethod
+    from serve_rft.weights import CheckpointMethod
 
     (tmp_path / "v000003").mkdir()
     with pytest.raises(FileNotFoundError, match="not a committed version"):

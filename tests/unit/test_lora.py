@@ -81,7 +81,7 @@ def test_adapter_only_sync_publishes_the_adapter_alone(embedded_model, tmp_path)
 
     import ray
 
-    from serve_rft.synchronizer.methods import CheckpointMethod, MemoryMethod
+    from serve_rft.weights import CheckpointMethod, MemoryMethod
 
     cfg = load_config(None, ADAPTER_ONLY)
     assert cfg.adapter_sync and cfg.trainer.lora.vllm_max_lora_rank() == 8

@@ -1,6 +1,6 @@
 import torch
 
-from serve_rft.synchronizer.methods.memory import checkpoint_tensors, iter_buckets
+from serve_rft.weights.memory import checkpoint_tensors, iter_buckets
 
 
 def test_buckets_respect_the_byte_bound_and_keep_order():
@@ -33,7 +33,7 @@ def test_replica_holds_at_most_one_bucket_at_a_time():
     import gc
     import weakref
 
-    from serve_rft.synchronizer.methods.memory import MemoryMethod
+    from serve_rft.weights.memory import MemoryMethod
 
     live: set[int] = set()
     bucket_bytes = 4 * 1000

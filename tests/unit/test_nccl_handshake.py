@@ -14,8 +14,8 @@ import threading
 import pytest
 import torch
 
-from serve_rft.synchronizer.methods import EngineBroken, LoadFailed, load_or_restore
-from serve_rft.synchronizer.methods.nccl import NcclMethod, NcclSender, update_info
+from serve_rft.weights import EngineBroken, LoadFailed, load_or_restore
+from serve_rft.weights.nccl import NcclMethod, NcclSender, update_info
 
 
 class FakeGroup:
@@ -189,7 +189,7 @@ def test_no_window_means_the_engine_is_untouched_and_nothing_is_restored():
     restored = []
 
     async def main():
-        import serve_rft.synchronizer.methods as methods
+        import serve_rft.weights as methods
 
         real = methods.receiver_for
 
@@ -244,7 +244,7 @@ def test_trainer_and_worker_init_info_agree_with_vllm(monkeypatch):
     from vllm.distributed.weight_transfer import nccl_engine
     from vllm.distributed.weight_transfer.nccl_common import NCCLWeightTransferInitInfo
 
-    from serve_rft.synchronizer.methods.nccl import _vllm_connect, worker_init_info
+    from serve_rft.weights.nccl import _vllm_connect, worker_init_info
 
     payload = worker_init_info("10.0.0.1", 29555, world_size=3, bucket_bytes=1 << 20)
     worker = NCCLWeightTransferInitInfo(**payload)

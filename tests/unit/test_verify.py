@@ -1,12 +1,13 @@
-"""Version verification helpers and the trainer's reset (serve_rft.synchronizer.methods.verify)."""
+"""Version verification helpers and the trainer's reset (serve_rft.weights.verify)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from serve_rft.synchronizer.methods.verify import (ProbeMismatch, VersionCorrupt, check_folder, check_probe,
-                                                   folder_checksums, probe_ids, tensors_checksum, trainer_probe)
+from serve_rft.trainer.algorithm import trainer_probe
+from serve_rft.weights.verify import (ProbeMismatch, VersionCorrupt, check_folder, check_probe, folder_checksums,
+                                      probe_ids, tensors_checksum)
 
 
 def test_folder_checksums_catch_a_flipped_byte_a_missing_and_an_extra_file(tmp_path):
@@ -51,7 +52,7 @@ def test_probe_is_fixed_per_version_and_checked_within_tolerance(embedded_model)
 
 def test_trainer_reset_takes_the_incumbents_weights_and_clears_adam(embedded_model, tmp_path):
     from serve_rft.config import load_config
-    from serve_rft.synchronizer.methods import CheckpointMethod
+    from serve_rft.weights import CheckpointMethod
     from serve_rft.trainer.policy import PolicyTrainer
     from tests.unit.test_lora import _batch
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import time
 from typing import Any, Iterator
 
-from serve_rft.synchronizer.methods.base import WeightSyncMethod
+from serve_rft.weights.base import WeightSyncMethod
 
 
 def iter_buckets(named_tensors: Iterator[tuple[str, Any]], bucket_bytes: int) -> Iterator[list[tuple[str, Any]]]:
@@ -53,9 +53,9 @@ class MemoryMethod(WeightSyncMethod):
     def send(self, model, version: int, in_use_floor: int | None = None) -> dict[str, Any]:
         import ray
 
-        from serve_rft.trainer.lora import adapter_tensors, is_adapter_model
+        from serve_rft.weights.adapters import adapter_tensors, is_adapter_model
 
-        from serve_rft.synchronizer.methods.verify import tensors_checksum
+        from serve_rft.weights.verify import tensors_checksum
 
         if is_adapter_model(model):
             tensors, config = adapter_tensors(model)
@@ -89,7 +89,7 @@ def _check_bucket(named_tensors, expected: str | None, index: int) -> None:
     """Raises:
         VersionCorrupt: the bucket's bytes do not match the trainer's checksum.
     """
-    from serve_rft.synchronizer.methods.verify import VersionCorrupt, tensors_checksum
+    from serve_rft.weights.verify import VersionCorrupt, tensors_checksum
 
     if expected is not None and tensors_checksum(named_tensors) != expected:
         raise VersionCorrupt(f"bucket {index}: checksum mismatch")
@@ -105,8 +105,8 @@ async def _receive_adapter(engine, handle: dict[str, Any], version: int) -> None
     import asyncio
     import shutil
 
-    from serve_rft.synchronizer.methods.base import EngineUnchanged
-    from serve_rft.trainer.lora import write_adapter
+    from serve_rft.weights.base import EngineUnchanged
+    from serve_rft.weights.adapters import write_adapter
 
     root = engine.adapter_dir
     try:

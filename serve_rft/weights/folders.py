@@ -1,4 +1,5 @@
-"""CHECKPOINT sync method, trainer side: publish each policy version as a committed folder.
+"""The CHECKPOINT method's version folders (written by the trainer, read by replicas and by a
+restarted trainer's state): each policy version is a committed folder.
 
 Layout under ``root``: ``v000007/`` holds ``config.json`` + ``model.safetensors`` and a
 ``COMMITTED`` marker written last. A version is written to a hidden temp folder, fsynced,

@@ -6,7 +6,7 @@ Two checks, both carried in the version's handle by the trainer:
   of each MEMORY bucket's tensor bytes): a replica checks them before it drains (CHECKPOINT) or
   as each bucket arrives (MEMORY), so a corrupted or truncated version is refused;
 - a **probe**: the trainer's logprobs of a fixed token sequence under the weights it published
-  (temperature 1, the same `serve_rft.trainer.algorithm.response_logprobs` the loss uses). After
+  (temperature 1, `serve_rft.trainer.algorithm.trainer_probe`: the same logprobs the loss uses). After
   loading, the replica computes the same with vLLM (`ExplorerEngine.probe_logprobs`) and serves
   only if every logprob agrees within ``synchronizer.verify_tolerance``; else it restores the
   previous version. This catches what checksums cannot: weights loaded but not in effect (the
@@ -76,27 +76,6 @@ def probe_ids(vocab_size: int, version: int, n: int = PROBE_TOKENS) -> list[int]
     return [rng.randrange(min(vocab_size, 1 << 31)) for _ in range(n)]
 
 
-def trainer_probe(model, version: int) -> dict[str, list]:
-    """The probe a handle carries: ``{"token_ids", "logprobs"}`` of ``model`` (a transformers or
-    peft model, as published) at temperature 1.
-
-    ``logprobs[t] = log_softmax(logits[t])[token_ids[t + 1]]`` for t < n - 1 (the prompt
-    logprobs vLLM returns), computed by `serve_rft.trainer.algorithm.response_logprobs`.
-    """
-    import torch
-
-    from serve_rft.trainer.algorithm import response_logprobs
-
-    vocab = model.get_input_embeddings().weight.shape[0]
-    ids = probe_ids(min(vocab, getattr(model.config, "vocab_size", vocab)), version)
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.no_grad():
-            lp, _ = response_logprobs(model, [ids[:1]], [ids[1:]], [1.0], pad_id=0)
-    finally:
-        model.train(was_training)
-    return {"token_ids": ids, "logprobs": [float(x) for x in lp[0, : len(ids) - 1].float().cpu()]}
 
 
 def check_probe(expected: dict[str, list] | None, got: list[float], tolerance: float) -> float:

@@ -75,7 +75,7 @@ class WeightSyncMethod(ABC):
         (CHECKPOINT: the folder's checksums, `verify.check_folder`).
 
         Raises:
-            serve_rft.synchronizer.methods.verify.VersionCorrupt: the bytes do not match.
+            serve_rft.weights.verify.VersionCorrupt: the bytes do not match.
         """
 
     async def serve_window(self, version: int, lagging: Callable[[], Awaitable[int]],
@@ -87,6 +87,20 @@ class WeightSyncMethod(ABC):
             Seconds the trainer waited (0 for pull-only methods).
         """
         return 0.0
+
+    def peer_waiting(self) -> bool:
+        """Trainer side, for handshake methods: a replica waits now for the trainer to join a
+        transfer (the trainer then opens a ``serve_window``). Always False for pull-only methods."""
+        return False
+
+    def trainer_peer(self):
+        """Trainer side: the object the trainer's per-replica transfer calls go to (NCCL: its
+        `serve_rft.weights.nccl.NcclSender`).
+
+        Raises:
+            RuntimeError: this method has no trainer-side peer (pull-only methods).
+        """
+        raise RuntimeError(f"sync method {self.name} has no trainer-side peer")
 
     def finalize(self) -> None:
         """Release what ``prepare``/``send`` hold."""

@@ -37,7 +37,7 @@ import asyncio
 import time
 from typing import Any, Awaitable, Callable
 
-from serve_rft.synchronizer.methods.base import EngineBroken, EngineUnchanged, WeightSyncMethod
+from serve_rft.weights.base import EngineBroken, EngineUnchanged, WeightSyncMethod
 
 RANK_OFFSET = 1  # the trainer is rank 0 of every group, a replica's workers follow
 
@@ -341,6 +341,14 @@ class NcclMethod(WeightSyncMethod):
 
     async def serve_window(self, version: int, lagging: Callable[[], Awaitable[int]], timeout_s: float) -> float:
         return await self.sender.serve_window(version, lagging, timeout_s)
+
+    def peer_waiting(self) -> bool:
+        return self.sender is not None and self.sender.waiting
+
+    def trainer_peer(self) -> NcclSender:
+        if self.sender is None:
+            raise RuntimeError("the NCCL sender is not prepared yet")
+        return self.sender
 
     async def receive(self, engine, handle: dict[str, Any], version: int) -> dict[str, float]:
         """Pull the trainer's current version into ``engine`` (paused by the caller).

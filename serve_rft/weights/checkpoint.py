@@ -1,7 +1,7 @@
 """CHECKPOINT: versions as committed safetensors folders on a (shared) filesystem.
 
 The trainer writes ``v{version:06d}/`` atomically (temp folder, fsync, rename, ``COMMITTED``
-marker; `serve_rft.trainer.checkpoint`), keeps the newest ``keep`` and every version a replica
+marker; `serve_rft.weights.folders`), keeps the newest ``keep`` and every version a replica
 still serves; each replica's vLLM worker reloads from the folder. Works across machines that
 share the folder. With adapter-only LoRA sync the trainer publishes its `peft.PeftModel`, whose
 ``save_pretrained`` writes only the adapter (``adapter_config.json`` +
@@ -14,7 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from serve_rft.synchronizer.methods.base import WeightSyncMethod
+from serve_rft.weights.base import WeightSyncMethod
 
 
 def _folder_bytes(path: str) -> int:
@@ -33,17 +33,17 @@ class CheckpointMethod(WeightSyncMethod):
         self.root.mkdir(parents=True, exist_ok=True)
 
     def latest_version(self) -> int:
-        from serve_rft.trainer.checkpoint import committed_versions
+        from serve_rft.weights.folders import committed_versions
 
         versions = committed_versions(self.root)
         return versions[-1] if versions else 0
 
     def send(self, model, version: int, in_use_floor: int | None = None) -> dict[str, Any]:
-        from serve_rft.trainer.checkpoint import save_version
+        from serve_rft.weights.folders import save_version
 
-        from serve_rft.trainer.lora import is_adapter_model
+        from serve_rft.weights.adapters import is_adapter_model
 
-        from serve_rft.synchronizer.methods.verify import folder_checksums
+        from serve_rft.weights.verify import folder_checksums
 
         path = save_version(model, self.root, version, self.keep, in_use_floor)
         return {"method": self.name, "path": str(path), "adapter": is_adapter_model(model),
@@ -57,7 +57,7 @@ class CheckpointMethod(WeightSyncMethod):
         """
         import asyncio
 
-        from serve_rft.synchronizer.methods.verify import VersionCorrupt, check_folder
+        from serve_rft.weights.verify import VersionCorrupt, check_folder
 
         try:
             await asyncio.to_thread(check_folder, handle["path"], handle.get("checksums"))
@@ -71,7 +71,7 @@ class CheckpointMethod(WeightSyncMethod):
         Raises:
             FileNotFoundError: the folder is not committed (no ``COMMITTED`` marker).
         """
-        from serve_rft.trainer.checkpoint import MARKER
+        from serve_rft.weights.folders import MARKER
 
         path = Path(handle["path"])
         if version > 0 and not (path / MARKER).exists():

@@ -1,14 +1,22 @@
-"""Weight-sync methods behind one interface (`base.WeightSyncMethod`); `make_method` picks one."""
+"""The weights wing: every weight-sync method, both sides, behind one interface.
+
+`base.WeightSyncMethod` is what the trainer (``prepare``, ``send``, ``serve_window``,
+``peer_waiting``, ``trainer_peer``) and a replica (``precheck``, ``receive``) call without knowing
+which method runs; `make_method` builds the configured one for the trainer, `receiver_for` the one
+a handle names for a replica. CHECKPOINT (`checkpoint`, its version folders in `folders`),
+MEMORY (`memory`: buckets through Ray's object store), NCCL (`nccl`: vLLM's weight-transfer
+engine); `adapters` moves LoRA adapters, `verify` checks what arrived (checksums, probe logprobs).
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 from serve_rft.config import Config, SyncMethod
-from serve_rft.synchronizer.methods.base import EngineBroken, EngineUnchanged, WeightSyncMethod
-from serve_rft.synchronizer.methods.checkpoint import CheckpointMethod
-from serve_rft.synchronizer.methods.memory import MemoryMethod
-from serve_rft.synchronizer.methods.nccl import NcclMethod, NcclSender
+from serve_rft.weights.base import EngineBroken, EngineUnchanged, WeightSyncMethod
+from serve_rft.weights.checkpoint import CheckpointMethod
+from serve_rft.weights.memory import MemoryMethod
+from serve_rft.weights.nccl import NcclMethod, NcclSender
 
 
 __all__ = ["CheckpointMethod", "EngineBroken", "EngineUnchanged", "LoadFailed", "MemoryMethod",

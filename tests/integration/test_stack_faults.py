@@ -131,12 +131,18 @@ def _publishes(stack, since: float) -> list[dict]:
     return [e for e in _events(stack, since) if e["kind"] == "published"]
 
 
-def _trainer_idle(stack, quiet_s: float = 6.0, timeout_s: float = 180.0) -> dict:
-    """Wait until the trainer published nothing for ``quiet_s``; returns the status then."""
+def _trainer_idle(stack, quiet_s: float = 6.0, timeout_s: float = 240.0) -> dict:
+    """Wait until nothing is left for the trainer (no ready or held experience: a residual below
+    ``min_batch_size`` is trained up to ``trainer.max_batch_wait_s`` later, a held group after
+    ``group_timeout_s``, and either publishes a version) and it published nothing for ``quiet_s``;
+    returns the status then."""
     def quiet():
         t = time.time()
-        pubs = _publishes(stack, t - quiet_s)
-        return _status(stack) if not pubs else None
+        st = _status(stack)
+        left = st.get("experiences") or {}
+        if left.get("ready", 1) or left.get("held", 1):
+            return None
+        return st if not _publishes(stack, t - quiet_s) else None
     return _wait(quiet, timeout_s, "the trainer to go idle", period_s=1.0)
 
 
@@ -189,7 +195,8 @@ def test_a_corrupted_version_is_quarantined_while_traffic_continues_and_the_next
         assert httpx.post(f"{stack.url}/v1/sync/pin", json={"version": None}, headers=ADMIN).status_code == 200
         _wait(lambda: {e["policy_version"] for e in _events(stack, t_unpin) if e["kind"] == "quarantined"} >= set(bad),
               120, f"versions {bad} quarantined")
-        assert all(r["policy_version"] == current for r in _live(_status(stack)))
+        st = _status(stack)
+        assert all(r["policy_version"] == current for r in _live(st)), (current, bad, st["replicas"])
     # ... then with rewards: the trainer publishes a good version, which rolls everywhere
     with Load(stack, users=2) as load2:
         t_good = time.time()
@@ -267,8 +274,8 @@ def test_kill_9_of_a_replica_while_it_syncs_fails_only_its_own_requests(stack):
         finally:
             last_bytes.pop(i, None)
 
-    def still_generating() -> bool:
-        return any(time.monotonic() - t < 0.25 for t in list(last_bytes.values()))
+    def still_generating() -> bool:  # a loaded 2-core CI machine streams a step every few 100 ms
+        return len(long_result) < 3 and any(time.monotonic() - t < 2.0 for t in list(last_bytes.values()))
 
     killed = False
     try:

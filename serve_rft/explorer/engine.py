@@ -30,16 +30,6 @@ def engine_env(cfg: ExplorerConfig) -> None:
     logging.getLogger("vllm").setLevel(os.environ["VLLM_LOGGING_LEVEL"])
 
 
-NO_LOGGING_CONFIG = {"configure_logging": False}
-"""vLLM's ``LoggingConfig`` for an engine inside a replica process. By default vLLM applies a
-``logging.config.dictConfig`` when it builds an engine's config, and ``dictConfig`` closes every
-handler of the process: Ray Serve's buffered log file handler (a ``MemoryHandler``) then lost its
-target and kept every later record, one access-log line per request, in memory for good (the
-replicas' RSS grew linearly in benchmarks/soak.py, and their log files stopped after "Started
-initializing replica"). vLLM's loggers log through the process's own handlers
-instead, at ``VLLM_LOGGING_LEVEL`` (`engine_env`)."""
-
-
 def _shm_path(kind: str = "bucket", suffix: str = ".safetensors") -> str:
     """A fresh path in shared memory (tmpfs), or in the temp dir where there is none."""
     import tempfile
@@ -118,7 +108,11 @@ class ExplorerEngine:
             max_logprobs=20,
             seed=seed,
             disable_log_stats=True,
-            logging_config=LoggingConfig(**NO_LOGGING_CONFIG),
+            # vLLM's default applies a logging dictConfig here, which closes every handler of the
+            # process: Ray Serve's buffered replica log handler then kept every later record (one
+            # access-log line per request) in memory for good and wrote none (benchmarks/soak.py).
+            # vLLM logs through the process's handlers instead, at VLLM_LOGGING_LEVEL (`engine_env`).
+            logging_config=LoggingConfig(configure_logging=False),
             gpu_memory_utilization=cfg.gpu_memory_utilization,
             worker_extension_cls="serve_rft.explorer.worker_ext.PolicyWeightsExtension",
             **extra,

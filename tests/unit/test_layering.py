@@ -26,6 +26,12 @@ def _room(module: str) -> str:
     return module.split(".")[1]
 
 
+def _files() -> dict[Path, str]:
+    """Every module of the package (its bare ``__init__.py`` aside) -> its room."""
+    return {p: _room("serve_rft." + ".".join(p.relative_to(PACKAGE).with_suffix("").parts))
+            for p in PACKAGE.rglob("*.py") if p != PACKAGE / "__init__.py"}
+
+
 def _imports(path: Path) -> set[str]:
     """Every serve_rft module ``path`` imports, at module level or inside functions."""
     out = set()
@@ -42,14 +48,11 @@ def _imports(path: Path) -> set[str]:
 
 def test_every_import_goes_to_the_same_or_a_lower_floor():
     floor = {room: i for i, rooms in enumerate(FLOORS) for room in rooms}
-    rooms = {p.stem if p.parent == PACKAGE else p.relative_to(PACKAGE).parts[0]
-             for p in PACKAGE.rglob("*.py") if p.name != "__init__.py" or p.parent != PACKAGE}
+    files = _files()
+    rooms = set(files.values())
     assert rooms <= set(floor), f"rooms with no floor: {rooms - set(floor)}"
     upward = []
-    for path in PACKAGE.rglob("*.py"):
-        if path.parent == PACKAGE and path.name == "__init__.py":
-            continue
-        here = path.stem if path.parent == PACKAGE else path.relative_to(PACKAGE).parts[0]
+    for path, here in files.items():
         for target in _imports(path):
             there = _room(target)
             if floor[there] > floor[here]:

@@ -5,7 +5,9 @@ leaves task events in the GCS, kept up to ``RAY_task_events_max_num_task_in_gcs`
 default). This starts a local Ray (one CPU, no dashboard) with the given cap, makes ``--calls``
 calls of a traced actor method and then as many of one declared with
 ``@ray.method(enable_task_events=False)`` (how the synchronizer's ``poll`` and ``renew`` are
-declared), and records the GCS process's RSS before and after each.
+declared), and records the GCS process's RSS before and after each. The cap ``off`` runs with
+``RAY_task_events_report_interval_ms=0``: workers record and report no task events at all (what
+``serve-rft up`` sets for a Ray it starts).
 
     .venv/bin/python benchmarks/gcs_task_events.py --calls 20000 --out benchmarks/results/gcs_task_events.json
 """
@@ -24,12 +26,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def measure(calls: int, cap: int | None) -> dict:
-    """One local Ray with task-event cap ``cap`` (None: Ray's default). Returns RSS figures, MiB."""
+def measure(calls: int, cap: int | str | None) -> dict:
+    """One local Ray with task-event cap ``cap`` (None: Ray's default; "off": no task events
+    reported). Returns RSS figures, MiB."""
     import psutil
     import ray
 
-    if cap is not None:
+    if cap == "off":
+        os.environ["RAY_task_events_report_interval_ms"] = "0"
+    elif cap is not None:
         os.environ["RAY_task_events_max_num_task_in_gcs"] = str(cap)
     ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False)
     try:
@@ -70,12 +75,13 @@ def measure(calls: int, cap: int | None) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--calls", type=int, default=20000)
-    ap.add_argument("--caps", default="default,10000,5000", help="comma-separated caps; 'default' = Ray's")
+    ap.add_argument("--caps", default="default,10000,5000,off",
+                    help="comma-separated caps; 'default' = Ray's, 'off' = no task events reported")
     ap.add_argument("--out", default="benchmarks/results/gcs_task_events.json")
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)  # internal: one cap in this process
     a = ap.parse_args()
     if a.one is not None:
-        print(json.dumps(measure(a.calls, None if a.one == "default" else int(a.one))))
+        print(json.dumps(measure(a.calls, a.one if a.one == "off" else None if a.one == "default" else int(a.one))))
         return
     runs = []
     for cap in a.caps.split(","):  # a fresh process per cap: Ray reads the variable at start

@@ -553,6 +553,21 @@ def test_replica_log_records_reach_their_files_not_memory(stack):
     assert logged() >= 6
 
 
+def test_the_stacks_ray_workers_record_no_task_events(stack):
+    """A Ray that `serve-rft up` starts keeps no task events in its GCS (they grew it ~3.6 KiB per
+    actor call, heartbeats included, up to Ray's cap: benchmarks/gcs_task_events.py). Each worker
+    reads the setting from its environment when it starts; the replicas' and the trainer's have it."""
+    import psutil
+    from serve_rft.service.launcher import TASK_EVENTS_ENV
+
+    status = httpx.get(f"{stack.url}/v1/status").json()
+    pids = [r["pid"] for r in status["replicas"] if r.get("pid")] + [status["trainer"]["pid"]]
+    assert len(pids) == 3, status
+    for pid in pids:
+        env = psutil.Process(pid).environ()
+        assert env.get("RAY_task_events_report_interval_ms") == TASK_EVENTS_ENV["RAY_task_events_report_interval_ms"] == "0"
+
+
 def test_responses_have_vllms_shape(stack, embedded_model, tmp_path):
     """Conformance: chat, stream chunks, models and errors have the JSON shape of vLLM's own
     OpenAI server's answers to the same requests (tests/integration/conformance.py)."""

@@ -184,6 +184,7 @@ class ExplorerReplica:
                                           pid=t["pid"], redelivered=t["redelivered"],
                                           resume_acked=t["resume_acked"],
                                           dead_lettered=t["dead_lettered"], reacked=t["reacked"],
+                                          resets=t["resets"], last_reset=t["last_reset"],
                                           sample_age_s={k: (t["last"] or {}).get(f"sample_age_s_{k}")
                                                         for k in ("mean", "max")})
         return JSONResponse(sync_status)

@@ -72,6 +72,7 @@ class Trainer:
         self.published: PublishedVersion | None = None
         self.resets: list[tuple[int, dict | None]] = []  # canary rejections to reset to (on_reject=reset)
         self.reset_count = 0
+        self.last_reset: dict | None = None  # version, probe max |diff| (None: no probe), time
         self.method = None  # the sync method, once the loop built it
         from serve_rft.trainer.intake import TrainedLedger
 
@@ -149,9 +150,14 @@ class Trainer:
                 version, handle = self.resets.pop()
                 self.resets.clear()
                 if handle is not None:
-                    await asyncio.to_thread(policy.reset_to, handle)
+                    diff = await asyncio.to_thread(policy.reset_to, handle, version)
                     self.reset_count += 1
-                    log.warning("trainer reset to the weights of version %d (canary rollback)", version)
+                    self.last_reset = {"version": version, "probe_max_diff": diff, "at": time.time()}
+                    log.warning("trainer reset to the weights of version %d (canary rollback; probe "
+                                "max |diff| %s)", version, diff)
+                else:  # the synchronizer holds no handle for it (an unknown version): train on
+                    log.warning("cannot reset to version %d: no published handle; training continues "
+                                "from the current weights", version)
             if not batch:
                 continue
             batch = await self._count_attempts(store, batch)
@@ -428,6 +434,7 @@ class Trainer:
             "redelivered": self.redelivered,
             "resume_acked": self.resume_acked,
             "resets": self.reset_count,
+            "last_reset": self.last_reset,
             "dead_lettered": self.dead_lettered,
             "reacked": self.reacked,
         }

@@ -60,6 +60,13 @@ class PolicyTrainer:
         self.resumed = load_state(resume, self.optimizer, self.scheduler) if resume is not None else None
         if self.resumed is not None:
             self.baseline.value = self.resumed.baseline
+        # version 0's probe (the replicas register the initial weights without one): what a reset
+        # to the initial weights is checked against; unknown to a trainer that resumed
+        self.initial_probe = None
+        if resume is None:
+            from serve_rft.trainer.algorithm import trainer_probe
+
+            self.initial_probe = trainer_probe(self.publish_model(), 0)
 
     def full_model(self):
         """The policy as a plain transformers model: the model itself, or with LoRA the base
@@ -71,16 +78,37 @@ class PolicyTrainer:
         lora.merge_into(self.model, self.export)
         return self.export
 
-    def reset_to(self, handle: dict) -> None:
-        """Take the weights behind a published ``handle`` (``synchronizer.canary.on_reject=reset``
-        after a rolled-back candidate): full fine-tuning loads the version's tensors (CHECKPOINT
-        folder, MEMORY buckets, or the initial model directory), adapter-only LoRA its adapter
-        (the initial weights: a zero adapter). AdamW's moments are cleared; the LR schedule and
-        the step count go on.
+    def reset_to(self, handle: dict, version: int) -> float | None:
+        """Take the weights behind version ``version``'s published ``handle``
+        (``synchronizer.canary.on_reject=reset`` after a rolled-back candidate): full fine-tuning
+        loads the version's tensors (CHECKPOINT folder, MEMORY buckets, or the initial model
+        directory), adapter-only LoRA its adapter (the initial weights: a zero adapter). AdamW's
+        moments are cleared; the LR schedule and the step count go on.
+
+        Returns:
+            The largest |difference| between the probe logprobs of the weights now held and the
+            ones the handle carries (the same check a replica makes before serving,
+            `serve_rft.weights.verify.check_probe`; version 0: the probe this trainer took of the
+            initial weights at start), or None when there is no probe to compare with (version 0
+            after a resume).
 
         Raises:
             ValueError: a handle this trainer cannot take (merged LoRA publishes full weights).
+            ProbeMismatch: the weights now held are not the version's (beyond 1e-5).
         """
+        self._load_handle(handle)
+        self.optimizer.state.clear()
+        expected = handle.get("probe") or (self.initial_probe if version == 0 else None)
+        if not expected:
+            return None
+        from serve_rft.trainer.algorithm import trainer_probe
+        from serve_rft.weights.verify import check_probe
+
+        got = trainer_probe(self.publish_model(), version)["logprobs"]
+        return check_probe(expected, got, tolerance=1e-5)
+
+    def _load_handle(self, handle: dict) -> None:
+        """Load the tensors behind ``handle`` into the model (see `reset_to`)."""
         import ray
         import torch
         from safetensors.torch import load_file
@@ -93,7 +121,6 @@ class PolicyTrainer:
                 for name, p in self.model.named_parameters():
                     if "lora_B" in name:
                         p.zero_()
-            self.optimizer.state.clear()
             return
         if handle.get("method") == "checkpoint":
             files = sorted(Path(handle["path"]).glob("*.safetensors"))
@@ -116,7 +143,6 @@ class PolicyTrainer:
                 if set(missing) - tied or unexpected:
                     raise ValueError(f"the handle's tensors do not fit the model: missing "
                                      f"{sorted(set(missing) - tied)[:5]}, unexpected {unexpected[:5]}")
-        self.optimizer.state.clear()
 
     def publish_model(self):
         """What a publish carries: `full_model`, or with adapter-only LoRA sync

@@ -22,7 +22,9 @@ ADMIN = {"Authorization": "Bearer x"}
 
 @pytest.fixture(scope="module")
 def stack(redis_server, embedded_model, tmp_path_factory):
-    yield from start_stack(redis_server.url, embedded_model, tmp_path_factory.mktemp("canary"), CANARY_OVERRIDES)
+    # on_reject=reset: after the rollback the trainer continues from the incumbent's weights
+    yield from start_stack(redis_server.url, embedded_model, tmp_path_factory.mktemp("canary"),
+                           [*CANARY_OVERRIDES, "synchronizer.canary.on_reject=reset"])
 
 
 def test_a_bad_candidate_is_rolled_back_and_a_good_one_promoted(stack):
@@ -38,6 +40,11 @@ def test_a_bad_candidate_is_rolled_back_and_a_good_one_promoted(stack):
     ro = httpx.get(f"{stack.url}/v1/sync/rollout", headers=ADMIN).json()
     assert next(v for v in ro["versions"] if v["version"] == bad)["rejected"] if any(
         v["version"] == bad for v in ro["versions"]) else True
+    # the trainer took the incumbent's weights back, verified by the version's probe, and trained on
+    trainer = httpx.get(f"{stack.url}/v1/status", headers=ADMIN).json()["trainer"]
+    assert trainer["resets"] >= 1 and trainer["error"] is None, trainer
+    reset = trainer["last_reset"]
+    assert reset["version"] < bad and reset["probe_max_diff"] is not None and reset["probe_max_diff"] <= 1e-5, reset
 
 
 def test_operator_pins_rolls_back_and_pauses(stack):

@@ -1,8 +1,9 @@
 """The experience store: Redis keys, the reward transaction and the trainer's ready stream.
 
 Owns every Redis key of the service. Explorer replicas call `log_experiences`; the rewards API
-calls `post_reward`; the trainer calls `read_ready` and `ack`. Nothing else touches Redis.
-Every state change is one Lua script (`serve_rft.buffer.scripts`), so it is atomic.
+calls `post_reward`; the trainer calls `read_ready` and `ack` (the ready stream's side:
+`serve_rft.buffer.ready`). Nothing else touches Redis. Every state change is one Lua script
+(`serve_rft.buffer.scripts`), so it is atomic. Records and domain errors: `serve_rft.buffer.records`.
 
 Schema (``P`` = ``buffer.key_prefix``; ``{cid}`` a completion id, ``{i}`` a choice index,
 ``{gid}`` a group id):
@@ -70,7 +71,6 @@ from __future__ import annotations
 import json
 import math
 import time
-from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
@@ -80,107 +80,16 @@ from redis.exceptions import OutOfMemoryError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from serve_rft.buffer import scripts
-from serve_rft.types import Experience, RewardedExperience
+from serve_rft.buffer.ready import SWEEP_BATCH, ReadyStream
+from serve_rft.buffer.records import (ChoiceState, RewardConflict, RewardExpired, RewardNotFinite, StoreCounts,
+                                      StoreFull, UnknownChoice, experience_from)
+from serve_rft.types import Experience
 
-TRAINER_GROUP = "trainer"
 REWARD_BUCKET_S = 5
-SWEEP_BATCH = 1000
-"""Expiries (and group releases) per SWEEP script call."""
-DEAD_LETTER_MAXLEN = 10_000
-"""About this many newest dead letters are kept in ``P:dead`` (XADD MAXLEN ~); all are counted."""
 """Seconds of generation time per bucket of ``P:vr:{version}`` (the REWARD script's 5)."""
 
 
-class RewardError(Exception):
-    """A reward that cannot be recorded; ``status`` is the HTTP status to answer with."""
-
-    def __init__(self, status: int, message: str):
-        super().__init__(message)
-        self.status = status
-        self.message = message
-
-
-class StoreFull(Exception):
-    """Redis is past ``maxmemory`` (noeviction) and refused a write; nothing was written."""
-
-
-@dataclass
-class StoreCounts:
-    """Experience counts. ``pending``: awaiting a reward; ``held``: rewarded, waiting for the
-    rest of their group; ``ready``: in the ready stream (incl. delivered, not yet acked); the
-    rest are totals since the store was created."""
-
-    pending: int
-    held: int
-    ready: int
-    logged: int
-    rewarded: int
-    trained: int
-    expired: int
-    stale_dropped: int
-    groups_timed_out: int
-    dead_lettered: int = 0
-    backlog_dropped: int = 0
-    redis_restarts: int = 0
-
-
-@dataclass
-class ChoiceState:
-    """One choice as `GET /v1/experiences/{completion_id}` shows it."""
-
-    choice_index: int
-    state: str
-    reward: float | None
-    info: dict | None
-    trained_version: int | None
-    token_versions: list | None
-
-
-@dataclass
-class DeadLetter:
-    """A ready entry that cannot be trained, with why (`ExperienceStore.dead_letter`)."""
-
-    stream_id: str
-    member: str
-    reason: str
-    exp: str = ""
-    reward: str = ""
-
-    @classmethod
-    def of(cls, entry: RewardedExperience, reason: str) -> "DeadLetter":
-        """A parsed ready entry with why it cannot be trained (its experience kept whole)."""
-        return cls(entry.stream_id, entry.member, reason, entry.experience.model_dump_json(), repr(entry.reward))
-
-
-def _experience(exp_json: str, prompt_json: str | None) -> Experience:
-    """An experience from its stored JSON and its completion's prompt ids (stored once per
-    completion, ``P:pr:{cid}``; an experience logged with its prompt inline has none)."""
-    if not prompt_json:
-        return Experience.model_validate_json(exp_json)
-    return Experience.model_validate({**json.loads(exp_json), "prompt_token_ids": json.loads(prompt_json)})
-
-
-def _parse(entries: list[tuple[str, dict]]) -> tuple[list[RewardedExperience], list[DeadLetter]]:
-    """Stream entries -> (experiences, entries that do not parse). An entry deleted while
-    pending has no fields: skipped."""
-    good, bad = [], []
-    for entry_id, f in entries:
-        if not f:
-            continue
-        try:
-            good.append(RewardedExperience(experience=_experience(f["exp"], f.get("prompt")),
-                                           reward=float(f["reward"]), stream_id=entry_id))
-        except (KeyError, ValueError, TypeError) as e:  # pydantic's ValidationError is a ValueError
-            bad.append(DeadLetter(entry_id, str(f.get("member", "")), f"unparseable: {str(e)[:200]}",
-                                  str(f.get("exp", "")), str(f.get("reward", ""))))
-    return good, bad
-
-
-def _member(cid: str, i: int | str) -> str:
-    return f"{cid}:{i}"
-
-
-class ExperienceStore:
+class ExperienceStore(ReadyStream):
     """Async access to the experience schema above on one Redis server.
 
     Args:
@@ -280,7 +189,7 @@ class ExperienceStore:
         """One choice's experience (its prompt joined back in), or None once it expired."""
         raw, prompt = await self.redis.mget(self._k("exp", completion_id, str(choice_index)),
                                             self._k("pr", completion_id))
-        return _experience(raw, prompt) if raw else None
+        return experience_from(raw, prompt) if raw else None
 
     async def post_reward(self, completion_id: str, choice_index: int, reward: float,
                           info: dict | None = None) -> bool:
@@ -290,32 +199,31 @@ class ExperienceStore:
         Returns:
             True if recorded now, False if the same reward was already recorded (idempotent).
         Raises:
-            RewardError: 422 not finite, 404 unknown completion/choice, 409 a different reward
-            is recorded, 410 the experience expired before its reward came, 507 the store is
-            full (nothing recorded; retry).
+            RewardNotFinite, UnknownChoice, RewardConflict (a different reward is recorded),
+            RewardExpired (before its reward came), StoreFull (nothing recorded; retry).
         """
         if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward):
-            raise RewardError(422, f"reward must be a finite number, got {reward!r}")
+            raise RewardNotFinite(f"reward must be a finite number, got {reward!r}")
         if choice_index < 0:
-            raise RewardError(404, f"no choice {choice_index} in completion {completion_id!r}")
+            raise UnknownChoice(f"no choice {choice_index} in completion {completion_id!r}")
         try:
             status, prev = await self._reward(args=[
                 self.p, completion_id, str(choice_index), repr(float(reward)),
                 json.dumps(info) if info is not None else "", time.time(), self.group_timeout_s,
                 max(1, math.ceil(self.reward_timeout_s + self.trained_ttl_s))])
         except OutOfMemoryError:
-            raise RewardError(507, "the experience store is full (maxmemory); the reward was not "
-                              "recorded: retry later") from None
-        status = int(status)
+            raise StoreFull("the experience store is full (maxmemory); the reward was not "
+                            "recorded: retry later") from None
+        status = int(status)  # the REWARD script's outcome codes
         if status == 201:
             return True
         if status == 200:
             return False
         if status == 404:
-            raise RewardError(404, f"no choice {choice_index} in completion {completion_id!r}")
+            raise UnknownChoice(f"no choice {choice_index} in completion {completion_id!r}")
         if status == 409:
-            raise RewardError(409, f"choice {choice_index} of {completion_id!r} already has reward {prev}")
-        raise RewardError(410, f"choice {choice_index} of {completion_id!r} expired before its reward")
+            raise RewardConflict(f"choice {choice_index} of {completion_id!r} already has reward {prev}")
+        raise RewardExpired(f"choice {choice_index} of {completion_id!r} expired before its reward")
 
     async def version_rewards(self, versions: list[int], start: float, end: float
                               ) -> dict[int, tuple[int, float, float]]:
@@ -416,141 +324,3 @@ class ExperienceStore:
                            dead_lettered=s.get("dead_lettered", 0),
                            backlog_dropped=s.get("backlog_dropped", 0),
                            redis_restarts=s.get("redis_restarts", 0))
-
-    async def ensure_group(self) -> None:
-        """Create the trainer's consumer group on the ready stream (idempotent)."""
-        try:
-            await self.redis.xgroup_create(self._k("ready"), TRAINER_GROUP, id="0", mkstream=True)
-        except aioredis.ResponseError as e:
-            if "BUSYGROUP" not in str(e):
-                raise
-
-    async def read_ready(self, consumer: str, count: int, block_ms: int,
-                         exclude: set[str] | None = None, newest_first: bool = True
-                         ) -> list[RewardedExperience]:
-        """Deliver to ``consumer`` of the trainer group up to ``count`` released experiences that
-        no consumer holds (after a `sweep`), the newest first (``newest_first``: a trainer
-        slower than the traffic trains the freshest data, and what waits grows older until the
-        trainer's staleness bound drops it) or the oldest first; waits up to ``block_ms`` ms for
-        one when there is none. Entries delivered earlier and never acknowledged are re-read
-        with `delivered`.
-
-        If the connection drops during the read, Redis may have delivered entries with the reply
-        lost: then every delivered, unacknowledged entry whose stream id is not in ``exclude``
-        (what the caller already holds) is returned instead, possibly more than ``count``.
-        """
-        await self.sweep()
-        try:
-            raw, last = await self._read_free(consumer, count, newest_first)
-            if not raw and block_ms > 0:  # nothing free: wait for an entry newer than the newest
-                await self._reader.xread({self._k("ready"): last}, count=1, block=block_ms)
-                raw, _ = await self._read_free(consumer, count, newest_first)
-            return await self._parsed(raw)
-        except (RedisConnectionError, RedisTimeoutError):
-            held = exclude or set()
-            return [e for e in await self.delivered(consumer) if e.stream_id not in held]
-
-    async def _read_free(self, consumer: str, count: int, newest_first: bool
-                         ) -> tuple[list[tuple[str, dict]], str]:
-        """The READ script on the never-retried connection: (entries as (id, fields), the
-        stream's newest id)."""
-        entries, last = await self._read_script(args=[self.p, consumer, count, int(newest_first)],
-                                                client=self._reader)
-        return [(eid, dict(zip(f[::2], f[1::2]))) for eid, f in entries], last
-
-    async def drop_stale(self, threshold: int, version: int, limit: int = SWEEP_BATCH) -> int:
-        """Drop the waiting experiences (ready, held by no trainer) whose oldest token's policy
-        version is below ``threshold``, among the ``limit`` oldest: state ``stale-dropped`` with
-        ``version``, counted in ``stale_dropped``. A trainer that reads the freshest first calls
-        this so that what falls past its staleness bound leaves the store instead of waiting
-        for the ready bound (``max_ready``).
-
-        Returns:
-            How many were dropped.
-        """
-        return int(await self._drop_stale(args=[self.p, threshold, version,
-                                                 max(1, math.ceil(self.trained_ttl_s)), limit]))
-
-    async def _parsed(self, raw: list[tuple[str, dict]]) -> list[RewardedExperience]:
-        good, bad = _parse(raw)
-        await self.dead_letter(bad)
-        return good
-
-    async def delivered(self, consumer: str) -> list[RewardedExperience]:
-        """Every entry delivered to ``consumer`` and not yet acknowledged (its pending entries
-        list), oldest first, paged so none is left behind however many there are. A restarted
-        trainer reads these before new ones."""
-        out: list[RewardedExperience] = []
-        start = "0"
-        while True:
-            raw = await self._read(self.redis, consumer, start, 256, None)
-            out.extend(await self._parsed(raw))
-            if len(raw) < 256:
-                return out
-            start = raw[-1][0]
-
-    async def _read(self, client, consumer: str, start: str, count: int, block_ms: int | None
-                    ) -> list[tuple[str, dict]]:
-        res = await client.xreadgroup(TRAINER_GROUP, consumer, {self._k("ready"): start},
-                                          count=count, block=block_ms)
-        return res[0][1] if res else []
-
-    async def ack(self, entries: list[RewardedExperience], version: int,
-                  state: str = "trained") -> tuple[int, int]:
-        """Acknowledge ready entries: XACK + XDEL and mark each choice ``state`` (``trained`` or
-        ``stale-dropped``) with ``version``, in one script. Entries already acknowledged are
-        skipped, so a retried ack counts nothing twice.
-
-        Returns:
-            (newly trained, newly stale-dropped).
-        """
-        return await self.ack_entries([(e.stream_id, e.member, version) for e in entries], state)
-
-    async def ack_entries(self, entries: list[tuple[str, str, int]], state: str = "trained"
-                          ) -> tuple[int, int]:
-        """`ack` by ``(stream id, member "{cid}:{i}", version)`` triples (what a trainer state
-        records), each with its own version.
-
-        Returns:
-            (newly trained, newly stale-dropped).
-        """
-        if not entries:
-            return 0, 0
-        args: list = [self.p, max(1, math.ceil(self.trained_ttl_s)), len(entries)]
-        for stream_id, member, version in entries:
-            args += [stream_id, member, state, version]
-        trained, dropped = await self._ack(args=args)
-        return int(trained), int(dropped)
-
-    async def dead_letter(self, letters: list[DeadLetter]) -> int:
-        """Move ready entries that cannot be trained to the dead-letter stream ``P:dead``
-        (acknowledged, choice state ``dead-letter``, counted as ``dead_lettered``); entries
-        already acknowledged are skipped.
-
-        Returns:
-            Entries moved now.
-        """
-        if not letters:
-            return 0
-        args: list = [self.p, DEAD_LETTER_MAXLEN, max(1, math.ceil(self.trained_ttl_s)), len(letters)]
-        for d in letters:
-            args += [d.stream_id, d.member, d.reason, d.exp, d.reward]
-        return int(await self._dead_letter(args=args))
-
-    async def dead_letters(self, count: int = 100) -> list[dict[str, str]]:
-        """The newest ``count`` dead letters, newest first (fields as in ``P:dead``)."""
-        return [f for _, f in await self.redis.xrevrange(self._k("dead"), count=count)]
-
-    async def begin_attempt(self, stream_ids: list[str]) -> list[int]:
-        """Count one more training step begun with each entry (``P:attempts``; cleared by
-        `ack` and `dead_letter`).
-
-        Returns:
-            Each entry's attempts so far, this one included.
-        """
-        if not stream_ids:
-            return []
-        async with self.redis.pipeline(transaction=True) as pipe:
-            for sid in stream_ids:
-                pipe.hincrby(self._k("attempts"), sid, 1)
-            return [int(n) for n in await pipe.execute()]

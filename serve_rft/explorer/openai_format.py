@@ -1,4 +1,4 @@
-"""vLLM outputs -> OpenAI chat JSON (full responses and stream chunks) and experiences.
+"""vLLM outputs -> OpenAI chat JSON (full responses and stream chunks).
 
 Pure functions over vLLM's `CompletionOutput` fields (``token_ids``, ``logprobs``,
 ``weight_versions``), so they are unit-testable with plain objects.
@@ -6,11 +6,9 @@ Pure functions over vLLM's `CompletionOutput` fields (``token_ids``, ``logprobs`
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from serve_rft.types import Experience, SamplingInfo
 
 
 def fingerprint(version: int) -> str:
@@ -136,20 +134,3 @@ def chunk(cid: str, model: str, created: int, version: int, choices: list[dict[s
         body["usage"] = usage
     return body
 
-
-def build_experiences(cid: str, replica_id: str, prompt_ids: list[int], choices: list[ChoiceAccumulator],
-                      sampling: SamplingInfo, created_at: float, fallback_version: int,
-                      group_id: str | None = None) -> list[Experience]:
-    """One `Experience` per choice; the group is ``group_id`` (a client's) or the request itself
-    (the completion id)."""
-    now = time.time()
-    return [
-        Experience(
-            completion_id=cid, choice_index=c.index, group_id=group_id or cid, replica_id=replica_id,
-            prompt_token_ids=prompt_ids, response_token_ids=c.token_ids,
-            behaviour_logprobs=c.logprobs, token_versions=c.spans(fallback_version),
-            sampling=sampling, finish_reason=finish_reason(c.finish_reason),
-            created_at=created_at, finished_at=now,
-        )
-        for c in sorted(choices, key=lambda c: c.index)
-    ]

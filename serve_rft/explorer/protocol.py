@@ -12,23 +12,33 @@ import math
 from typing import Annotated, Any, Literal
 
 from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr,
-                      field_validator)
+                      ValidationError, field_validator)
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 """``seed``'s range (vLLM: ``torch.iinfo(torch.long)``)."""
 
 
 class ApiError(Exception):
-    """A client error, answered as OpenAI error JSON with ``status``."""
+    """A refusal, answered as OpenAI error JSON with ``status`` (and a ``Retry-After`` header of
+    ``retry_after`` seconds when the client should try again: 503 / 504 / 507)."""
 
     def __init__(self, status: int, message: str, param: str | None = None,
-                 type_: str = "invalid_request_error", code: str | None = None):
+                 type_: str = "invalid_request_error", code: str | None = None,
+                 retry_after: int | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.type, self.code = status, message, param, type_, code
+        self.retry_after = retry_after
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param,
                           "code": self.code}}
+
+    @classmethod
+    def invalid(cls, e: ValidationError, status: int = 400) -> "ApiError":
+        """The first problem pydantic found, naming its field (``param``: the dotted location)."""
+        err = e.errors()[0]
+        param = ".".join(str(p) for p in err.get("loc", ())) or None
+        return cls(status, f"{param}: {err.get('msg')}" if param else str(err.get("msg")), param)
 
 
 class TextPart(BaseModel):

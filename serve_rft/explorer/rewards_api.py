@@ -20,11 +20,20 @@ import math
 from dataclasses import asdict
 from typing import Any
 
-from serve_rft.buffer.store import ExperienceStore, RewardError
+from serve_rft.buffer.records import (RewardConflict, RewardError, RewardExpired, RewardNotFinite, StoreFull,
+                                      UnknownChoice)
+from serve_rft.buffer.store import ExperienceStore
 from serve_rft.explorer.protocol import (ApiError, ChoiceRewards, ConversationReward, GroupRewards,
                                          RewardBatch, RewardItem, RewardRequest)
 
-_CODES = {404: "not_found", 409: "conflict", 410: "expired", 422: "invalid_reward", 507: "store_full"}
+REFUSALS: dict[type[Exception], tuple[int, str, str | None]] = {
+    # the store's refusal -> (HTTP status, OpenAI error code, param)
+    RewardNotFinite: (422, "invalid_reward", "reward"),
+    UnknownChoice: (404, "not_found", "completion_id"),
+    RewardConflict: (409, "conflict", "completion_id"),
+    RewardExpired: (410, "expired", "completion_id"),
+    StoreFull: (507, "store_full", None),
+}
 
 
 async def _items(store: ExperienceStore, req: RewardRequest) -> list[RewardItem]:
@@ -77,14 +86,14 @@ async def _post_one(store: ExperienceStore, req: RewardRequest, item: RewardItem
         if isinstance(req, GroupRewards):
             group = await store.completion_group(item.completion_id)
             if group is None:
-                raise RewardError(404, f"no completion {item.completion_id!r}")
+                raise UnknownChoice(f"no completion {item.completion_id!r}")
             if group not in (req.group_id, f"u:{req.group_id}"):
                 return _refused(item, ApiError(422, f"completion {item.completion_id!r} is not in group "
                                                f"{req.group_id!r}", "group_id", code="not_in_group"))
         recorded = await store.post_reward(item.completion_id, item.choice_index, item.reward, item.info)
-    except RewardError as e:
-        return _refused(item, ApiError(e.status, e.message, "reward" if e.status == 422 else "completion_id",
-                                       code=_CODES.get(e.status)))
+    except (RewardError, StoreFull) as e:
+        status, code, param = REFUSALS[type(e)]
+        return _refused(item, ApiError(status, str(e), param, code=code))
     return {"completion_id": item.completion_id, "choice_index": item.choice_index,
             "reward": item.reward, "status": "recorded" if recorded else "duplicate"}
 
@@ -103,18 +112,32 @@ async def post_rewards(store: ExperienceStore, req: RewardRequest) -> list[dict[
     return [await _post_one(store, req, item) for item in await _items(store, req)]
 
 
+def _deciding(results: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The item whose refusal decides the request's status (`batch_status`), or None for 200."""
+    refused = [r for r in results if r["status"] == "refused"]
+    retry = [r for r in refused if int(r["status_code"]) >= 500]
+    if retry:
+        return retry[0]
+    if not refused or len(refused) < len(results):
+        return None
+    return refused[0]
+
+
 def batch_status(results: list[dict[str, Any]]) -> int:
     """HTTP status of a reward request: a retryable refusal of any item (507 store full) makes
     the whole answer that status, so a client that looks only at the status retries (the items
     recorded answer ``duplicate`` then); otherwise 200 if any item was recorded (or already
     was), else the first refusal's status."""
-    refused = [r for r in results if r["status"] == "refused"]
-    retry = [r for r in refused if int(r["status_code"]) >= 500]
-    if retry:
-        return int(retry[0]["status_code"])
-    if not refused or len(refused) < len(results):
-        return 200
-    return int(refused[0]["status_code"])
+    deciding = _deciding(results)
+    return 200 if deciding is None else int(deciding["status_code"])
+
+
+def batch_body(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """The answer's JSON: every item's result (``data``), and when `batch_status` is a refusal,
+    the ``error`` of the item that decided it (OpenAI error JSON beside the results)."""
+    deciding = _deciding(results)
+    body: dict[str, Any] = {"object": "list", "data": results}
+    return body if deciding is None else {"error": deciding["error"], **body}
 
 
 async def describe_completion(store: ExperienceStore, completion_id: str) -> dict[str, Any]:

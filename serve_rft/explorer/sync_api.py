@@ -47,9 +47,7 @@ def parse(model: type[BaseModel], body: Any) -> BaseModel:
     try:
         return model.model_validate(body)
     except ValidationError as e:
-        err = e.errors()[0]
-        param = ".".join(str(p) for p in err.get("loc", ())) or None
-        raise ApiError(400, f"{param}: {err.get('msg')}" if param else str(err.get("msg")), param) from None
+        raise ApiError.invalid(e) from None
 
 
 async def call(remote: Awaitable[Any]) -> Any:

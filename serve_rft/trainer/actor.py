@@ -22,6 +22,7 @@ import asyncio
 import logging
 import os
 import time
+from functools import partial
 from pathlib import Path
 
 import ray
@@ -29,12 +30,11 @@ import ray
 from serve_rft.buffer.store import ExperienceStore
 from serve_rft.config import Config
 from serve_rft.names import NAMESPACE, TRAINER_NAME, get_synchronizer
+from serve_rft.trainer.feed import PUBLISHED_KEPT, ExperienceFeed
 from serve_rft.trainer.policy import PolicyTrainer
 from serve_rft.types import ComponentState, PublishedVersion, RewardedExperience
 
 log = logging.getLogger("serve_rft.trainer")
-PUBLISHED_KEPT = 4096
-"""Published version numbers the trainer remembers (and saves) for counting staleness in cycles."""
 
 
 @ray.remote(num_cpus=1, max_concurrency=256)  # NCCL: every replica may wait in nccl_reserve
@@ -62,8 +62,6 @@ class Trainer:
         self._resumed_version: int | None = None
         self.phase = "starting"
         self.staleness_trained: dict[int, int] = {}  # staleness (sync cycles) -> experiences trained
-        self.published_versions: list[int] = [0]  # ascending, the newest PUBLISHED_KEPT
-        self.stale_dropped = 0
         from serve_rft.observability.trainer_metrics import TrainerMetrics
 
         self.metrics = TrainerMetrics()
@@ -74,11 +72,7 @@ class Trainer:
         self.reset_count = 0
         self.last_reset: dict | None = None  # version, probe max |diff| (None: no probe), time
         self.method = None  # the sync method, once the loop built it
-        from serve_rft.trainer.intake import TrainedLedger
-
-        self.ledger = TrainedLedger()  # members saved states cover: a lost ack is never retrained
-        self.dead_lettered = 0
-        self.reacked = 0  # entries trained before whose acknowledgement Redis lost, acked again
+        self.feed = ExperienceFeed(self.cfg.trainer, ExperienceStore.from_config(self.cfg.buffer), self.metrics)
         self.started = False
         self._task = asyncio.get_running_loop().create_task(self._run())
 
@@ -123,7 +117,7 @@ class Trainer:
         from serve_rft.trainer.state import latest_state
 
         cfg = self.cfg
-        store = ExperienceStore.from_config(cfg.buffer)
+        store, feed = self.feed.store, self.feed
         resume = latest_state(self.state_root)
         policy = await asyncio.to_thread(PolicyTrainer, cfg, self.model_path, resume)
         method = make_method(cfg)
@@ -142,10 +136,10 @@ class Trainer:
                 batch, backlog = backlog[:cfg.trainer.batch_size], backlog[cfg.trainer.batch_size:]
             else:
                 self.phase = "collecting"
-                await self._shed_stale(store)
-                batch = await self._collect(store, policy, method, sync)
-            batch = await self._intake(store, policy, batch)
-            batch = await self._drop_stale(store, batch)
+                await feed.shed_stale(self.version)
+                batch = await feed.collect(partial(self._between_reads, policy, method, sync, store), self._held)
+            batch = await feed.admit(batch, policy.vocab_size)
+            batch = await feed.drop_stale(batch, self.version)
             if self.resets:
                 version, handle = self.resets.pop()
                 self.resets.clear()
@@ -160,7 +154,7 @@ class Trainer:
                                 "from the current weights", version)
             if not batch:
                 continue
-            batch = await self._count_attempts(store, batch)
+            batch = await feed.count_attempts(batch)
             if not batch:
                 continue
             self.phase = "training"
@@ -168,7 +162,7 @@ class Trainer:
             self.step_num += 1
             self.steps_done += 1
             self.unpublished.extend(batch)
-            cycles = [self.staleness(b.experience.min_version) for b in batch]
+            cycles = [feed.staleness(b.experience.min_version) for b in batch]
             for c in cycles:
                 self.staleness_trained[c] = self.staleness_trained.get(c, 0) + 1
             now = time.time()
@@ -196,10 +190,10 @@ class Trainer:
         st = policy.resumed
         if st is not None:
             covered = trained_lists(self.state_root)
-            self.ledger.add(covered)
+            self.feed.ledger.add(covered)
             self.resume_acked, _ = await store.ack_entries(covered)
             self.version = self.step_num = st.version
-            self.published_versions = sorted(set(st.published) | {0, st.version})[-PUBLISHED_KEPT:]
+            self.feed.published_versions = sorted(set(st.published) | {0, st.version})[-PUBLISHED_KEPT:]
             self._resumed_version = st.version  # reported as resumed_from once the backlog is read
             log.info("resumed from %s (version %d; %d entries acknowledged now)", st.path, st.version,
                      self.resume_acked)
@@ -208,7 +202,7 @@ class Trainer:
                     published_floor(self.state_root))
         if floor > self.step_num:  # versions published after the resumed state: their weights
             self.version = self.step_num = floor  # are lost, their entries get trained again
-            self._published(floor)
+            self.feed.published(floor)
         stale_handle = latest is not None and not method.durable
         if stale_handle or (st is not None and (latest is None or latest.version < st.version)):
             await self._publish(policy, method, sync, store, self.step_num + 1)
@@ -240,7 +234,7 @@ class Trainer:
         await sync.publish.remote(version, handle)
         self.published = PublishedVersion(version=version, handle=handle)
         self.version = version
-        self._published(version)
+        self.feed.published(version)
         self.unsaved.extend((b.stream_id, b.member, version) for b in self.unpublished)
         self.unpublished = []
         self.publishes_since_save += 1
@@ -251,93 +245,12 @@ class Trainer:
             await asyncio.to_thread(
                 save_state, self.state_root, full, policy.optimizer, version, self.step_num,
                 policy.baseline.value, self.unsaved, self.model_path, self.cfg.trainer.keep_states,
-                policy.scheduler, policy.model if policy.export is not None else None, self.published_versions)
-            self.ledger.add(self.unsaved)
+                policy.scheduler, policy.model if policy.export is not None else None, self.feed.published_versions)
+            self.feed.ledger.add(self.unsaved)
             await store.ack_entries(self.unsaved)
             self.unsaved = []
             self.publishes_since_save = 0
         return seconds
-
-    async def _intake(self, store: ExperienceStore, policy: PolicyTrainer, batch: list[RewardedExperience]
-                      ) -> list[RewardedExperience]:
-        """Acknowledge again what saved states already cover (a lost ack) and dead-letter what
-        cannot be trained (`serve_rft.trainer.intake`); return the rest."""
-        from serve_rft.buffer.store import DeadLetter
-        from serve_rft.trainer.intake import untrainable
-
-        batch, again = self.ledger.split(batch)
-        if again:
-            trained, _ = await store.ack_entries(again)
-            self.reacked += len(again)
-            log.warning("%d ready entries were trained before (their acknowledgement was lost): "
-                        "acknowledged again, not trained", len(again))
-        vocab = policy.vocab_size
-        keep, letters = [], []
-        for b in batch:
-            why = untrainable(b, vocab)
-            if why is None:
-                keep.append(b)
-            else:
-                letters.append(DeadLetter.of(b, why))
-        if letters:
-            self.dead_lettered += await store.dead_letter(letters)
-            log.warning("dead-lettered %d ready entries: %s", len(letters), letters[0].reason)
-        return keep
-
-    async def _count_attempts(self, store: ExperienceStore, batch: list[RewardedExperience]
-                              ) -> list[RewardedExperience]:
-        """Count a step attempt per entry; dead-letter those past ``max_entry_attempts`` (each
-        earlier attempt ended with the trainer process dying)."""
-        from serve_rft.buffer.store import DeadLetter
-
-        limit = self.cfg.trainer.max_entry_attempts
-        attempts = await store.begin_attempt([b.stream_id for b in batch])
-        over = [DeadLetter.of(b, f"in the steps of {n - 1} trainer processes that died")
-                for b, n in zip(batch, attempts) if n > limit]
-        if over:
-            self.dead_lettered += await store.dead_letter(over)
-            log.error("dead-lettered %d ready entries after %d crashed attempts", len(over), limit)
-        return [b for b, n in zip(batch, attempts) if n <= limit]
-
-    async def _drop_stale(self, store: ExperienceStore, batch: list[RewardedExperience]
-                          ) -> list[RewardedExperience]:
-        """Acknowledge as ``stale-dropped`` (counted, never trained) the experiences whose oldest
-        token is more than ``max_staleness`` sync cycles old (`staleness`; XTuner v1's RL
-        trainer documentation, max_staleness); return the rest."""
-        limit = self.cfg.trainer.max_staleness
-        if limit is None:
-            return batch
-        stale = [b for b in batch if self.staleness(b.experience.min_version) > limit]
-        if stale:
-            _, dropped = await store.ack(stale, self.version, state="stale-dropped")
-            self.stale_dropped += dropped
-            self.metrics.observe([], dropped)
-        return [b for b in batch if self.staleness(b.experience.min_version) <= limit]
-
-    async def _shed_stale(self, store: ExperienceStore) -> None:
-        """Drop from the store, before they are read, the waiting experiences already past
-        ``max_staleness`` (counted as `_drop_stale` does): read freshest first under more traffic
-        than the trainer trains, they would otherwise wait until the ready bound sheds them."""
-        from serve_rft.trainer.intake import stale_threshold
-
-        threshold = stale_threshold(self.published_versions, self.cfg.trainer.max_staleness)
-        if threshold is not None:
-            dropped = await store.drop_stale(threshold, self.version)
-            self.stale_dropped += dropped
-            if dropped:
-                self.metrics.observe([], dropped)
-
-    def staleness(self, version: int) -> int:
-        """Sync cycles since ``version`` over what this trainer (or the state it resumed from)
-        published (`serve_rft.trainer.intake.sync_cycles`)."""
-        from serve_rft.trainer.intake import sync_cycles
-
-        return sync_cycles(self.published_versions, version)
-
-    def _published(self, version: int) -> None:
-        if version > self.published_versions[-1]:
-            self.published_versions.append(version)
-            del self.published_versions[:-PUBLISHED_KEPT]
 
     async def _handshake(self, method, sync) -> float:
         """NCCL (the two-way handshake of the Trinity-RFT Synchronizer documentation): REQUIRE_SYNC while replicas pull the version
@@ -355,37 +268,19 @@ class Trainer:
         await sync.set_trainer.remote(ComponentState.RUNNING.value, self.step_num)
         return waited
 
-    async def _collect(self, store: ExperienceStore, policy, method, sync) -> list[RewardedExperience]:
-        """Up to ``batch_size`` ready experiences, when `batch_complete` says so: a full batch at
-        once, at least ``min_batch_size`` after ``batch_wait_s``, any once the oldest has waited
-        ``max_batch_wait_s`` (checked every ``batch_wait_s``). While it waits it answers
-        explorer sync requests (the Trinity-RFT Synchronizer documentation: the trainer syncs during sampling so the explorer can
-        keep producing data)."""
-        from serve_rft.trainer.intake import batch_complete
+    def _held(self) -> set[str]:
+        """Stream ids this trainer trained and has not acknowledged yet (never read again)."""
+        return {b.stream_id for b in self.unpublished} | {sid for sid, _, _ in self.unsaved}
 
-        tcfg = self.cfg.trainer
-        batch: list[RewardedExperience] = []
-        start = first = time.monotonic()  # `first`: when the oldest held experience was read
-        while True:
-            now = time.monotonic()
-            if batch_complete(len(batch), now - start, now - first if batch else 0.0, tcfg.batch_size,
-                              tcfg.min_batch_size, tcfg.batch_wait_s, tcfg.max_batch_wait_s):
-                return batch
-            if method.peer_waiting() and self.step_num == self.version:
-                await self._handshake(method, sync)  # a replica waits for the published weights
-            left = start + tcfg.batch_wait_s - now
-            if left <= 0:  # too few: publish if asked to, then wait another batch_wait_s
-                if self.step_num > self.version and await sync.sync_requested.remote():
-                    await self._publish(policy, method, sync, store)
-                start, left = time.monotonic(), tcfg.batch_wait_s
-            held = {b.stream_id for b in batch} | {b.stream_id for b in self.unpublished} | {
-                sid for sid, _, _ in self.unsaved}
-            got = await store.read_ready(TRAINER_NAME, tcfg.batch_size - len(batch),
-                                         block_ms=int(left * 1000) + 1, exclude=held,
-                                         newest_first=tcfg.read_order == "freshest")
-            if got and not batch:
-                first = time.monotonic()
-            batch.extend(got)
+    async def _between_reads(self, policy, method, sync, store: ExperienceStore, idle: bool) -> None:
+        """While the trainer waits for data it answers the explorer side (the Trinity-RFT
+        Synchronizer documentation: the trainer syncs during sampling so the explorer can keep
+        producing data): an NCCL replica waiting for the published weights gets its window; after
+        an ``idle`` wait, trained but unpublished weights are published if a replica asked."""
+        if method.peer_waiting() and self.step_num == self.version:
+            await self._handshake(method, sync)
+        if idle and self.step_num > self.version and await sync.sync_requested.remote():
+            await self._publish(policy, method, sync, store)
 
     # -- NCCL (serve_rft.weights.nccl): the trainer's side of each group ---------
     def _nccl(self):
@@ -425,7 +320,7 @@ class Trainer:
             "error": self.error,
             "last": self.last_stats,
             "staleness_trained": {str(k): v for k, v in sorted(self.staleness_trained.items())},
-            "stale_dropped": self.stale_dropped,
+            "stale_dropped": self.feed.stale_dropped,
             "phase": self.phase,
             "steps_done": self.steps_done,
             "pid": os.getpid(),
@@ -435,9 +330,19 @@ class Trainer:
             "resume_acked": self.resume_acked,
             "resets": self.reset_count,
             "last_reset": self.last_reset,
-            "dead_lettered": self.dead_lettered,
-            "reacked": self.reacked,
+            "dead_lettered": self.feed.dead_lettered,
+            "reacked": self.feed.reacked,
         }
+
+    def service_status(self) -> dict:
+        """What ``/v1/status`` shows of this trainer beside the synchronizer's view of it: the
+        `status` fields without the last step's stats, plus the mean and max sample age (seconds
+        from generation to training) of the last step."""
+        st = self.status()
+        last = st.pop("last") or {}
+        for k in ("step", "policy_version", "steps_done", "unacked"):
+            st.pop(k)
+        return {**st, "sample_age_s": {k: last.get(f"sample_age_s_{k}") for k in ("mean", "max")}}
 
     def latest_published(self) -> PublishedVersion | None:
         """The last version this trainer published (a restarted synchronizer rebuilds from it)."""

@@ -16,7 +16,8 @@ from serve_rft.config import Config, SyncMethod
 from serve_rft.weights.base import EngineBroken, EngineUnchanged, WeightSyncMethod
 from serve_rft.weights.checkpoint import CheckpointMethod
 from serve_rft.weights.memory import MemoryMethod
-from serve_rft.weights.nccl import NcclMethod, NcclSender
+from serve_rft.weights.nccl import NcclMethod
+from serve_rft.weights.nccl_sender import NcclSender
 
 
 __all__ = ["CheckpointMethod", "EngineBroken", "EngineUnchanged", "LoadFailed", "MemoryMethod",

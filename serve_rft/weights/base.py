@@ -95,7 +95,7 @@ class WeightSyncMethod(ABC):
 
     def trainer_peer(self):
         """Trainer side: the object the trainer's per-replica transfer calls go to (NCCL: its
-        `serve_rft.weights.nccl.NcclSender`).
+        `serve_rft.weights.nccl_sender.NcclSender`).
 
         Raises:
             RuntimeError: this method has no trainer-side peer (pull-only methods).

@@ -7,7 +7,8 @@ import uuid
 
 from hypothesis import given, strategies as st
 
-from serve_rft.buffer.store import DeadLetter, ExperienceStore
+from serve_rft.buffer.records import DeadLetter
+from serve_rft.buffer.store import ExperienceStore
 from serve_rft.trainer.intake import TrainedLedger, batch_complete, stale_threshold, sync_cycles, untrainable
 from serve_rft.types import RewardedExperience
 from tests.unit.test_store import _exp

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from serve_rft.weights import EngineBroken, LoadFailed, load_or_restore
-from serve_rft.weights.nccl import NcclMethod, NcclSender, update_info
+from serve_rft.weights.nccl import NcclMethod
+from serve_rft.weights.nccl_sender import NcclSender, update_info
 
 
 class FakeGroup:
@@ -244,7 +245,7 @@ def test_trainer_and_worker_init_info_agree_with_vllm(monkeypatch):
     from vllm.distributed.weight_transfer import nccl_engine
     from vllm.distributed.weight_transfer.nccl_common import NCCLWeightTransferInitInfo
 
-    from serve_rft.weights.nccl import _vllm_connect, worker_init_info
+    from serve_rft.weights.nccl_sender import _vllm_connect, worker_init_info
 
     payload = worker_init_info("10.0.0.1", 29555, world_size=3, bucket_bytes=1 << 20)
     worker = NCCLWeightTransferInitInfo(**payload)

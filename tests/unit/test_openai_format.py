@@ -1,6 +1,7 @@
 from dataclasses import dataclass
 
 from serve_rft.explorer import openai_format as fmt
+from serve_rft.explorer.experience_log import build_experiences
 from serve_rft.types import SamplingInfo
 
 
@@ -37,8 +38,8 @@ def test_accumulates_deltas_logprobs_and_version_spans():
     assert acc.token_ids == [5, 7] and acc.logprobs == [-0.1, -3.0] and acc.text == "ac"
     assert entries[0]["token"] == "c" and entries[0]["top_logprobs"][0]["token"] == "a"
     assert acc.spans(9) == [(0, 0, 1), (1, 1, 2)]
-    exps = fmt.build_experiences("cid", "r", [1, 2], [acc], SamplingInfo(temperature=1, top_p=1, max_tokens=2),
-                                 0.0, 0)
+    exps = build_experiences("cid", "r", [1, 2], [acc], SamplingInfo(temperature=1, top_p=1, max_tokens=2),
+                             0.0, 0)
     assert exps[0].min_version == 0 and exps[0].response_token_ids == [5, 7]
     body = fmt.chat_response("cid", "m", 0, 0, [acc], 2, want_logprobs=True)
     assert body["usage"] == {"prompt_tokens": 2, "completion_tokens": 2, "total_tokens": 4,

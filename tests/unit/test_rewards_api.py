@@ -36,6 +36,9 @@ def test_a_refused_item_never_blocks_the_rest_and_a_retry_records_what_is_left(r
         full = [{"status": "recorded"}, {"status": "refused", "status_code": 409},
                 {"status": "refused", "status_code": 507}]
         assert rewards_api.batch_status(full) == 507  # retryable: the whole request is retried
+        body = rewards_api.batch_body(results)  # the refusal that decided the status, every result beside
+        assert body["error"]["code"] == "not_found" and body["data"] == results
+        assert "error" not in rewards_api.batch_body([{"status": "recorded"}, results[1]])
         await store.close()
     asyncio.run(go())
 

@@ -1,0 +1,170 @@
+"""The trainer's side of the experience store: the ready stream ``P:ready`` and its consumer group.
+
+A mixin of `ExperienceStore` (schema in `serve_rft.buffer.store`): the trainer reads released
+experiences (`read_ready`; after a restart `delivered`), acknowledges them once trained or
+dropped (`ack`, `ack_entries`), counts step attempts (`begin_attempt`) and moves what cannot be
+trained to the dead-letter stream (`dead_letter`). Every state change is one Lua script.
+
+Uses of the store: ``redis`` (retried on a dropped connection), ``_reader`` (never retried:
+new-entry reads are not idempotent), ``p``, ``_k``, ``trained_ttl_s``, ``sweep`` and the
+registered scripts.
+"""
+
+from __future__ import annotations
+
+import math
+
+import redis.asyncio as aioredis
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from serve_rft.buffer.records import DeadLetter, parse_entries
+from serve_rft.types import RewardedExperience
+
+TRAINER_GROUP = "trainer"
+SWEEP_BATCH = 1000
+"""Expiries (and group releases) per SWEEP script call; stale drops per DROP_STALE call."""
+DEAD_LETTER_MAXLEN = 10_000
+"""About this many newest dead letters are kept in ``P:dead`` (XADD MAXLEN ~); all are counted."""
+
+
+class ReadyStream:
+    """The trainer's reads and acknowledgements of ``P:ready`` (see the module docstring)."""
+
+    async def ensure_group(self) -> None:
+        """Create the trainer's consumer group on the ready stream (idempotent)."""
+        try:
+            await self.redis.xgroup_create(self._k("ready"), TRAINER_GROUP, id="0", mkstream=True)
+        except aioredis.ResponseError as e:
+            if "BUSYGROUP" not in str(e):
+                raise
+
+    async def read_ready(self, consumer: str, count: int, block_ms: int,
+                         exclude: set[str] | None = None, newest_first: bool = True
+                         ) -> list[RewardedExperience]:
+        """Deliver to ``consumer`` of the trainer group up to ``count`` released experiences that
+        no consumer holds (after a `sweep`), the newest first (``newest_first``: a trainer
+        slower than the traffic trains the freshest data, and what waits grows older until the
+        trainer's staleness bound drops it) or the oldest first; waits up to ``block_ms`` ms for
+        one when there is none. Entries delivered earlier and never acknowledged are re-read
+        with `delivered`.
+
+        If the connection drops during the read, Redis may have delivered entries with the reply
+        lost: then every delivered, unacknowledged entry whose stream id is not in ``exclude``
+        (what the caller already holds) is returned instead, possibly more than ``count``.
+        """
+        await self.sweep()
+        try:
+            raw, last = await self._read_free(consumer, count, newest_first)
+            if not raw and block_ms > 0:  # nothing free: wait for an entry newer than the newest
+                await self._reader.xread({self._k("ready"): last}, count=1, block=block_ms)
+                raw, _ = await self._read_free(consumer, count, newest_first)
+            return await self._parsed(raw)
+        except (RedisConnectionError, RedisTimeoutError):
+            held = exclude or set()
+            return [e for e in await self.delivered(consumer) if e.stream_id not in held]
+
+    async def _read_free(self, consumer: str, count: int, newest_first: bool
+                         ) -> tuple[list[tuple[str, dict]], str]:
+        """The READ script on the never-retried connection: (entries as (id, fields), the
+        stream's newest id)."""
+        entries, last = await self._read_script(args=[self.p, consumer, count, int(newest_first)],
+                                                client=self._reader)
+        return [(eid, dict(zip(f[::2], f[1::2]))) for eid, f in entries], last
+
+    async def drop_stale(self, threshold: int, version: int, limit: int = SWEEP_BATCH) -> int:
+        """Drop the waiting experiences (ready, held by no trainer) whose oldest token's policy
+        version is below ``threshold``, among the ``limit`` oldest: state ``stale-dropped`` with
+        ``version``, counted in ``stale_dropped``. A trainer that reads the freshest first calls
+        this so that what falls past its staleness bound leaves the store instead of waiting
+        for the ready bound (``max_ready``).
+
+        Returns:
+            How many were dropped.
+        """
+        return int(await self._drop_stale(args=[self.p, threshold, version,
+                                                 max(1, math.ceil(self.trained_ttl_s)), limit]))
+
+    async def _parsed(self, raw: list[tuple[str, dict]]) -> list[RewardedExperience]:
+        good, bad = parse_entries(raw)
+        await self.dead_letter(bad)
+        return good
+
+    async def delivered(self, consumer: str) -> list[RewardedExperience]:
+        """Every entry delivered to ``consumer`` and not yet acknowledged (its pending entries
+        list), oldest first, paged so none is left behind however many there are. A restarted
+        trainer reads these before new ones."""
+        out: list[RewardedExperience] = []
+        start = "0"
+        while True:
+            raw = await self._read(self.redis, consumer, start, 256, None)
+            out.extend(await self._parsed(raw))
+            if len(raw) < 256:
+                return out
+            start = raw[-1][0]
+
+    async def _read(self, client, consumer: str, start: str, count: int, block_ms: int | None
+                    ) -> list[tuple[str, dict]]:
+        res = await client.xreadgroup(TRAINER_GROUP, consumer, {self._k("ready"): start},
+                                          count=count, block=block_ms)
+        return res[0][1] if res else []
+
+    async def ack(self, entries: list[RewardedExperience], version: int,
+                  state: str = "trained") -> tuple[int, int]:
+        """Acknowledge ready entries: XACK + XDEL and mark each choice ``state`` (``trained`` or
+        ``stale-dropped``) with ``version``, in one script. Entries already acknowledged are
+        skipped, so a retried ack counts nothing twice.
+
+        Returns:
+            (newly trained, newly stale-dropped).
+        """
+        return await self.ack_entries([(e.stream_id, e.member, version) for e in entries], state)
+
+    async def ack_entries(self, entries: list[tuple[str, str, int]], state: str = "trained"
+                          ) -> tuple[int, int]:
+        """`ack` by ``(stream id, member "{cid}:{i}", version)`` triples (what a trainer state
+        records), each with its own version.
+
+        Returns:
+            (newly trained, newly stale-dropped).
+        """
+        if not entries:
+            return 0, 0
+        args: list = [self.p, max(1, math.ceil(self.trained_ttl_s)), len(entries)]
+        for stream_id, member, version in entries:
+            args += [stream_id, member, state, version]
+        trained, dropped = await self._ack(args=args)
+        return int(trained), int(dropped)
+
+    async def dead_letter(self, letters: list[DeadLetter]) -> int:
+        """Move ready entries that cannot be trained to the dead-letter stream ``P:dead``
+        (acknowledged, choice state ``dead-letter``, counted as ``dead_lettered``); entries
+        already acknowledged are skipped.
+
+        Returns:
+            Entries moved now.
+        """
+        if not letters:
+            return 0
+        args: list = [self.p, DEAD_LETTER_MAXLEN, max(1, math.ceil(self.trained_ttl_s)), len(letters)]
+        for d in letters:
+            args += [d.stream_id, d.member, d.reason, d.exp, d.reward]
+        return int(await self._dead_letter(args=args))
+
+    async def dead_letters(self, count: int = 100) -> list[dict[str, str]]:
+        """The newest ``count`` dead letters, newest first (fields as in ``P:dead``)."""
+        return [f for _, f in await self.redis.xrevrange(self._k("dead"), count=count)]
+
+    async def begin_attempt(self, stream_ids: list[str]) -> list[int]:
+        """Count one more training step begun with each entry (``P:attempts``; cleared by
+        `ack` and `dead_letter`).
+
+        Returns:
+            Each entry's attempts so far, this one included.
+        """
+        if not stream_ids:
+            return []
+        async with self.redis.pipeline(transaction=True) as pipe:
+            for sid in stream_ids:
+                pipe.hincrby(self._k("attempts"), sid, 1)
+            return [int(n) for n in await pipe.execute()]

@@ -1,0 +1,109 @@
+"""What the experience store hands out and refuses with: its records and its domain errors.
+
+The store raises these errors and knows nothing of HTTP; the rewards API maps each to its
+status (`serve_rft.explorer.rewards_api.REFUSALS`).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from serve_rft.types import Experience, RewardedExperience
+
+
+class RewardError(Exception):
+    """A reward the store refuses; the subclass says why (nothing was recorded)."""
+
+
+class RewardNotFinite(RewardError):
+    """The reward is not a finite number."""
+
+
+class UnknownChoice(RewardError):
+    """No such completion, or no such choice in it (never logged, or no longer kept)."""
+
+
+class RewardConflict(RewardError):
+    """The choice already has a different reward (the same one again is a duplicate, not this)."""
+
+
+class RewardExpired(RewardError):
+    """The choice expired (``reward_timeout_s``) before its reward came."""
+
+
+class StoreFull(Exception):
+    """Redis is past ``maxmemory`` (noeviction) and refused a write; nothing was written (retry)."""
+
+
+@dataclass
+class StoreCounts:
+    """Experience counts. ``pending``: awaiting a reward; ``held``: rewarded, waiting for the
+    rest of their group; ``ready``: in the ready stream (incl. delivered, not yet acked); the
+    rest are totals since the store was created."""
+
+    pending: int
+    held: int
+    ready: int
+    logged: int
+    rewarded: int
+    trained: int
+    expired: int
+    stale_dropped: int
+    groups_timed_out: int
+    dead_lettered: int = 0
+    backlog_dropped: int = 0
+    redis_restarts: int = 0
+
+
+@dataclass
+class ChoiceState:
+    """One choice as `GET /v1/experiences/{completion_id}` shows it."""
+
+    choice_index: int
+    state: str
+    reward: float | None
+    info: dict | None
+    trained_version: int | None
+    token_versions: list | None
+
+
+@dataclass
+class DeadLetter:
+    """A ready entry that cannot be trained, with why (`ExperienceStore.dead_letter`)."""
+
+    stream_id: str
+    member: str
+    reason: str
+    exp: str = ""
+    reward: str = ""
+
+    @classmethod
+    def of(cls, entry: RewardedExperience, reason: str) -> "DeadLetter":
+        """A parsed ready entry with why it cannot be trained (its experience kept whole)."""
+        return cls(entry.stream_id, entry.member, reason, entry.experience.model_dump_json(), repr(entry.reward))
+
+
+def experience_from(exp_json: str, prompt_json: str | None) -> Experience:
+    """An experience from its stored JSON and its completion's prompt ids (stored once per
+    completion, ``P:pr:{cid}``; an experience logged with its prompt inline has none)."""
+    if not prompt_json:
+        return Experience.model_validate_json(exp_json)
+    return Experience.model_validate({**json.loads(exp_json), "prompt_token_ids": json.loads(prompt_json)})
+
+
+def parse_entries(entries: list[tuple[str, dict]]) -> tuple[list[RewardedExperience], list[DeadLetter]]:
+    """Stream entries -> (experiences, entries that do not parse). An entry deleted while
+    pending has no fields: skipped."""
+    good, bad = [], []
+    for entry_id, f in entries:
+        if not f:
+            continue
+        try:
+            good.append(RewardedExperience(experience=experience_from(f["exp"], f.get("prompt")),
+                                           reward=float(f["reward"]), stream_id=entry_id))
+        except (KeyError, ValueError, TypeError) as e:  # pydantic's ValidationError is a ValueError
+            bad.append(DeadLetter(entry_id, str(f.get("member", "")), f"unparseable: {str(e)[:200]}",
+                                  str(f.get("exp", "")), str(f.get("reward", ""))))
+    return good, bad
+

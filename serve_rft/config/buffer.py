@@ -1,0 +1,58 @@
+"""Settings of the experience store (Redis): retention, groups, bounds, durability."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from serve_rft.config.base import StrictSection
+
+
+class BufferConfig(StrictSection):
+    redis_url: str | None = Field(
+        None, description="Existing Redis to use. None: start an embedded redis-server."
+    )
+    key_prefix: str = Field("srft", description="Prefix of every Redis key of this service.")
+    reward_timeout_s: float = Field(
+        3600.0, gt=0, description="An experience with no reward after this long expires, s."
+    )
+    trained_ttl_s: float = Field(
+        86400.0, gt=0, description="How long a trained experience stays readable, s."
+    )
+    reconnect_s: float = Field(
+        30.0, gt=0, description="How long a Redis command is retried across a lost connection (a "
+        "Redis restart) before it fails, s.")
+    group_timeout_s: float = Field(
+        60.0, gt=0, description="A group with >= 2 rewarded answers is trained this long after its "
+        "first reward even if other members have no reward yet, s.")
+    store_wait_s: float = Field(
+        5.0, gt=0, description="How long a request waits for the store (a Redis restart, an outage). "
+        "Past it a chat completion is answered anyway, not logged (counted: unlogged, reason "
+        "store_unavailable), a reward gets 504 + Retry-After (nothing lost: retrying is safe) and "
+        "/v1/status answers with store: unavailable.")
+    max_ready: int | None = Field(
+        100_000, ge=1, description="Bound of the ready stream (rewarded experiences waiting for the "
+        "trainer). Past it the oldest entries not yet delivered to the trainer are dropped (state "
+        "backlog-dropped, counted): what nothing consumes (serve-only mode, a trainer slower than the "
+        "traffic) cannot grow without bound. None: unbounded.")
+    durability: Literal["everysec", "always"] = Field(
+        "everysec", description="Embedded redis-server's AOF fsync (appendfsync): everysec = an "
+        "acknowledged reward or experience is lost in a crash of the machine only if it was written in "
+        "the last second (RPO 1 s); always = fsync before every answer (RPO 0, slower writes).")
+    maxmemory_mb: int | None = Field(
+        2048, ge=16, description="Embedded redis-server's maxmemory (MiB) with noeviction: when full, new "
+        "experiences are served but not logged (counted: unlogged, reason store_full) and rewards get "
+        "507 + Retry-After; nothing stored is evicted. None: unbounded.")
+
+    @model_validator(mode="after")
+    def _no_reward_outlived(self) -> "BufferConfig":
+        # A rewarded member is kept reward_timeout_s + trained_ttl_s (the REWARD script); its
+        # group is released at the latest reward_timeout_s after the first reward, or
+        # group_timeout_s after it: past both, the member's experience could expire first.
+        if self.group_timeout_s > self.reward_timeout_s:
+            raise ValueError(
+                f"buffer.group_timeout_s={self.group_timeout_s} must not exceed buffer.reward_timeout_s="
+                f"{self.reward_timeout_s}: a group could be held past the time its members' experiences "
+                "are kept, and their accepted rewards would never be trained")
+        return self

@@ -1,0 +1,132 @@
+"""Settings of the trainer: algorithm, batches, optimizer, staleness, LoRA."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from serve_rft.config.base import StrictSection
+
+
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""The ``max_lora_rank`` values vLLM accepts (vllm.config.lora.MaxLoRARanks)."""
+
+
+class LoraSettings(StrictSection):
+    """Train LoRA adapters (peft) instead of every weight (Twinkle's CheckpointEngine documentation, "merge_and_sync")."""
+
+    rank: int = Field(8, ge=1, description="LoRA rank r.")
+    alpha: float = Field(16.0, gt=0, description="LoRA scaling alpha (update scaled by alpha / r).")
+    dropout: float = Field(0.0, ge=0, lt=1)
+    target_modules: list[str] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        description="Linear layers that get adapters (Qwen2/Llama names).")
+    merge_and_sync: bool = Field(
+        True, description="true: publish base + adapter merged as full weights (replicas need no LoRA "
+        "support). false: publish only the adapter (adapter_model.safetensors + adapter_config.json); "
+        "replicas start vLLM with LoRA enabled and serve each policy version as the adapter "
+        "`v{version}` over the unchanged base (checkpoint or memory sync; no pause, no reload).")
+
+    @model_validator(mode="after")
+    def _rank_vllm_serves(self) -> "LoraSettings":
+        if not self.merge_and_sync and self.rank > VLLM_LORA_RANKS[-1]:
+            raise ValueError(f"trainer.lora.rank={self.rank}: vLLM serves adapters up to rank "
+                             f"{VLLM_LORA_RANKS[-1]} (use merge_and_sync=true)")
+        return self
+
+    def vllm_max_lora_rank(self) -> int:
+        """The smallest ``max_lora_rank`` vLLM accepts that holds ``rank`` (vLLM allows only
+        `VLLM_LORA_RANKS`)."""
+        return next(r for r in VLLM_LORA_RANKS if r >= self.rank)
+
+
+class TrainerConfig(StrictSection):
+    enabled: bool = Field(True, description="Run the background trainer.")
+    algorithm: Literal["grpo", "opmd", "opmd_kimi", "reinforce"] = Field(
+        "grpo",
+        description="grpo: group-normalised advantages (singletons: reward - running baseline), "
+        "PPO clipped ratio vs behaviour logprobs. opmd: Trinity-RFT technical report appendix A.3, "
+        "-1/(1+tau) (r - group mean) log pi. opmd_kimi: the report's appendix A.1, squared loss vs the "
+        "behaviour policy. reinforce: reward - running baseline for every experience, PPO clipped ratio (serve_rft/trainer/losses.py).",
+    )
+    loss_agg: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"] | None = Field(
+        None, description="Token aggregation of the loss; None: token_mean for grpo/reinforce "
+        "(every token weighs the same, DAPO), seq_mean_token_sum for opmd (log pi(y|x) of the answer).")
+    opmd_tau: float = Field(1.0, ge=0, description="OPMD's tau (opmd: >= 0, opmd_kimi: > 0).")
+    kl_coef: float = Field(
+        0.0, ge=0, description="Weight of a k3 KL penalty to the initial weights (a frozen copy is "
+        "kept in memory when > 0); 0: none.")
+    lora: LoraSettings | None = Field(
+        None, description="LoRA adapters instead of full fine-tuning; None: train every weight.")
+    micro_batch_size: int = Field(
+        0, ge=0, description="Experiences per forward/backward (gradient accumulation bounds memory); "
+        "0: the whole batch at once. The gradient equals the unsplit batch's.")
+    batch_size: int = Field(32, ge=1, description="Experiences per training step (upper bound).")
+    min_batch_size: int = Field(8, ge=1, description="Wait for at least this many ready experiences.")
+    batch_wait_s: float = Field(
+        2.0, ge=0, description="Wait this long for a full batch before training on >= min_batch_size."
+    )
+    read_order: Literal["freshest", "oldest"] = Field(
+        "freshest", description="Which ready experiences a step takes first. freshest: the newest "
+        "(with more traffic than the trainer can train, it trains the freshest data; what waits "
+        "grows older until max_staleness drops it, counted); oldest: first in, first out.")
+    max_batch_wait_s: float | None = Field(
+        30.0, ge=0, description="Train on fewer than min_batch_size (at least one) once the oldest "
+        "experience the trainer holds has waited this long, so the last rewarded experiences before "
+        "traffic stops are trained, s. None: wait for min_batch_size however long it takes.")
+    lr: float = Field(1e-3, ge=0, description="AdamW learning rate (peak). 0: dummy mode, all the work "
+                      "with fixed weights, for profiling (Trinity-RFT technical report §3.3.1).")
+    lr_warmup_steps: int = Field(0, ge=0, description="Linear warm-up from 0 over this many steps.")
+    lr_schedule: Literal["constant", "cosine"] = Field(
+        "constant", description="After warm-up: constant, or cosine decay to lr * lr_min_ratio at lr_decay_steps.")
+    lr_decay_steps: int = Field(10000, ge=1, description="cosine: steps (after warm-up) to reach the minimum.")
+    lr_min_ratio: float = Field(0.1, ge=0, le=1)
+    weight_decay: float = Field(0.0, ge=0)
+    clip_low: float = Field(0.2, ge=0, description="PPO ratio clip: 1 - clip_low.")
+    clip_high: float = Field(0.28, ge=0, description="PPO ratio clip: 1 + clip_high.")
+    grad_clip: float = Field(1.0, gt=0, description="Max global gradient norm.")
+    baseline_momentum: float = Field(
+        0.9, ge=0, lt=1, description="EMA momentum of the running reward baseline."
+    )
+    max_staleness: int | None = Field(
+        16, ge=0, description="Drop (count, do not train on) an experience generated more than this many "
+        "weight synchronization cycles ago: more than max_staleness versions were published after the "
+        "version of its oldest token (XTuner v1's max_staleness, counted in sync cycles, not trainer "
+        "steps: 0 = only the current version). Bounds what a trainer slower than the traffic trains "
+        "on. None: no limit.")
+    max_entry_attempts: int = Field(
+        3, ge=1, description="Training steps begun with one ready entry before it is moved to the "
+        "dead-letter stream: a trainer process that died in a step restarts and meets the same "
+        "entries again; past this bound they stop being retried (serve_rft.trainer.intake).")
+    num_threads: int = Field(1, ge=1, description="torch threads of the trainer process.")
+    device: Literal["cpu", "cuda"] = Field(
+        "cpu", description="Where the trainer's policy model lives (cuda: the actor takes one Ray GPU).")
+    num_gpus: float = Field(
+        1.0, gt=0, le=1, description="Ray GPUs the trainer actor takes with device=cuda (a fraction "
+        "shares one GPU with replicas: configs/single_gpu.yaml).")
+    precision: Literal["auto", "fp32", "bf16"] = Field(
+        "auto", description="Forward passes of the trainer: bf16 autocast (weights, optimizer and "
+        "log-softmax stay fp32) or fp32. auto: bf16 on cuda, fp32 on cpu (where the logprob agreement "
+        "with vLLM's fp32 engine is 1e-6).")
+    keep_checkpoints: int = Field(5, ge=1, description="Published versions kept on disk.")
+    save_interval: int = Field(
+        1, ge=1, description="Save the trainer state (weights, optimizer, RNG, version, the ready "
+        "entries trained) every this many published versions. Ready entries are acknowledged only "
+        "once a saved state covers them, so a killed trainer resumes from its last state and "
+        "trains what came after it again (serve_rft.trainer.state).")
+    keep_states: int = Field(2, ge=1, description="Trainer states kept on disk.")
+
+    @model_validator(mode="after")
+    def _kimi_needs_tau(self) -> "TrainerConfig":
+        if self.algorithm == "opmd_kimi" and self.opmd_tau <= 0:
+            raise ValueError("trainer.algorithm=opmd_kimi needs trainer.opmd_tau > 0 (it divides by tau)")
+        return self
+
+    @property
+    def aggregation(self) -> str:
+        """``loss_agg``, or the algorithm's default when it is None."""
+        if self.loss_agg is not None:
+            return self.loss_agg
+        return "seq_mean_token_sum" if self.algorithm.startswith("opmd") else "token_mean"
+    seed: int = 0

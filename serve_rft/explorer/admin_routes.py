@@ -1,0 +1,122 @@
+"""The replica's routes besides inference: rewards, experiences, status and the operator's
+rollout routes. A mixin of `ExplorerReplica` (Ray Serve finds class-based routes through the
+class's bases); each route is a thin shim over `serve_rft.explorer.rewards_api`, the
+`ExperienceStore` or the `Synchronizer` actor (`serve_rft.explorer.sync_api`), and refusals are
+raised as `ApiError` (answered by `serve_rft.explorer.http`).
+
+Uses of the replica: ``cfg``, ``store``, ``sync`` (the synchronizer's handle), ``metrics``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from fastapi import Request
+from fastapi.responses import JSONResponse
+from pydantic import ValidationError
+from redis.exceptions import RedisError
+
+from serve_rft.explorer import rewards_api, sync_api
+from serve_rft.explorer.body import read_json
+from serve_rft.explorer.http import AUTHORIZED, app
+from serve_rft.explorer.protocol import ApiError, parse_reward_body
+
+
+class AdminRoutes:
+    """``/v1/rewards``, ``/v1/experiences/{id}``, ``/v1/status`` and ``/v1/sync/*``."""
+
+    @app.post("/v1/rewards", dependencies=AUTHORIZED)
+    async def rewards(self, request: Request) -> JSONResponse:
+        """Post rewards (forms: `serve_rft.explorer.protocol.parse_reward_body`; semantics:
+        `serve_rft.explorer.rewards_api`)."""
+        t0 = time.perf_counter()
+        try:
+            response = await self._rewards(request)
+        except ApiError as e:
+            self.metrics.request("rewards", e.status, time.perf_counter() - t0)
+            raise
+        self.metrics.request("rewards", response.status_code, time.perf_counter() - t0)
+        return response
+
+    async def _rewards(self, request: Request) -> JSONResponse:
+        """Raises:
+            ApiError: 422 a malformed reward request, 504 the store did not answer in time
+                (retry: items already recorded answer duplicate).
+        """
+        try:
+            req = parse_reward_body(await read_json(request))
+        except ValidationError as e:
+            raise ApiError.invalid(e, 422) from None
+        except ValueError as e:
+            raise ApiError(422, str(e)) from None
+        try:
+            results = await asyncio.wait_for(rewards_api.post_rewards(self.store, req), self.cfg.buffer.store_wait_s)
+        except (asyncio.TimeoutError, RedisError):
+            # 504, not 503: HAProxy re-sends a 503 to another replica, which waits on the same store
+            raise ApiError(504, "the experience store is unavailable; retry (items already recorded "
+                           "answer duplicate)", type_="service_unavailable", code="store_unavailable",
+                           retry_after=2) from None
+        self.metrics.reward_results(results)
+        status = rewards_api.batch_status(results)
+        return JSONResponse(rewards_api.batch_body(results), status_code=status,
+                            headers={"Retry-After": "5"} if status == 507 else None)
+
+    @app.get("/v1/experiences/{completion_id}", dependencies=AUTHORIZED)
+    async def experience(self, completion_id: str) -> JSONResponse:
+        """Each choice's state, reward, info and versions (`rewards_api.describe_completion`)."""
+        return JSONResponse(await rewards_api.describe_completion(self.store, completion_id))
+
+    @app.get("/v1/status", dependencies=AUTHORIZED)
+    async def status(self) -> JSONResponse:
+        """The synchronizer's view (replicas, versions, rollout), the store's counts (``store``:
+        ok / unavailable, never a hang) and the trainer's own report (`Trainer.service_status`)."""
+        from serve_rft.names import find_trainer
+
+        status = await self.sync.status.remote()
+        try:
+            counts = await asyncio.wait_for(self.store.counts(), self.cfg.buffer.store_wait_s)
+            status["experiences"], status["store"] = counts.__dict__, "ok"
+        except (asyncio.TimeoutError, RedisError):
+            status["experiences"], status["store"] = None, "unavailable"
+        trainer = find_trainer()  # None in serve-only mode
+        if trainer is not None:
+            status["trainer"].update(await trainer.service_status.remote())
+        return JSONResponse(status)
+
+    @app.get("/v1/sync/events", dependencies=AUTHORIZED)
+    async def sync_events(self, since: float = 0.0) -> JSONResponse:
+        return JSONResponse({"events": await self.sync.events.remote(since)})
+
+    @app.get("/v1/sync/rollout", dependencies=AUTHORIZED)
+    async def sync_rollout(self) -> JSONResponse:
+        """The rollout (`serve_rft.explorer.sync_api`)."""
+        return JSONResponse(await self.sync.rollout.remote())
+
+    @app.post("/v1/sync/pin", dependencies=AUTHORIZED)
+    async def sync_pin(self, request: Request) -> JSONResponse:
+        return await self._operator(request, sync_api.PinRequest, lambda b: self.sync.pin.remote(b.version))
+
+    @app.post("/v1/sync/rollback", dependencies=AUTHORIZED)
+    async def sync_rollback(self, request: Request) -> JSONResponse:
+        return await self._operator(request, sync_api.RollbackRequest,
+                                    lambda b: self.sync.rollback.remote(b.version))
+
+    @app.post("/v1/sync/promotion", dependencies=AUTHORIZED)
+    async def sync_promotion(self, request: Request) -> JSONResponse:
+        return await self._operator(request, sync_api.PromotionRequest,
+                                    lambda b: self.sync.pause_promotion.remote(b.paused))
+
+    @app.post("/v1/sync/replicas/{replica_id}/drain", dependencies=AUTHORIZED)
+    async def sync_drain(self, request: Request, replica_id: str) -> JSONResponse:
+        return await self._operator(request, sync_api.DrainRequest,
+                                    lambda b: self.sync.drain.remote(replica_id, b.drained))
+
+    async def _operator(self, request: Request, model, action) -> JSONResponse:
+        """An admin action on the synchronizer: parse the body, call, answer its result.
+
+        Raises:
+            ApiError: 400 a malformed body, 404 / 409 the synchronizer's refusals.
+        """
+        body = sync_api.parse(model, await read_json(request))
+        return JSONResponse(await sync_api.call(action(body)))

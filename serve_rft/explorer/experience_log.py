@@ -1,0 +1,75 @@
+"""Completions -> experiences in the store: what a replica logs of every answer it served.
+
+One `Experience` per choice (prompt and response token ids, behaviour logprobs, per-token
+policy versions, group, timing, sampling), written before the response ends. A completion the
+store cannot take (full past ``buffer.maxmemory_mb``, or away longer than
+``buffer.store_wait_s``) is still served and counted as unlogged with its reason; ``store:
+false`` (OpenAI's "do not keep my data") is served and never logged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from redis.exceptions import RedisError
+
+from serve_rft.buffer.records import StoreFull
+from serve_rft.buffer.store import ExperienceStore
+from serve_rft.explorer.openai_format import ChoiceAccumulator, finish_reason
+from serve_rft.observability.explorer_metrics import ExplorerMetrics
+from serve_rft.types import Experience, SamplingInfo
+
+log = logging.getLogger("serve_rft.explorer")
+
+
+def build_experiences(cid: str, replica_id: str, prompt_ids: list[int], choices: list[ChoiceAccumulator],
+                      sampling: SamplingInfo, created_at: float, fallback_version: int,
+                      group_id: str | None = None) -> list[Experience]:
+    """One `Experience` per choice; the group is ``group_id`` (a client's) or the request itself
+    (the completion id). ``created_at``: unix seconds the request arrived; ``fallback_version``:
+    the policy version of tokens vLLM reported no version span for."""
+    now = time.time()
+    return [
+        Experience(
+            completion_id=cid, choice_index=c.index, group_id=group_id or cid, replica_id=replica_id,
+            prompt_token_ids=prompt_ids, response_token_ids=c.token_ids,
+            behaviour_logprobs=c.logprobs, token_versions=c.spans(fallback_version),
+            sampling=sampling, finish_reason=finish_reason(c.finish_reason),
+            created_at=created_at, finished_at=now,
+        )
+        for c in sorted(choices, key=lambda c: c.index)
+    ]
+
+
+class ExperienceLog:
+    """A replica's writer of experiences. ``logged`` counts what reached the store (a replica's
+    explorer step is ``logged // synchronizer.explorer_step_experiences``)."""
+
+    def __init__(self, store: ExperienceStore, replica_id: str, metrics: ExplorerMetrics, store_wait_s: float):
+        self.store, self.replica_id, self.metrics, self.store_wait_s = store, replica_id, metrics, store_wait_s
+        self.logged = 0
+
+    async def log(self, req, cid: str, prompt_ids: list[int], choices: list[ChoiceAccumulator],
+                  sampling: SamplingInfo, created_at: float, version: int) -> None:
+        """Log one completion's choices (``req``: its `ChatCompletionRequest`, for ``store``,
+        ``group_id``, ``group_size`` and ``conversation_id``); never raises for the store's sake."""
+        prompt_n, completion_n = len(prompt_ids), sum(len(c.token_ids) for c in choices)
+        if req.store is False:
+            self.metrics.served(prompt_n, completion_n, 0, unlogged=len(choices))
+            return
+        group = f"u:{req.group_id}" if req.group_id else None  # client groups never collide with ids
+        exps = build_experiences(cid, self.replica_id, prompt_ids, choices, sampling, created_at, version, group)
+        try:
+            await asyncio.wait_for(self.store.log_experiences(exps, group_size=req.group_size if group else None,
+                                                              conversation_id=req.conversation_id),
+                                   self.store_wait_s)
+        except (StoreFull, asyncio.TimeoutError, RedisError) as e:
+            # the user is served, the loss counted (a timed-out call may still have landed)
+            reason = "store_full" if isinstance(e, StoreFull) else "store_unavailable"
+            self.metrics.served(prompt_n, completion_n, 0, unlogged=len(exps), reason=reason)
+            log.warning("experience store %s: completion %s served, not logged", reason, cid)
+            return
+        self.logged += len(exps)
+        self.metrics.served(prompt_n, completion_n, len(exps))

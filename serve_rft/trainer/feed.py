@@ -1,0 +1,148 @@
+"""The trainer's feed: ready experiences from the store into its steps.
+
+`ExperienceFeed` reads batches from the store's ready stream (`collect`, closing a batch by
+`serve_rft.trainer.intake.batch_complete`), and lets into a step only what may be trained, once:
+entries a saved state already covers are acknowledged again, the untrainable and those in the
+steps of too many crashed processes are dead-lettered (`serve_rft.trainer.intake`), and those
+past ``trainer.max_staleness`` sync cycles are dropped, counted (XTuner v1's RL trainer
+documentation, ``max_staleness``). It counts staleness over the versions the trainer published.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Awaitable, Callable
+
+from serve_rft.buffer.records import DeadLetter
+from serve_rft.buffer.store import ExperienceStore
+from serve_rft.config import TrainerConfig
+from serve_rft.names import TRAINER_NAME
+from serve_rft.observability.trainer_metrics import TrainerMetrics
+from serve_rft.trainer.intake import (TrainedLedger, batch_complete, stale_threshold, sync_cycles,
+                                      untrainable)
+from serve_rft.types import RewardedExperience
+
+log = logging.getLogger("serve_rft.trainer")
+
+PUBLISHED_KEPT = 4096
+"""Published version numbers the feed remembers (and states save) for counting staleness in cycles."""
+
+
+class ExperienceFeed:
+    """Batches for the trainer's steps, each entry trained at most once.
+
+    Args:
+        cfg: the trainer's settings (batch sizes and waits, ``max_staleness``,
+            ``max_entry_attempts``, ``read_order``).
+        store: the experience store.
+        metrics: where dropped and trained staleness are observed.
+    """
+
+    def __init__(self, cfg: TrainerConfig, store: ExperienceStore, metrics: TrainerMetrics):
+        self.cfg, self.store, self.metrics = cfg, store, metrics
+        self.ledger = TrainedLedger()  # members saved states cover: a lost ack is never retrained
+        self.published_versions: list[int] = [0]  # ascending, the newest PUBLISHED_KEPT
+        self.stale_dropped = 0
+        self.dead_lettered = 0
+        self.reacked = 0  # entries trained before whose acknowledgement Redis lost, acked again
+
+    async def collect(self, between_reads: Callable[[bool], Awaitable[None]],
+                      held: Callable[[], set[str]]) -> list[RewardedExperience]:
+        """Up to ``batch_size`` ready experiences, when `batch_complete` says so: a full batch at
+        once, at least ``min_batch_size`` after ``batch_wait_s``, any once the oldest has waited
+        ``max_batch_wait_s`` (checked every ``batch_wait_s``).
+
+        Args:
+            between_reads: awaited before each read with ``idle`` (a whole ``batch_wait_s``
+                passed without a batch): the trainer answers the explorer side meanwhile.
+            held: stream ids the trainer holds (trained, not acknowledged): never read again.
+        """
+        c = self.cfg
+        batch: list[RewardedExperience] = []
+        start = first = time.monotonic()  # `first`: when the oldest held experience was read
+        while True:
+            now = time.monotonic()
+            if batch_complete(len(batch), now - start, now - first if batch else 0.0, c.batch_size,
+                              c.min_batch_size, c.batch_wait_s, c.max_batch_wait_s):
+                return batch
+            left = start + c.batch_wait_s - now
+            await between_reads(left <= 0)
+            if left <= 0:  # too few: wait another batch_wait_s
+                start, left = time.monotonic(), c.batch_wait_s
+            got = await self.store.read_ready(TRAINER_NAME, c.batch_size - len(batch),
+                                              block_ms=int(left * 1000) + 1,
+                                              exclude={b.stream_id for b in batch} | held(),
+                                              newest_first=c.read_order == "freshest")
+            if got and not batch:
+                first = time.monotonic()
+            batch.extend(got)
+
+    async def admit(self, batch: list[RewardedExperience], vocab_size: int) -> list[RewardedExperience]:
+        """Acknowledge again what saved states already cover (a lost ack) and dead-letter what
+        cannot be trained (`serve_rft.trainer.intake.untrainable`); return the rest."""
+        batch, again = self.ledger.split(batch)
+        if again:
+            await self.store.ack_entries(again)
+            self.reacked += len(again)
+            log.warning("%d ready entries were trained before (their acknowledgement was lost): "
+                        "acknowledged again, not trained", len(again))
+        keep, letters = [], []
+        for b in batch:
+            why = untrainable(b, vocab_size)
+            if why is None:
+                keep.append(b)
+            else:
+                letters.append(DeadLetter.of(b, why))
+        if letters:
+            self.dead_lettered += await self.store.dead_letter(letters)
+            log.warning("dead-lettered %d ready entries: %s", len(letters), letters[0].reason)
+        return keep
+
+    async def count_attempts(self, batch: list[RewardedExperience]) -> list[RewardedExperience]:
+        """Count a step attempt per entry; dead-letter those past ``max_entry_attempts`` (each
+        earlier attempt ended with the trainer process dying); return the rest."""
+        limit = self.cfg.max_entry_attempts
+        attempts = await self.store.begin_attempt([b.stream_id for b in batch])
+        over = [DeadLetter.of(b, f"in the steps of {n - 1} trainer processes that died")
+                for b, n in zip(batch, attempts) if n > limit]
+        if over:
+            self.dead_lettered += await self.store.dead_letter(over)
+            log.error("dead-lettered %d ready entries after %d crashed attempts", len(over), limit)
+        return [b for b, n in zip(batch, attempts) if n <= limit]
+
+    async def drop_stale(self, batch: list[RewardedExperience], version: int) -> list[RewardedExperience]:
+        """Acknowledge as ``stale-dropped`` (counted, never trained; ``version``: the trainer's
+        published version) the experiences whose oldest token is more than ``max_staleness``
+        sync cycles old (`staleness`); return the rest."""
+        limit = self.cfg.max_staleness
+        if limit is None:
+            return batch
+        stale = [b for b in batch if self.staleness(b.experience.min_version) > limit]
+        if stale:
+            _, dropped = await self.store.ack(stale, version, state="stale-dropped")
+            self.stale_dropped += dropped
+            self.metrics.observe([], dropped)
+        return [b for b in batch if self.staleness(b.experience.min_version) <= limit]
+
+    async def shed_stale(self, version: int) -> None:
+        """Drop from the store, before they are read, the waiting experiences already past
+        ``max_staleness`` (counted as `drop_stale` does): read freshest first under more traffic
+        than the trainer trains, they would otherwise wait until the ready bound sheds them."""
+        threshold = stale_threshold(self.published_versions, self.cfg.max_staleness)
+        if threshold is not None:
+            dropped = await self.store.drop_stale(threshold, version)
+            self.stale_dropped += dropped
+            if dropped:
+                self.metrics.observe([], dropped)
+
+    def staleness(self, version: int) -> int:
+        """Sync cycles since ``version`` over what the trainer (or the state it resumed from)
+        published (`serve_rft.trainer.intake.sync_cycles`)."""
+        return sync_cycles(self.published_versions, version)
+
+    def published(self, version: int) -> None:
+        """The trainer published ``version`` (a new sync cycle begins)."""
+        if version > self.published_versions[-1]:
+            self.published_versions.append(version)
+            del self.published_versions[:-PUBLISHED_KEPT]

@@ -14,6 +14,9 @@ lost is repaired, never trained twice (`serve_rft.trainer.intake.TrainedLedger`)
 Never halts: an exception in the loop ends the process (Ray restarts the actor, which resumes
 from its state); entries that cannot be trained, or that were in the steps of too many crashed
 processes, go to the store's dead-letter stream, counted (`serve_rft.trainer.intake`).
+
+This module is the loop; what goes into a step is `serve_rft.trainer.feed`, publishing and
+resuming `serve_rft.trainer.publishing`, the model and optimizer `serve_rft.trainer.policy`.
 """
 
 from __future__ import annotations
@@ -30,15 +33,16 @@ import ray
 from serve_rft.buffer.store import ExperienceStore
 from serve_rft.config import Config
 from serve_rft.names import NAMESPACE, TRAINER_NAME, get_synchronizer
-from serve_rft.trainer.feed import PUBLISHED_KEPT, ExperienceFeed
+from serve_rft.trainer.feed import ExperienceFeed
 from serve_rft.trainer.policy import PolicyTrainer
+from serve_rft.trainer.publishing import Publishing
 from serve_rft.types import ComponentState, PublishedVersion, RewardedExperience
 
 log = logging.getLogger("serve_rft.trainer")
 
 
 @ray.remote(num_cpus=1, max_concurrency=256)  # NCCL: every replica may wait in nccl_reserve
-class Trainer:
+class Trainer(Publishing):
     """Named actor ``serve_rft_trainer``: runs `PolicyTrainer` in the background.
 
     The training loop starts in the constructor, so a trainer Ray restarts after its process
@@ -180,94 +184,6 @@ class Trainer:
             self.last_stats = stats
             await sync.set_trainer.remote(ComponentState.RUNNING.value, self.step_num)
 
-    async def _resume(self, policy: PolicyTrainer, method, sync, store: ExperienceStore) -> None:
-        """Continue after a restart: acknowledge what the kept states cover, number new versions
-        after every version that may exist (the durable `published_floor`, the synchronizer's
-        latest, committed checkpoint folders), and publish the resumed weights if nobody can
-        load them: no version yet, or the latest one died with a non-durable method's process."""
-        from serve_rft.trainer.state import published_floor, trained_lists
-
-        st = policy.resumed
-        if st is not None:
-            covered = trained_lists(self.state_root)
-            self.feed.ledger.add(covered)
-            self.resume_acked, _ = await store.ack_entries(covered)
-            self.version = self.step_num = st.version
-            self.feed.published_versions = sorted(set(st.published) | {0, st.version})[-PUBLISHED_KEPT:]
-            self._resumed_version = st.version  # reported as resumed_from once the backlog is read
-            log.info("resumed from %s (version %d; %d entries acknowledged now)", st.path, st.version,
-                     self.resume_acked)
-        latest = await sync.latest.remote()
-        floor = max(latest.version if latest is not None else 0, method.latest_version(),
-                    published_floor(self.state_root))
-        if floor > self.step_num:  # versions published after the resumed state: their weights
-            self.version = self.step_num = floor  # are lost, their entries get trained again
-            self.feed.published(floor)
-        stale_handle = latest is not None and not method.durable
-        if stale_handle or (st is not None and (latest is None or latest.version < st.version)):
-            await self._publish(policy, method, sync, store, self.step_num + 1)
-
-    async def _publish(self, policy, method, sync, store: ExperienceStore,
-                       version: int | None = None) -> float:
-        """Publish the current weights as ``version`` (default: ``step_num``), then save the
-        trainer state when ``save_interval`` publishes have passed and acknowledge what it covers.
-
-        Returns:
-            Seconds the method's ``send`` took.
-        """
-        from serve_rft.weights.adapters import is_adapter_model
-        from serve_rft.trainer.state import record_published, save_state
-
-        version = self.step_num if version is None else version
-        self.step_num = version
-        self.phase = "publishing"
-        await asyncio.to_thread(record_published, self.state_root, version)
-        floor = await sync.in_use_floor.remote()
-        t0 = time.perf_counter()
-        model = await asyncio.to_thread(policy.publish_model)
-        handle = await asyncio.to_thread(method.send, model, version, floor)
-        if self.cfg.synchronizer.verify:  # replicas check the weights in effect against this
-            from serve_rft.trainer.algorithm import trainer_probe
-
-            handle["probe"] = await asyncio.to_thread(trainer_probe, model, version)
-        seconds = time.perf_counter() - t0
-        await sync.publish.remote(version, handle)
-        self.published = PublishedVersion(version=version, handle=handle)
-        self.version = version
-        self.feed.published(version)
-        self.unsaved.extend((b.stream_id, b.member, version) for b in self.unpublished)
-        self.unpublished = []
-        self.publishes_since_save += 1
-        if self.publishes_since_save >= self.cfg.trainer.save_interval:
-            self.phase = "saving"
-            # adapter-only sync published the adapter; the state holds full (merged) weights
-            full = await asyncio.to_thread(policy.full_model) if is_adapter_model(model) else model
-            await asyncio.to_thread(
-                save_state, self.state_root, full, policy.optimizer, version, self.step_num,
-                policy.baseline.value, self.unsaved, self.model_path, self.cfg.trainer.keep_states,
-                policy.scheduler, policy.model if policy.export is not None else None, self.feed.published_versions)
-            self.feed.ledger.add(self.unsaved)
-            await store.ack_entries(self.unsaved)
-            self.unsaved = []
-            self.publishes_since_save = 0
-        return seconds
-
-    async def _handshake(self, method, sync) -> float:
-        """NCCL (the two-way handshake of the Trinity-RFT Synchronizer documentation): REQUIRE_SYNC while replicas pull the version
-        just published, then RUNNING. A no-op for pull-only methods.
-
-        Returns:
-            Seconds the trainer waited.
-        """
-        if not method.handshake:
-            return 0.0
-        version = self.version
-        await sync.set_trainer.remote(ComponentState.REQUIRE_SYNC.value, self.step_num)
-        waited = await method.serve_window(version, lambda: sync.lagging.remote(version),
-                                           self.cfg.synchronizer.sync_timeout_s)
-        await sync.set_trainer.remote(ComponentState.RUNNING.value, self.step_num)
-        return waited
-
     def _held(self) -> set[str]:
         """Stream ids this trainer trained and has not acknowledged yet (never read again)."""
         return {b.stream_id for b in self.unpublished} | {sid for sid, _, _ in self.unsaved}
@@ -281,30 +197,6 @@ class Trainer:
             await self._handshake(method, sync)
         if idle and self.step_num > self.version and await sync.sync_requested.remote():
             await self._publish(policy, method, sync, store)
-
-    # -- NCCL (serve_rft.weights.nccl): the trainer's side of each group ---------
-    def _nccl(self):
-        """The sync method's trainer-side peer. Raises RuntimeError: not started, or not NCCL."""
-        if self.method is None:
-            raise RuntimeError("the trainer has not started its sync method yet")
-        return self.method.trainer_peer()
-
-    def nccl_endpoint(self, world_size: int) -> dict:
-        """The worker init info of a new group: a rendezvous address and free port on this
-        trainer's node (rank 0 hosts the store), ``world_size``, the bucket size."""
-        return self._nccl().endpoint(world_size)
-
-    async def nccl_connect(self, replica_id: str, init_info: dict) -> dict:
-        """Join ``replica_id``'s group as rank 0; returns the update info its workers need."""
-        return await self._nccl().connect(replica_id, init_info)
-
-    async def nccl_reserve(self, replica_id: str) -> int:
-        """Wait for a sync window and reserve the broadcast; returns the version it carries."""
-        return await self._nccl().reserve(replica_id)
-
-    async def nccl_broadcast(self, replica_id: str) -> dict:
-        """Broadcast the reserved version to ``replica_id``'s group (seconds, bytes)."""
-        return await self._nccl().broadcast(replica_id)
 
     def reset_to(self, version: int, handle: dict | None) -> None:
         """A canary rolled back (``canary.on_reject=reset``): train on from ``version``'s

@@ -6,6 +6,7 @@ import asyncio
 import time
 
 from serve_rft.synchronizer import actor as sync_actor
+from serve_rft.synchronizer import monitor
 
 
 class _Hanging:
@@ -31,8 +32,8 @@ class _State:
 
 
 def test_the_death_checks_run_every_period_while_redis_hangs(monkeypatch):
-    monkeypatch.setattr(sync_actor, "MONITOR_PERIOD_S", 0.05)
-    monkeypatch.setattr(sync_actor, "STORE_STEP_S", 0.1)
+    monkeypatch.setattr(monitor, "MONITOR_PERIOD_S", 0.05)
+    monkeypatch.setattr(monitor, "STORE_STEP_S", 0.1)
     sync = object.__new__(sync_actor.Synchronizer.__ray_metadata__.modified_class)
     sync.state, sync.store, sync._snapshot = _State(), _Hanging(), ""
     sync._rebuilt = True

@@ -5,6 +5,7 @@ The process is tracked by its pid and ended by it, never by name.
 
 from __future__ import annotations
 
+import os
 import random
 import shutil
 import socket
@@ -21,6 +22,15 @@ hands out for ``bind(0)`` comes from the ephemeral range, where any outgoing con
 before the server binds it may take it as its source port (a stack once failed to start with
 Ray Serve's "Failed to bind to address 127.0.0.1:37351")."""
 
+SERVE_INGRESS_PORTS = (("RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT", 30000,
+                        "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT", 31000),
+                       ("RAY_SERVE_DIRECT_INGRESS_MIN_GRPC_PORT", 40000,
+                        "RAY_SERVE_DIRECT_INGRESS_MAX_GRPC_PORT", 41000))
+"""The ranges Ray Serve's replicas take their own HTTP and gRPC ports from in HAProxy mode
+("direct ingress"; env variable and default of each end). `free_port` never returns a port in
+them: a replica that starts between the choice and the bind takes it first (a stack in CI once
+failed to start with HAProxy unable to bind its port)."""
+
 
 def _ephemeral_low() -> int:
     try:
@@ -29,13 +39,28 @@ def _ephemeral_low() -> int:
         return PORT_BAND[1] + 1
 
 
+def reserved_ranges() -> list[tuple[int, int]]:
+    """Ray Serve's direct-ingress port ranges as this process's environment sets them, inclusive
+    (`SERVE_INGRESS_PORTS`); an unparsable value counts as its default."""
+    def value(name: str, default: int) -> int:
+        try:
+            return int(os.environ.get(name, default))
+        except ValueError:
+            return default
+    return [(value(lo, lo_default), value(hi, hi_default))
+            for lo, lo_default, hi, hi_default in SERVE_INGRESS_PORTS]
+
+
 def free_port(host: str = "127.0.0.1", tries: int = 200) -> int:
-    """A TCP port that was free a moment ago, outside the ephemeral range (`PORT_BAND`): a random
-    candidate that binds is returned (closed again). Falls back to ``bind(0)`` if ``tries``
-    candidates were all taken."""
+    """A TCP port that was free a moment ago, outside the ephemeral range (`PORT_BAND`) and outside
+    Ray Serve's replica port ranges (`reserved_ranges`): a random candidate that binds is returned
+    (closed again). Falls back to ``bind(0)`` if ``tries`` candidates were all taken."""
     low, high = PORT_BAND[0], min(PORT_BAND[1], _ephemeral_low() - 1)
+    reserved = reserved_ranges()
     for _ in range(tries if high > low else 0):
         port = random.randint(low, high)
+        if any(lo <= port <= hi for lo, hi in reserved):
+            continue
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             try:
                 s.bind((host, port))

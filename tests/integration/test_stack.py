@@ -226,8 +226,14 @@ def test_a_drained_replica_refuses_and_haproxy_resends_every_request(stack):
     other replica, and the drained one refused some (HAProxy's leastconn prefers the idle, drained
     replica and re-sends each refusal). Draining the last replica in rotation is refused (409)."""
     u = stack.url
-    st = httpx.get(f"{u}/v1/status", headers=ADMIN).json()
-    a, b = sorted(r["id"] for r in st["replicas"] if r["state"] == "RUNNING")[:2]
+    deadline = time.monotonic() + 120
+    while True:  # both replicas serving (the trainer may still be publishing: one may be syncing)
+        st = httpx.get(f"{u}/v1/status", headers=ADMIN).json()
+        running = sorted(r["id"] for r in st["replicas"] if r["state"] == "RUNNING")
+        if len(running) >= 2 or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    a, b = running[:2]
     before = {r["id"]: r["refused"] for r in st["replicas"]}
     deadline = time.monotonic() + 120
     while True:  # 409 while b syncs (the trainer may still publish): b must be serving first
@@ -239,7 +245,21 @@ def test_a_drained_replica_refuses_and_haproxy_resends_every_request(stack):
     try:
         assert httpx.post(f"{u}/v1/sync/replicas/{b}/drain", json={"drained": True},
                           headers=ADMIN).status_code == 409  # b is the last one serving
-        time.sleep(2.5)  # a's next poll answer carries the drain (polls return within 1 s)
+
+        def refused_by_a() -> int:
+            st = httpx.get(f"{u}/v1/status", headers=ADMIN).json()
+            return {x["id"]: x["refused"] for x in st["replicas"]}[a] - before[a]
+
+        chat = openai.OpenAI(base_url=f"{u}/v1", api_key="x", max_retries=0, timeout=60)
+        deadline = time.monotonic() + 60
+        while refused_by_a() == 0 and time.monotonic() < deadline:
+            # a learns of the drain from its next poll answer (on a loaded machine: seconds);
+            # until then it may still serve. Its first refusal (re-sent by HAProxy, the client
+            # sees b's answer) reaches the synchronizer with the poll after.
+            chat.chat.completions.create(model="serve-rft", messages=[{"role": "user", "content": "w"}],
+                                         max_tokens=2)
+            time.sleep(0.5)
+        assert refused_by_a() > 0, "the drained replica never refused a request"
 
         async def go():
             client = openai.AsyncOpenAI(base_url=f"{u}/v1", api_key="x", max_retries=0, timeout=60)
@@ -249,21 +269,13 @@ def test_a_drained_replica_refuses_and_haproxy_resends_every_request(stack):
             await client.close()
             return [x.headers["x-serve-rft-replica"] for x in raws]
 
-        served_by = asyncio.run(go())
+        served_by = asyncio.run(go())  # a refuses now: every request is b's, none fails
         assert set(served_by) == {b}, served_by
-        deadline = time.monotonic() + 10
-        while True:  # the refusal count reaches the synchronizer with a's next poll
-            st = httpx.get(f"{u}/v1/status", headers=ADMIN).json()
-            refused = {x["id"]: x["refused"] for x in st["replicas"]}[a] - before[a]
-            if refused > 0 or time.monotonic() > deadline:
-                break
-            time.sleep(0.5)
-        assert refused > 0, st["replicas"]
         events = httpx.get(f"{u}/v1/sync/events", headers=ADMIN).json()["events"]
         assert any(e["kind"] == "drained" and e["component"] == a for e in events)
     finally:
         httpx.post(f"{u}/v1/sync/replicas/{a}/drain", json={"drained": False}, headers=ADMIN)
-    time.sleep(2.5)
+
     async def both():
         client = openai.AsyncOpenAI(base_url=f"{u}/v1", api_key="x", max_retries=0, timeout=60)
         raws = await asyncio.gather(*[client.chat.completions.with_raw_response.create(
@@ -271,7 +283,13 @@ def test_a_drained_replica_refuses_and_haproxy_resends_every_request(stack):
         await client.close()
         return {x.headers["x-serve-rft-replica"] for x in raws}
 
-    assert asyncio.run(both()) == {a, b}  # back in rotation
+    # back in rotation: a's next poll lifts the drain, unless the synchronizer granted a the
+    # versions published while it was out (then it loads them first, b serving meanwhile)
+    deadline, seen = time.monotonic() + 120, set()
+    while seen != {a, b} and time.monotonic() < deadline:
+        seen |= asyncio.run(both())
+        time.sleep(1.0)
+    assert seen == {a, b}, (seen, httpx.get(f"{u}/v1/status", headers=ADMIN).json()["replicas"])
 
 
 def test_behaviour_logprobs_match_the_trainer_on_the_served_version(stack):

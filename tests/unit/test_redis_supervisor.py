@@ -47,8 +47,9 @@ def test_restarts_are_bounded_and_a_crash_loop_is_reported(tmp_path):
 
 
 def test_free_ports_come_from_outside_the_ephemeral_range_and_skip_taken_ones(monkeypatch):
-    """An outgoing connection takes its source port from the ephemeral range; a port chosen there
-    could be taken before the server binds it."""
+    """An outgoing connection takes its source port from the ephemeral range, and a Serve replica
+    in HAProxy mode its own from the direct-ingress range; a port chosen there could be taken
+    before the server binds it."""
     import random
     import socket
 
@@ -60,6 +61,10 @@ def test_free_ports_come_from_outside_the_ephemeral_range_and_skip_taken_ones(mo
     with socket.socket() as taken:  # a candidate that is taken is skipped
         taken.bind(("127.0.0.1", 0))
         busy = taken.getsockname()[1]
-        picks = iter([busy, busy, low + 7])
+        serve_lo, serve_hi = redis_server.reserved_ranges()[0]
+        picks = iter([busy, serve_lo, busy, serve_hi, low + 7])
         monkeypatch.setattr(random, "randint", lambda a, b: next(picks))
         assert redis_server.free_port() == low + 7
+    monkeypatch.setenv("RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT", str(low + 100))
+    monkeypatch.setenv("RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT", str(low + 200))
+    assert redis_server.reserved_ranges()[0] == (low + 100, low + 200)

@@ -30,6 +30,10 @@ class SamplingInfo(BaseModel):
     max_tokens: int
     seed: int | None = None
     stop: list[str] = Field(default_factory=list)
+    structured_outputs: dict[str, Any] | None = Field(None, description=(
+        "vLLM's structured-output constraint (json schema, regex, choice, grammar, structural tag "
+        "of a forced tool call), if any: the tokens were sampled under its grammar mask, which the "
+        "trainer does not apply, so their behaviour logprobs are not the policy's."))
 
 
 class Experience(BaseModel):

@@ -111,12 +111,13 @@ class ReadyStream:
 
     async def ack(self, entries: list[RewardedExperience], version: int,
                   state: str = "trained") -> tuple[int, int]:
-        """Acknowledge ready entries: XACK + XDEL and mark each choice ``state`` (``trained`` or
-        ``stale-dropped``) with ``version``, in one script. Entries already acknowledged are
+        """Acknowledge ready entries: XACK + XDEL and mark each choice ``state`` (``trained``,
+        ``stale-dropped``, or ``constrained``: sampled under a grammar the trainer does not
+        apply, left out of the loss) with ``version``, in one script. Entries already acknowledged are
         skipped, so a retried ack counts nothing twice.
 
         Returns:
-            (newly trained, newly stale-dropped).
+            (newly trained, newly acknowledged untrained: stale-dropped or constrained).
         """
         return await self.ack_entries([(e.stream_id, e.member, version) for e in entries], state)
 

@@ -53,6 +53,7 @@ class StoreCounts:
     groups_timed_out: int
     dead_lettered: int = 0
     backlog_dropped: int = 0
+    constrained: int = 0
     redis_restarts: int = 0
 
 

@@ -270,10 +270,11 @@ return n
 """
 
 ACK = ALLOW_OOM + """
--- ARGV: P, trained_ttl_s, count, then per entry: stream id, member, state (trained|stale-dropped),
--- version
+-- ARGV: P, trained_ttl_s, count, then per entry: stream id, member, state (trained | stale-dropped
+-- | constrained: sampled under a grammar, left out of the loss), version
+-- Returns {trained, not trained}.
 local P, ttl, k = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
-local trained, dropped = 0, 0
+local trained, dropped, constrained = 0, 0, 0
 for j = 0, k - 1 do
   local id, m, state, v = ARGV[4 + 4*j], ARGV[5 + 4*j], ARGV[6 + 4*j], ARGV[7 + 4*j]
   if redis.call('XACK', P..':ready', 'trainer', id) == 1 then
@@ -285,12 +286,15 @@ for j = 0, k - 1 do
     -- readable trained_ttl_s from now (a state hash that had expired is not left without a TTL)
     if redis.call('TTL', st) < ttl then redis.call('EXPIRE', st, ttl) end
     redis.call('HDEL', P..':attempts', id)
-    if state == 'trained' then trained = trained + 1 else dropped = dropped + 1 end
+    if state == 'trained' then trained = trained + 1
+    elseif state == 'constrained' then constrained = constrained + 1
+    else dropped = dropped + 1 end
   end
 end
 if trained > 0 then redis.call('HINCRBY', P..':stat', 'trained', trained) end
 if dropped > 0 then redis.call('HINCRBY', P..':stat', 'stale_dropped', dropped) end
-return {trained, dropped}
+if constrained > 0 then redis.call('HINCRBY', P..':stat', 'constrained', constrained) end
+return {trained, dropped + constrained}
 """
 
 DEAD_LETTER = ALLOW_OOM + """

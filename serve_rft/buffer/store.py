@@ -323,4 +323,4 @@ class ExperienceStore(ReadyStream):
                            groups_timed_out=s.get("groups_timed_out", 0),
                            dead_lettered=s.get("dead_lettered", 0),
                            backlog_dropped=s.get("backlog_dropped", 0),
-                           redis_restarts=s.get("redis_restarts", 0))
+                           constrained=s.get("constrained", 0), redis_restarts=s.get("redis_restarts", 0))

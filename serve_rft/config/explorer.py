@@ -61,7 +61,13 @@ class ExplorerConfig(StrictSection):
         0.9, gt=0, le=1, description="GPU machines: share of the GPU's memory one vLLM replica may use "
         "(weights + KV cache); lower it when replicas and the trainer share a GPU.")
     max_n: int = Field(16, ge=1, description="Largest accepted `n` (choices per request).")
-    default_max_tokens: int = Field(64, ge=1, description="max_tokens when a request gives none.")
+    tool_call_parser: str | None = Field(
+        "hermes", description="vLLM's tool-call parser (its --tool-call-parser: hermes for Qwen2.5 / "
+        "Hermes <tool_call> blocks, as the embedded model's chat template writes them; llama3_json, "
+        "mistral, ...): turns the model's text into message.tool_calls. null: requests with tools "
+        "get 400.")
+    chat_template: str | None = Field(
+        None, description="A Jinja chat template file used instead of the model's own.")
     routing_stats_period_s: float = Field(
         0.25, gt=0, description="How often Ray Serve polls replica routing stats (drain flag), s "
         "(service.ingress=proxy only: HAProxy needs no drain notice)."

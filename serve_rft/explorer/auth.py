@@ -3,7 +3,8 @@
 comma-separated). Clients send ``Authorization: Bearer <key>`` (what the openai SDK sends).
 
 With no key configured the service is open. With keys configured: ``/health`` stays open,
-``/v1/chat/completions`` and ``/v1/models`` take an inference or an admin key, every other
+``/v1/chat/completions``, ``/v1/completions`` and ``/v1/models[/{id}]`` take an inference or an
+admin key, every other
 ``/v1`` endpoint (rewards, experiences, status, sync events) takes an admin key only. A request
 without the right key gets 401 with the OpenAI error JSON.
 """
@@ -14,8 +15,13 @@ import hmac
 
 from serve_rft.explorer.protocol import ApiError
 
-INFERENCE_PATHS = ("/v1/chat/completions", "/v1/models")
+INFERENCE_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/models")
 OPEN_PATHS = ("/health",)
+
+
+def _inference(path: str) -> bool:
+    """Inference endpoints: generation and the model list (``/v1/models/{id}`` too)."""
+    return path in INFERENCE_PATHS or path.startswith("/v1/models/")
 
 
 class ApiKeys:
@@ -53,7 +59,7 @@ class ApiKeys:
         key = key.strip()
         if self._matches(key, self.admin):
             return
-        if path in INFERENCE_PATHS and self._matches(key, self.inference):
+        if _inference(path) and self._matches(key, self.inference):
             return
         if self._matches(key, self.inference):
             raise ApiError(401, f"an inference key cannot call {path}; use an admin key",

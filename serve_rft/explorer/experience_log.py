@@ -12,19 +12,64 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from dataclasses import dataclass, field
 
 from redis.exceptions import RedisError
 
 from serve_rft.buffer.records import StoreFull
 from serve_rft.buffer.store import ExperienceStore
-from serve_rft.explorer.openai_format import ChoiceAccumulator, finish_reason
 from serve_rft.observability.explorer_metrics import ExplorerMetrics
 from serve_rft.types import Experience, SamplingInfo
 
 log = logging.getLogger("serve_rft.explorer")
 
 
-def build_experiences(cid: str, replica_id: str, prompt_ids: list[int], choices: list[ChoiceAccumulator],
+@dataclass
+class Sampled:
+    """What one choice sampled: token ids, their behaviour logprobs, per-token policy-version
+    spans (vLLM's weight-version labels), the finish reason.
+
+    ``pinned``: every token comes from the version the request started on (adapter-only LoRA
+    sync: a request keeps its adapter), so vLLM's version spans are ignored.
+    """
+
+    index: int
+    pinned: bool = False
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: str | None = None
+    version_spans: list[tuple[int, int, int]] | None = None
+
+    def add(self, out, replace: bool = False) -> None:
+        """Take a vLLM `CompletionOutput`: a delta (appended), or with ``replace`` everything so
+        far (vLLM's cumulative output kind).
+
+        Raises:
+            ValueError: vLLM returned no logprob for a sampled token.
+        """
+        ids = list(out.token_ids)
+        positions = list(out.logprobs) if out.logprobs is not None else []
+        if len(positions) != len(ids):
+            raise ValueError(f"{len(ids)} tokens but {len(positions)} logprob positions")
+        lps = [float(pos[tok].logprob) for tok, pos in zip(ids, positions)]
+        if replace:
+            self.token_ids, self.logprobs = ids, lps
+        else:
+            self.token_ids.extend(ids)
+            self.logprobs.extend(lps)
+        if out.finish_reason is not None:
+            self.finish_reason = out.finish_reason
+        if out.weight_versions and not self.pinned:
+            self.version_spans = [(int(s.version), s.start, s.end) for s in out.weight_versions]
+
+    def spans(self, fallback_version: int) -> list[tuple[int, int, int]]:
+        """Per-token policy-version spans; all tokens at ``fallback_version`` if vLLM gave none."""
+        if self.version_spans:
+            return self.version_spans
+        return [(fallback_version, 0, len(self.token_ids))]
+
+
+def build_experiences(cid: str, replica_id: str, prompt_ids: list[int], choices: list[Sampled],
                       sampling: SamplingInfo, created_at: float, fallback_version: int,
                       group_id: str | None = None) -> list[Experience]:
     """One `Experience` per choice; the group is ``group_id`` (a client's) or the request itself
@@ -36,7 +81,7 @@ def build_experiences(cid: str, replica_id: str, prompt_ids: list[int], choices:
             completion_id=cid, choice_index=c.index, group_id=group_id or cid, replica_id=replica_id,
             prompt_token_ids=prompt_ids, response_token_ids=c.token_ids,
             behaviour_logprobs=c.logprobs, token_versions=c.spans(fallback_version),
-            sampling=sampling, finish_reason=finish_reason(c.finish_reason),
+            sampling=sampling, finish_reason=c.finish_reason,
             created_at=created_at, finished_at=now,
         )
         for c in sorted(choices, key=lambda c: c.index)
@@ -51,16 +96,25 @@ class ExperienceLog:
         self.store, self.replica_id, self.metrics, self.store_wait_s = store, replica_id, metrics, store_wait_s
         self.logged = 0
 
-    async def log(self, req, cid: str, prompt_ids: list[int], choices: list[ChoiceAccumulator],
-                  sampling: SamplingInfo, created_at: float, version: int) -> None:
-        """Log one completion's choices (``req``: its `ChatCompletionRequest`, for ``store``,
-        ``group_id``, ``group_size`` and ``conversation_id``); never raises for the store's sake."""
+    async def log(self, req, cid: str, prompt_ids: list[int], choices: list[Sampled],
+                  sampling: SamplingInfo, version: int) -> int:
+        """Log one answer's choices; never raises for the store's sake.
+
+        Args:
+            req: the request's ``store``, ``group_id``, ``group_size``, ``conversation_id`` and
+                ``created_at`` (a `serve_rft.explorer.engine_tap.RequestContext`).
+            cid: the response's id (what rewards name).
+            prompt_ids: the token ids the engine consumed.
+            version: the policy version of tokens without a version span.
+        Returns:
+            Experiences logged (0: ``store: false``, or the store full or away: counted unlogged).
+        """
         prompt_n, completion_n = len(prompt_ids), sum(len(c.token_ids) for c in choices)
         if req.store is False:
             self.metrics.served(prompt_n, completion_n, 0, unlogged=len(choices))
-            return
+            return 0
         group = f"u:{req.group_id}" if req.group_id else None  # client groups never collide with ids
-        exps = build_experiences(cid, self.replica_id, prompt_ids, choices, sampling, created_at, version, group)
+        exps = build_experiences(cid, self.replica_id, prompt_ids, choices, sampling, req.created_at, version, group)
         try:
             await asyncio.wait_for(self.store.log_experiences(exps, group_size=req.group_size if group else None,
                                                               conversation_id=req.conversation_id),
@@ -70,6 +124,7 @@ class ExperienceLog:
             reason = "store_full" if isinstance(e, StoreFull) else "store_unavailable"
             self.metrics.served(prompt_n, completion_n, 0, unlogged=len(exps), reason=reason)
             log.warning("experience store %s: completion %s served, not logged", reason, cid)
-            return
+            return 0
         self.logged += len(exps)
         self.metrics.served(prompt_n, completion_n, len(exps))
+        return len(exps)

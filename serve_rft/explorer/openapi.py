@@ -14,12 +14,11 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic import TypeAdapter
 
-from serve_rft.explorer.protocol import ChatCompletionRequest, RewardRequest
+from serve_rft.explorer.protocol import RewardRequest
 from serve_rft.explorer.sync_api import DrainRequest, PinRequest, PromotionRequest, RollbackRequest
 
 REF = "#/components/schemas/{model}"
 BODIES: dict[str, Any] = {
-    "/v1/chat/completions": ChatCompletionRequest,
     "/v1/rewards": RewardRequest,
     "/v1/sync/pin": PinRequest,
     "/v1/sync/rollback": RollbackRequest,
@@ -36,7 +35,7 @@ def build_openapi(app: FastAPI) -> dict[str, Any]:
     doc = get_openapi(title=app.title, version=app.version, routes=app.routes,
                       description="OpenAI-compatible chat with online RL (serve_rft).")
     schemas = doc.setdefault("components", {}).setdefault("schemas", {})
-    for path, body in BODIES.items():
+    for path, body in {**BODIES, **_openai_bodies()}.items():
         if path not in doc["paths"]:
             continue
         schema = TypeAdapter(body).json_schema(ref_template=REF)
@@ -50,3 +49,20 @@ def build_openapi(app: FastAPI) -> dict[str, Any]:
 def install(app: FastAPI) -> None:
     """Serve `build_openapi` at ``/openapi.json``."""
     app.openapi = lambda: build_openapi(app)  # type: ignore[method-assign]
+
+
+def _openai_bodies() -> dict[str, Any]:
+    """vLLM's chat and completion request models with serve_rft's request extensions."""
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+    from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+
+    from serve_rft.explorer.openai_request import Extensions
+
+    def with_extensions(model):
+        class Request(model, Extensions):  # the schema: vLLM's fields and ours
+            model_config = {**model.model_config, "extra": "allow"}
+        Request.__name__ = model.__name__
+        return Request
+
+    return {"/v1/chat/completions": with_extensions(ChatCompletionRequest),
+            "/v1/completions": with_extensions(CompletionRequest)}

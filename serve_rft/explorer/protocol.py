@@ -1,18 +1,16 @@
-"""OpenAI-compatible HTTP types: chat requests, rewards, and the OpenAI error JSON.
+"""serve_rft's own HTTP types: the reward requests and the OpenAI error JSON.
 
-Requests are validated here (types, bounds); anything a client can get wrong becomes an
-`ApiError` with a 4xx status and the OpenAI error body
-``{"error": {"message", "type", "param", "code"}}``.
+Chat and completion requests are vLLM's protocol classes (`serve_rft.explorer.openai_request`).
+Anything a client can get wrong becomes an `ApiError` with a 4xx status and the OpenAI error
+body ``{"error": {"message", "type", "param", "code"}}``.
 """
 
 from __future__ import annotations
 
 import json
-import math
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
-from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr,
-                      ValidationError, field_validator)
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 """``seed``'s range (vLLM: ``torch.iinfo(torch.long)``)."""
@@ -39,91 +37,6 @@ class ApiError(Exception):
         err = e.errors()[0]
         param = ".".join(str(p) for p in err.get("loc", ())) or None
         return cls(status, f"{param}: {err.get('msg')}" if param else str(err.get("msg")), param)
-
-
-class TextPart(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    type: Literal["text"]
-    text: str
-
-
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
-    name: str | None = None
-
-    def text(self) -> str:
-        """The message content as plain text (text parts joined)."""
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        return "".join(p.text for p in self.content)
-
-
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    include_usage: StrictBool = False
-
-
-class ChatCompletionRequest(BaseModel):
-    """``POST /v1/chat/completions`` body: the OpenAI fields this service implements.
-
-    Unknown OpenAI fields are accepted and ignored (as vLLM does), so the official client's
-    extra fields never cause a 400.
-    """
-
-    model_config = ConfigDict(extra="allow")
-
-    messages: list[ChatMessage] = Field(min_length=1)
-    model: StrictStr | None = None
-    max_tokens: StrictInt | None = Field(None, ge=1)
-    max_completion_tokens: StrictInt | None = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    n: StrictInt = Field(1, ge=1)
-    stop: str | list[str] | None = None
-    seed: StrictInt | None = Field(None, ge=INT64_MIN, le=INT64_MAX, description="vLLM's bound: int64.")
-    logprobs: StrictBool = False
-    top_logprobs: StrictInt | None = Field(None, ge=0, le=20)
-    stream: StrictBool = False
-    stream_options: StreamOptions | None = None
-    user: str | None = None
-    store: StrictBool | None = Field(None, description=(
-        "OpenAI's flag: false = do not keep this conversation. Served, never logged as an "
-        "experience (so never trained on); counted as unlogged."))
-    # serve_rft extensions (the openai SDK sends them with ``extra_body``):
-    group_id: str | None = Field(None, min_length=1, max_length=256, description=(
-        "Put this request's answers in a client-named group, with the answers of other requests "
-        "that carry the same group_id (GRPO compares the answers of one group)."))
-    group_size: int | None = Field(None, ge=1, le=4096, description=(
-        "How many answers (choices, over all requests) the group will have; the group is "
-        "trained once all are rewarded. Without it, after buffer.group_timeout_s."))
-    conversation_id: str | None = Field(None, min_length=1, max_length=256, description=(
-        "Each assistant turn of a conversation is an experience; name the conversation to post "
-        "one reward for all its turns."))
-
-    @field_validator("temperature", "top_p")
-    @classmethod
-    def _finite(cls, v: float) -> float:
-        if not math.isfinite(v):
-            raise ValueError("must be a finite number")
-        return v
-
-    @field_validator("stop")
-    @classmethod
-    def _stop(cls, v: str | list[str] | None) -> str | list[str] | None:
-        if isinstance(v, list) and len(v) > 4:
-            raise ValueError("at most 4 stop sequences")
-        if v == "" or (isinstance(v, list) and "" in v):
-            raise ValueError("a stop sequence cannot be empty")
-        return v
-
-    def stop_list(self) -> list[str]:
-        if self.stop is None:
-            return []
-        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
 
 MAX_INFO_BYTES = 16 * 1024

@@ -1,9 +1,10 @@
 """An explorer replica: the OpenAI HTTP API over one vLLM engine, logging every experience.
 
 One Ray Serve replica = one `ExplorerEngine`. The class assembles the replica's parts: its
-routes come from mixins (`ChatRoutes`: inference; `AdminRoutes`: rewards, experiences, status,
-operator routes) on the app of `serve_rft.explorer.http`; `WeightSwap` owns its side of every
-sync; `ExperienceLog` writes what it served to the store. Requests arrive from HAProxy straight
+routes come from mixins (`OpenAIRoutes`: inference through vLLM's own serving classes;
+`AdminRoutes`: rewards, experiences, status, operator routes) on the app of
+`serve_rft.explorer.http`; `EngineTap` stands between vLLM's serving layer and the engine and
+hands every answer to `ExperienceLog`; `WeightSwap` owns the replica's side of every sync. Requests arrive from HAProxy straight
 to this replica's own HTTP server (Ray Serve's HAProxy mode, the default: serve_rft.service.ingress) or
 through Ray Serve's Python proxy, routed around draining replicas by
 `serve_rft.explorer.router.DrainAwareRouter`. Each completion's choices are written to the
@@ -29,9 +30,11 @@ from serve_rft.buffer.store import ExperienceStore
 from serve_rft.config import Config
 from serve_rft.explorer.admin_routes import AdminRoutes
 from serve_rft.explorer.auth import ApiKeys
-from serve_rft.explorer.chat_routes import ChatRoutes
+from serve_rft.explorer.engine_tap import EngineTap
 from serve_rft.explorer.experience_log import ExperienceLog
-from serve_rft.explorer.http import AUTHORIZED, REPLICA_HEADER, VERSION_HEADER, app
+from serve_rft.explorer.openai_routes import OpenAIRoutes
+from serve_rft.explorer.openai_serving import build_serving
+from serve_rft.explorer.http import REPLICA_HEADER, VERSION_HEADER, app
 from serve_rft.explorer.protocol import ApiError
 from serve_rft.explorer.weight_swap import WeightSwap
 from serve_rft.observability.explorer_metrics import ExplorerMetrics
@@ -39,16 +42,15 @@ from serve_rft.observability.explorer_metrics import ExplorerMetrics
 log = logging.getLogger("serve_rft.explorer")
 
 __all__ = ["ExplorerReplica", "app"]
-METERED = {"/v1/chat/completions": "chat", "/v1/rewards": "rewards"}
+METERED = {"/v1/chat/completions": "chat", "/v1/completions": "completions", "/v1/rewards": "rewards"}
 """Paths whose refusals (401 included) the request metrics count, by route label."""
 
 
-class ExplorerReplica(ChatRoutes, AdminRoutes):
+class ExplorerReplica(OpenAIRoutes, AdminRoutes):
     """The Serve deployment class (decorated in `serve_rft.service.app`)."""
 
     async def __init__(self, config_json: str, model_path: str | None):
         from ray import serve
-        from transformers import AutoTokenizer
 
         from serve_rft.explorer.engine import ExplorerEngine
         from serve_rft.control import ensure_control
@@ -62,9 +64,8 @@ class ExplorerReplica(ChatRoutes, AdminRoutes):
         self.model_path = model_path
         context = serve.get_replica_context()
         self.replica_id = context.replica_id.unique_id
-        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
-        # one thread: the tokenizer is not shared across threads, and request order is kept
-        self.cpu = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
+        # request bodies are parsed and validated here, off the event loop, in arrival order
+        self.cpu = ThreadPoolExecutor(max_workers=1, thread_name_prefix="parse")
         self.store = ExperienceStore.from_config(self.cfg.buffer)
         self.sync = ensure_control(self.cfg, model_path)  # `serve deploy`: nobody else starts them
         nccl = self.cfg.synchronizer.sync_method.value == "nccl"
@@ -74,6 +75,8 @@ class ExplorerReplica(ChatRoutes, AdminRoutes):
                                                   lora_rank=lora_rank)
         self.metrics = ExplorerMetrics(self.replica_id)
         self.experience_log = ExperienceLog(self.store, self.replica_id, self.metrics, self.cfg.buffer.store_wait_s)
+        self.serving = build_serving(self.cfg, EngineTap(self.engine, self.experience_log, self.metrics.first_token),
+                                     model_path)
         step = self.cfg.synchronizer.explorer_step_experiences
         self.swap = WeightSwap(self.replica_id, context.replica_id.to_full_id_str(), self.engine, self.sync,
                                self.cfg, model_path, lambda: self.experience_log.logged // step)
@@ -145,11 +148,3 @@ class ExplorerReplica(ChatRoutes, AdminRoutes):
             return await asyncio.wait_for(self.store.ping(), timeout_s)
         except (asyncio.TimeoutError, RedisError):
             return False
-
-    @app.get("/v1/models", dependencies=AUTHORIZED)
-    async def models(self) -> JSONResponse:
-        name = self.cfg.model.served_name
-        return JSONResponse({"object": "list", "data": [
-            {"id": name, "object": "model", "created": 0, "owned_by": "serve_rft",
-             "root": self.model_path, "parent": None, "max_model_len": self.cfg.explorer.max_model_len,
-             "permission": []}]})

@@ -142,7 +142,7 @@ def batch_body(results: list[dict[str, Any]]) -> dict[str, Any]:
 
 async def describe_completion(store: ExperienceStore, completion_id: str) -> dict[str, Any]:
     """``GET /v1/experiences/{completion_id}``: each choice's state (pending / rewarded (held
-    for its group) / ready / trained / expired / stale-dropped), reward, info, the version that
+    for its group) / ready / trained / expired / stale-dropped / constrained), reward, info, the version that
     trained it, and the policy versions that produced its tokens.
 
     Raises:

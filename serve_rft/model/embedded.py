@@ -2,7 +2,8 @@
 
 Nothing is downloaded. The tokenizer is a byte-level BPE trained with `tokenizers` on a fixed,
 sorted list of Python standard-library sources (the same text on every machine with the same
-Python), the weights are a seeded random init, and the chat template is ChatML. The result is an
+Python), the weights are a seeded random init, and the chat template is Qwen2.5's (ChatML with
+tool calls). The result is an
 ordinary Hugging Face directory (``config.json``, ``model.safetensors``, tokenizer files) that
 vLLM and transformers load like any other model.
 """
@@ -16,16 +17,49 @@ import sysconfig
 import tempfile
 from pathlib import Path
 
-EMBEDDED_NAME = "embedded-qwen2-v1"
-"""Cache folder name; bump the suffix whenever the recipe below changes."""
+EMBEDDED_NAME = "embedded-qwen2-v2"
+"""Cache folder name; bump the suffix whenever the recipe below changes (v2: v1's tokenizer and
+weights, the chat template with tools)."""
 
 VOCAB_SIZE = 1024
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+    # Qwen2.5-Instruct's template (ChatML; tools declared in the system turn, calls as
+    # <tool_call> JSON blocks, results as <tool_response> blocks in a user turn), without its
+    # default system prompt. The tags are plain text here (several BPE tokens each): vLLM's
+    # `hermes` tool parser reads them from the text.
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\n' }}"
+    "{%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] + '\n\n' }}{%- endif %}"
+    "{{- '# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\n' }}{{- tool | tojson }}{%- endfor %}"
+    "{{- '\n</tools>\n\nFor each function call, return a json object with function name and "
+    "arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{\\\"name\\\": "
+    "<function-name>, \\\"arguments\\\": <args-json-object>}\n</tool_call><|im_end|>\n' }}"
+    "{%- elif messages[0]['role'] == 'system' %}"
+    "{{- '<|im_start|>system\n' + messages[0]['content'] + '<|im_end|>\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if (message.role == 'user') or (message.role == 'system' and not loop.first) "
+    "or (message.role == 'assistant' and not message.tool_calls) %}"
+    "{{- '<|im_start|>' + message.role + '\n' + (message.content or '') + '<|im_end|>\n' }}"
+    "{%- elif message.role == 'assistant' %}"
+    "{{- '<|im_start|>' + message.role }}"
+    "{%- if message.content %}{{- '\n' + message.content }}{%- endif %}"
+    "{%- for tool_call in message.tool_calls %}"
+    "{%- if tool_call.function is defined %}{%- set tool_call = tool_call.function %}{%- endif %}"
+    "{{- '\n<tool_call>\n{\"name\": \"' }}{{- tool_call.name }}{{- '\", \"arguments\": ' }}"
+    "{{- tool_call.arguments | tojson }}{{- '}\n</tool_call>' }}"
+    "{%- endfor %}"
+    "{{- '<|im_end|>\n' }}"
+    "{%- elif message.role == 'tool' %}"
+    "{%- if (loop.index0 == 0) or (messages[loop.index0 - 1].role != 'tool') %}{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\n<tool_response>\n' }}{{- message.content }}{{- '\n</tool_response>' }}"
+    "{%- if loop.last or (messages[loop.index0 + 1].role != 'tool') %}{{- '<|im_end|>\n' }}{%- endif %}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}"
 )
 # Architecture: head_dim 32 (head_dim 16 is unsupported by vLLM's CPU attention, NOTES.md).
 ARCH = dict(

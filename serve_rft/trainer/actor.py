@@ -142,7 +142,7 @@ class Trainer(Publishing):
                 self.phase = "collecting"
                 await feed.shed_stale(self.version)
                 batch = await feed.collect(partial(self._between_reads, policy, method, sync, store), self._held)
-            batch = await feed.admit(batch, policy.vocab_size)
+            batch = await feed.admit(batch, policy.vocab_size, self.version)
             batch = await feed.drop_stale(batch, self.version)
             if self.resets:
                 version, handle = self.resets.pop()
@@ -224,6 +224,7 @@ class Trainer(Publishing):
             "last_reset": self.last_reset,
             "dead_lettered": self.feed.dead_lettered,
             "reacked": self.feed.reacked,
+            "constrained": self.feed.constrained,
         }
 
     def service_status(self) -> dict:

@@ -2,7 +2,8 @@
 
 `ExperienceFeed` reads batches from the store's ready stream (`collect`, closing a batch by
 `serve_rft.trainer.intake.batch_complete`), and lets into a step only what may be trained, once:
-entries a saved state already covers are acknowledged again, the untrainable and those in the
+entries a saved state already covers are acknowledged again, those sampled under a structured-
+output grammar (which the trainer does not apply) are left out of the loss, counted, the untrainable and those in the
 steps of too many crashed processes are dead-lettered (`serve_rft.trainer.intake`), and those
 past ``trainer.max_staleness`` sync cycles are dropped, counted (XTuner v1's RL trainer
 documentation, ``max_staleness``). It counts staleness over the versions the trainer published.
@@ -46,6 +47,7 @@ class ExperienceFeed:
         self.stale_dropped = 0
         self.dead_lettered = 0
         self.reacked = 0  # entries trained before whose acknowledgement Redis lost, acked again
+        self.constrained = 0  # entries sampled under a grammar (structured outputs), left out of the loss
 
     async def collect(self, between_reads: Callable[[bool], Awaitable[None]],
                       held: Callable[[], set[str]]) -> list[RewardedExperience]:
@@ -78,15 +80,23 @@ class ExperienceFeed:
                 first = time.monotonic()
             batch.extend(got)
 
-    async def admit(self, batch: list[RewardedExperience], vocab_size: int) -> list[RewardedExperience]:
-        """Acknowledge again what saved states already cover (a lost ack) and dead-letter what
-        cannot be trained (`serve_rft.trainer.intake.untrainable`); return the rest."""
+    async def admit(self, batch: list[RewardedExperience], vocab_size: int, version: int
+                    ) -> list[RewardedExperience]:
+        """Acknowledge again what saved states already cover (a lost ack), leave out of the loss
+        what was sampled under a grammar (state ``constrained``, counted; ``version``: the
+        trainer's published version), dead-letter what cannot be trained
+        (`serve_rft.trainer.intake.untrainable`); return the rest."""
         batch, again = self.ledger.split(batch)
         if again:
             await self.store.ack_entries(again)
             self.reacked += len(again)
             log.warning("%d ready entries were trained before (their acknowledgement was lost): "
                         "acknowledged again, not trained", len(again))
+        constrained = [b for b in batch if b.experience.sampling.structured_outputs]
+        if constrained:  # their behaviour logprobs are of the grammar-masked distribution
+            await self.store.ack(constrained, version, state="constrained")
+            self.constrained += len(constrained)
+            batch = [b for b in batch if not b.experience.sampling.structured_outputs]
         keep, letters = [], []
         for b in batch:
             why = untrainable(b, vocab_size)

@@ -63,7 +63,8 @@ def test_non_streaming_response_matches_logged_experience(stack):
         assert len(exp.response_token_ids) == len(choice.logprobs.content)
         assert exp.behaviour_logprobs == pytest.approx([c.logprob for c in choice.logprobs.content])
         assert all(len(c.top_logprobs) == 2 for c in choice.logprobs.content)
-        assert tok.decode(exp.response_token_ids, skip_special_tokens=True) == choice.message.content
+        # vLLM leaves out an answer's incomplete last UTF-8 character
+        assert tok.decode(exp.response_token_ids, skip_special_tokens=True).rstrip("\ufffd") == choice.message.content
         assert exp.min_version == version
         assert exp.sampling.temperature == 0.9 and exp.sampling.seed == 7
         assert exp.finish_reason == choice.finish_reason
@@ -95,7 +96,8 @@ def test_streaming_with_async_client_is_logged(stack):
     n_tokens = 0
     for i in (0, 1):
         exp = asyncio.run(_experience(stack, cid, i))
-        assert tok.decode(exp.response_token_ids, skip_special_tokens=True) == texts[i]
+        # vLLM leaves out an answer's incomplete last UTF-8 character (streamed or not)
+        assert tok.decode(exp.response_token_ids, skip_special_tokens=True).rstrip("\ufffd") == texts[i]
         assert len(exp.behaviour_logprobs) == len(exp.response_token_ids)
         n_tokens += len(exp.response_token_ids)
     assert usage.completion_tokens == n_tokens
@@ -105,6 +107,46 @@ def test_streaming_with_async_client_is_logged(stack):
     chunks = list(client.chat.completions.create(
         model="serve-rft", messages=[{"role": "user", "content": "x"}], max_tokens=4, stream=True))
     assert chunks[-1].choices[0].finish_reason in ("length", "stop")
+
+
+def test_the_openai_surface_is_vllms_and_every_answer_is_logged_token_exact(stack):
+    """Served by vLLM's own serving classes: streamed and non-streamed greedy text are equal (a
+    tail that ends mid-character included); a forced tool call comes back as message.tool_calls
+    with finish_reason tool_calls and its experience carries the grammar (left out of the loss);
+    /v1/completions takes token ids and returns the ids it sampled (return_token_ids), which are
+    exactly the experience's; /v1/models/{id}; /v1/responses and untrainable fields are refused."""
+    u = stack.url
+    client = openai.OpenAI(base_url=f"{u}/v1", api_key="x", max_retries=0)
+    for content in ("a" * 300, "hello", "x y z"):
+        kw = dict(model="serve-rft", messages=[{"role": "user", "content": content}], max_tokens=24, temperature=0)
+        whole = client.chat.completions.create(**kw).choices[0].message.content
+        streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(**kw, stream=True)
+                           if c.choices)
+        assert streamed == whole, (content[:10], streamed, whole)
+
+    tools = [{"type": "function", "function": {"name": "add", "description": "Add two integers", "parameters": {
+        "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}}}]
+    comp = client.chat.completions.create(model="serve-rft", messages=[{"role": "user", "content": "1+2?"}],
+                                          tools=tools, tool_choice="required", max_tokens=48, temperature=0)
+    choice = comp.choices[0]
+    if choice.finish_reason != "length":  # a random model may run out of tokens inside the JSON
+        assert choice.finish_reason == "tool_calls" and choice.message.tool_calls[0].function.name == "add"
+        json.loads(choice.message.tool_calls[0].function.arguments)
+    exp = asyncio.run(_experience(stack, comp.id, 0))
+    assert exp.sampling.structured_outputs, exp.sampling  # sampled under the tool-call grammar
+
+    prompt = [5, 6, 7, 8]
+    r = httpx.post(f"{u}/v1/completions", json={"model": "serve-rft", "prompt": prompt, "max_tokens": 6,
+                                                "return_token_ids": True, "temperature": 0.7}).json()
+    exp = asyncio.run(_experience(stack, r["id"], 0))
+    assert exp.prompt_token_ids == prompt == r["choices"][0]["prompt_token_ids"]
+    assert exp.response_token_ids == r["choices"][0]["token_ids"] and len(exp.behaviour_logprobs) == 6
+
+    assert httpx.get(f"{u}/v1/models/serve-rft").json()["id"] == "serve-rft"
+    assert httpx.get(f"{u}/v1/models/gpt-4o").status_code == 404
+    assert httpx.post(f"{u}/v1/responses", json={"model": "serve-rft", "input": "hi"}).status_code == 404
+    r = httpx.post(f"{u}/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}], "top_k": 5})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "top_k"
 
 
 def test_bad_input_gets_openai_errors(stack):
@@ -117,7 +159,7 @@ def test_bad_input_gets_openai_errors(stack):
     assert r.status_code == 400
     r = httpx.post(f"{u}/v1/chat/completions",
                    json={"messages": [{"role": "user", "content": "word " * 3000}], "max_tokens": 5})
-    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    assert r.status_code == 400 and "maximum context length" in r.json()["error"]["message"]  # vLLM's answer
     client = openai.OpenAI(base_url=f"{u}/v1", api_key="x", max_retries=0)
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model="serve-rft", messages=[{"role": "user", "content": "x"}],
@@ -145,7 +187,7 @@ def test_bad_input_gets_openai_errors(stack):
     assert r.status_code == 400 and r.json()["error"]["param"] == "stream"
     assert chat(json={"messages": [{"role": "tool"}], "stop": ""}).status_code == 400  # schemathesis found a 500
     r = chat(json={"messages": msg, "max_tokens": 1, "model": "gpt-4o"})
-    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    assert r.status_code == 404 and r.json()["error"]["param"] == "model"  # vLLM's NotFoundError
     assert chat(content=b" " * (8 * 1024 * 1024 + 1)).status_code == 413
     r = httpx.post(f"{u}/v1/rewards", content=b'{"completion_id": "%s", "reward": 1.0, "info": {"x": NaN}}'
                    % comp.id.encode())

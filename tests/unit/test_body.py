@@ -5,7 +5,7 @@ import asyncio
 import pytest
 
 from serve_rft.explorer.body import MAX_JSON_DEPTH, parse_json, read_body
-from serve_rft.explorer.protocol import ApiError, ChatCompletionRequest, RewardItem
+from serve_rft.explorer.protocol import ApiError, RewardItem
 
 
 @pytest.mark.parametrize("raw", [b"[" * 100_000, b"{\"a\": " * 70 + b"1" + b"}" * 70,
@@ -41,11 +41,15 @@ def test_the_size_bound_holds_while_streaming_and_on_the_declared_length():
 
 
 def test_strict_types_and_vllms_seed_bound():
+    from serve_rft.explorer.openai_request import parse_request
+
     base = {"messages": [{"role": "user", "content": "x"}]}
     for bad in ({"stream": "yes"}, {"seed": 2**64}, {"n": "2"}, {"logprobs": 1}, {"model": 5}, {"stop": ""},
                 {"stop": ["a", ""]}):
-        with pytest.raises(ValueError):
-            ChatCompletionRequest.model_validate({**base, **bad})
-    assert ChatCompletionRequest.model_validate({**base, "seed": 2**63 - 1, "temperature": 1}).seed == 2**63 - 1
+        with pytest.raises(ApiError) as e:
+            parse_request({**base, **bad}, "chat", max_n=16)
+        assert e.value.status == 400 and e.value.param == next(iter(bad)), (bad, e.value.message)
+    req, _ = parse_request({**base, "seed": 2**63 - 1, "temperature": 1}, "chat", max_n=16)
+    assert req.seed == 2**63 - 1
     with pytest.raises(ValueError, match="finite"):
         RewardItem.model_validate({"completion_id": "c", "reward": 1.0, "info": {"x": float("nan")}})

@@ -34,3 +34,30 @@ def test_resolve_rejects_a_non_model_directory(tmp_path):
 
     with pytest.raises(FileNotFoundError):
         resolve_model_path(str(tmp_path), tmp_path)
+
+
+def test_the_chat_template_renders_tools_calls_and_results_as_qwen25_does(embedded_model):
+    """Tools in the system turn, an assistant's ``tool_calls`` as <tool_call> JSON blocks,
+    ``tool`` messages as <tool_response> blocks of one user turn (Qwen2.5-Instruct's layout)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(embedded_model))
+    tools = [{"type": "function", "function": {"name": "add", "description": "Add", "parameters": {
+        "type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}}}]
+    messages = [
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "1+2?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "add", "arguments": {"a": 1}}},
+            {"id": "c2", "type": "function", "function": {"name": "add", "arguments": {"a": 2}}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "1"}, {"role": "tool", "tool_call_id": "c2", "content": "2"},
+    ]
+    text = tok.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
+    assert text.startswith("<|im_start|>system\nBe brief.\n\n# Tools\n\n")
+    assert '\n<tools>\n{"type": "function", "function": {"name": "add"' in text
+    assert ("<|im_start|>assistant\n<tool_call>\n{\"name\": \"add\", \"arguments\": {\"a\": 1}}\n</tool_call>\n"
+            "<tool_call>\n{\"name\": \"add\", \"arguments\": {\"a\": 2}}\n</tool_call><|im_end|>\n") in text
+    assert text.endswith("<|im_start|>user\n<tool_response>\n1\n</tool_response>\n<tool_response>\n2\n"
+                         "</tool_response><|im_end|>\n<|im_start|>assistant\n")
+    plain = tok.apply_chat_template([{"role": "system", "content": "s"}, {"role": "user", "content": "hi"}],
+                                    tokenize=False, add_generation_prompt=True)
+    assert plain == "<|im_start|>system\ns<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"

@@ -4,9 +4,8 @@ import asyncio
 import uuid
 
 from serve_rft.buffer.store import ExperienceStore
-from serve_rft.explorer.experience_log import ExperienceLog
-from serve_rft.explorer.openai_format import ChoiceAccumulator
-from serve_rft.explorer.protocol import ChatCompletionRequest
+from serve_rft.explorer.experience_log import ExperienceLog, Sampled
+from serve_rft.explorer.engine_tap import RequestContext
 from serve_rft.types import SamplingInfo
 
 
@@ -20,8 +19,8 @@ class Metrics:
         self.served_calls.append((logged, unlogged, reason))
 
 
-def _choices(n: int) -> list[ChoiceAccumulator]:
-    return [ChoiceAccumulator(i, token_ids=[5, 6], logprobs=[-0.1, -0.2], finish_reason="length") for i in range(n)]
+def _choices(n: int) -> list[Sampled]:
+    return [Sampled(i, token_ids=[5, 6], logprobs=[-0.1, -0.2], finish_reason="length") for i in range(n)]
 
 
 def test_logs_every_choice_and_honours_store_false(redis_server):
@@ -30,15 +29,12 @@ def test_logs_every_choice_and_honours_store_false(redis_server):
         metrics = Metrics()
         xlog = ExperienceLog(store, "r0", metrics, store_wait_s=2.0)
         sampling = SamplingInfo(temperature=1.0, top_p=1.0, max_tokens=2)
-        req = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}], "n": 2})
-        await xlog.log(req, "chatcmpl-a", [1, 2, 3], _choices(2), sampling, 0.0, 3)
+        assert await xlog.log(RequestContext(), "chatcmpl-a", [1, 2, 3], _choices(2), sampling, 3) == 2
         assert xlog.logged == 2 and await store.num_choices("chatcmpl-a") == 2
         exp = await store.get_experience("chatcmpl-a", 1)
         assert exp.prompt_token_ids == [1, 2, 3] and exp.response_token_ids == [5, 6] and exp.min_version == 3
 
-        private = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}],
-                                                        "store": False})
-        await xlog.log(private, "chatcmpl-b", [1], _choices(1), sampling, 0.0, 3)
+        assert await xlog.log(RequestContext(store=False), "chatcmpl-b", [1], _choices(1), sampling, 3) == 0
         assert xlog.logged == 2 and await store.num_choices("chatcmpl-b") is None  # served, never kept
         assert metrics.served_calls == [(2, 0, None), (0, 1, None)]
         await store.close()
@@ -50,8 +46,7 @@ def test_a_store_that_does_not_answer_costs_the_log_not_the_answer():
         store = ExperienceStore("redis://127.0.0.1:1", prefix="away", reconnect_s=0.1)  # nothing listens
         metrics = Metrics()
         xlog = ExperienceLog(store, "r0", metrics, store_wait_s=0.5)
-        req = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}]})
-        await xlog.log(req, "chatcmpl-c", [1], _choices(1), SamplingInfo(temperature=1.0, top_p=1.0, max_tokens=2),
-                       0.0, 0)  # returns: the user is served
+        assert await xlog.log(RequestContext(), "chatcmpl-c", [1], _choices(1),
+                              SamplingInfo(temperature=1.0, top_p=1.0, max_tokens=2), 0) == 0  # served
         assert xlog.logged == 0 and metrics.served_calls == [(0, 1, "store_unavailable")]
     asyncio.run(go())

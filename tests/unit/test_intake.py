@@ -90,3 +90,29 @@ def test_the_stale_threshold_agrees_with_counting_sync_cycles(published, version
     threshold = stale_threshold(published, max_staleness)
     past = max_staleness is not None and sync_cycles(published, version) > max_staleness
     assert past == (threshold is not None and version < threshold)
+
+
+def test_the_feed_leaves_grammar_sampled_experiences_out_of_the_loss_counted(redis_server):
+    """An experience sampled under a structured-output grammar (a forced tool call, a JSON
+    schema) has behaviour logprobs of the masked distribution: acknowledged as ``constrained``,
+    counted by the feed and the store, never trained."""
+    from serve_rft.config import TrainerConfig
+    from serve_rft.trainer.feed import ExperienceFeed
+
+    async def go():
+        store = ExperienceStore(redis_server.url, prefix=f"t{uuid.uuid4().hex[:8]}")
+        free, forced = _exp("chatcmpl-free", 0), _exp("chatcmpl-forced", 0)
+        forced.sampling.structured_outputs = {"structural_tag": "{...}"}
+        await store.log_experiences([free])
+        await store.log_experiences([forced])
+        await store.ensure_group()
+        for cid in ("chatcmpl-free", "chatcmpl-forced"):
+            await store.post_reward(cid, 0, 1.0)
+        feed = ExperienceFeed(TrainerConfig(), store, metrics=None)
+        batch = await store.read_ready("t", 10, block_ms=10)
+        kept = await feed.admit(batch, vocab_size=1024, version=4)
+        assert [b.experience.completion_id for b in kept] == ["chatcmpl-free"] and feed.constrained == 1
+        assert (await store.counts()).constrained == 1
+        assert [(c.state, c.trained_version) for c in await store.choices("chatcmpl-forced")] == [("constrained", 4)]
+        await store.close()
+    asyncio.run(go())

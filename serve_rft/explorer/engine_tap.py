@@ -1,0 +1,146 @@
+"""The engine tap: vLLM's OpenAI serving layer talks to the replica's engine through it, and every
+answer it serves becomes experiences in the store before the answer ends.
+
+vLLM's own serving classes (`serve_rft.explorer.openai_serving`) render chat templates, parse
+tool calls, apply structured outputs and shape every response and stream chunk exactly as vLLM's
+server does. They call ``engine_client.generate(prompt, sampling_params, request_id, ...)``;
+`EngineTap` is that engine client. For each call it
+
+- labels the request with the policy version it is served with: full-weight sync salts the
+  prefix cache with it (a KV block computed under one version is never reused under another);
+  adapter-only LoRA sync answers with that version's adapter;
+- asks vLLM for the sampled tokens' logprobs (the behaviour logprobs the trainer needs) even
+  when the client did not (vLLM's serving layer shows logprobs only to clients that asked);
+- accumulates what vLLM returns (token ids, logprobs, per-token weight-version spans) and, when
+  the request finishes, logs one experience per choice through `ExperienceLog` *before* it
+  yields the final output, so the client's last chunk (or the whole non-streamed answer) only
+  leaves after the store has the experiences.
+
+What the route knows and vLLM does not (group, conversation, ``store: false``) reaches the tap
+through `CURRENT`, a context variable the route sets around the serving call; calls without it
+(the probe, warm-up) are served and never logged.
+"""
+
+from __future__ import annotations
+
+import time
+from contextvars import ContextVar
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+from serve_rft.explorer.experience_log import ExperienceLog, Sampled
+from serve_rft.types import SamplingInfo
+
+
+@dataclass
+class RequestContext:
+    """One HTTP request as the route saw it.
+
+    Attributes:
+        store: OpenAI's ``store`` flag (False: served, never logged).
+        group_id, group_size, conversation_id: serve_rft's request extensions (GRPO groups
+            across requests, multi-turn conversations rewarded as a whole).
+        created_at: arrival, unix s.
+        version: the policy version the answer is served with (set by the tap).
+        logged: experiences the tap logged for it (set when the request finished).
+        finished: the engine finished the request (a stream that ends without it failed).
+        t0: arrival, `time.perf_counter` (for time to first token).
+    """
+
+    store: bool | None = None
+    group_id: str | None = None
+    group_size: int | None = None
+    conversation_id: str | None = None
+    created_at: float = field(default_factory=time.time)
+    version: int | None = None
+    logged: int = 0
+    finished: bool = False
+    t0: float = field(default_factory=time.perf_counter)
+
+
+CURRENT: ContextVar[RequestContext | None] = ContextVar("serve_rft_request", default=None)
+
+
+def sampling_info(params) -> SamplingInfo:
+    """What the trainer needs to know of vLLM ``SamplingParams`` to recompute the behaviour
+    logprobs (temperature, top-p) or to know it cannot (``structured_outputs``: the tokens were
+    sampled under a grammar mask)."""
+    structured = None
+    if params.structured_outputs is not None:
+        so = params.structured_outputs
+        structured = {k: v for k, v in vars(so).items() if not k.startswith("_") and v not in (None, False)}
+    stop = params.stop if isinstance(params.stop, list) else ([params.stop] if params.stop else [])
+    return SamplingInfo(temperature=params.temperature, top_p=params.top_p, max_tokens=params.max_tokens or 0,
+                        seed=params.seed, stop=list(stop), structured_outputs=structured)
+
+
+def response_id(request_id: str) -> str:
+    """The response's ``id`` (what rewards name) for vLLM's engine request id: a completion's
+    engine request is ``cmpl-{id}-{prompt index}`` (one prompt per request here), a chat's
+    ``chatcmpl-{id}``."""
+    head, _, tail = request_id.rpartition("-")
+    return head if request_id.startswith("cmpl-") and tail.isdigit() and head != "cmpl" else request_id
+
+
+class EngineTap:
+    """vLLM's ``EngineClient`` for the serving layer: the replica's `AsyncLLM` with experience
+    logging (module docstring). Every other attribute is the `AsyncLLM`'s.
+
+    Args:
+        engine: the replica's `ExplorerEngine`.
+        experience_log: where finished answers go.
+        on_first_token: called with seconds from arrival to the first token of a streamed request.
+    """
+
+    def __init__(self, engine, experience_log: ExperienceLog, on_first_token=None):
+        self._engine = engine
+        self._log = experience_log
+        self._on_first_token = on_first_token
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._engine.llm, name)
+
+    def generate(self, prompt, sampling_params, request_id: str, lora_request=None, **kwargs) -> AsyncIterator:
+        """vLLM's ``EngineClient.generate`` (called by the serving layer; ``prompt`` is its
+        rendered engine input, a dict with ``prompt_token_ids``). Reads `CURRENT` now, at call
+        time, in the route's context."""
+        from vllm.sampling_params import RequestOutputKind
+
+        ctx = CURRENT.get()
+        engine = self._engine
+        version = engine.policy_version
+        if engine.adapter_sync:  # a request keeps the adapter it started with
+            lora_request = engine.adapters.get(version) if version > 0 else None
+        prompt = dict(prompt)
+        prompt["cache_salt"] = f"policy-v{version}"
+        if ctx is not None:
+            ctx.version = version
+            if sampling_params.logprobs is None:
+                sampling_params.logprobs = 0  # the sampled token's logprob, shown to nobody
+        cumulative = sampling_params.output_kind == RequestOutputKind.CUMULATIVE
+        streamed = sampling_params.output_kind == RequestOutputKind.DELTA
+        stream = engine.llm.generate(prompt, sampling_params, request_id, lora_request=lora_request, **kwargs)
+        if ctx is None:
+            return stream
+        return self._logged(stream, ctx, sampling_params, request_id, version, cumulative, streamed)
+
+    async def _logged(self, stream, ctx: RequestContext, params, request_id: str, version: int,
+                      cumulative: bool, streamed: bool) -> AsyncIterator:
+        choices: dict[int, Sampled] = {}
+        first = True
+        async for ro in stream:
+            for out in ro.outputs:
+                c = choices.setdefault(out.index, Sampled(out.index, pinned=self._engine.adapter_sync))
+                c.add(out, replace=cumulative)
+                if first and out.token_ids:
+                    first = False
+                    if streamed and self._on_first_token is not None:
+                        self._on_first_token(time.perf_counter() - ctx.t0)
+            if ro.finished:
+                answers = [choices[i] for i in sorted(choices)]
+                served = min((v for c in answers for v, _, _ in c.spans(version)), default=version)
+                ctx.version = served
+                ctx.logged = await self._log.log(ctx, response_id(request_id), list(ro.prompt_token_ids or []),
+                                                 answers, sampling_info(params), served)
+                ctx.finished = True
+            yield ro

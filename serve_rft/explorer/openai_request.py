@@ -1,0 +1,156 @@
+"""What a chat or completion request may ask of a service that trains on its answers.
+
+Every request field is honoured, or refused with a 400 that names it and says why; nothing is
+silently ignored. Honoured fields are vLLM's (its own protocol classes validate them) except
+those that change the distribution tokens are sampled from in a way the trainer does not
+reproduce: their behaviour logprobs would not be the policy's, and a PPO ratio against them
+would be wrong without anybody noticing. Those are refused (`REFUSED`), each with its reason.
+Structured outputs (``response_format``, ``structured_outputs``, a forced tool call with
+``tool_choice`` ``required`` or a named function) are served; their experiences carry the
+constraint and the trainer leaves them out of the loss, counted (`serve_rft.trainer.intake`).
+
+serve_rft's own request fields (`Extensions`) and OpenAI's ``store`` are taken out before vLLM
+validates the rest. vLLM's validation is lax where OpenAI is strict (``"stream": "yes"`` would
+be true), so the fields a client most often gets wrong are checked strictly first (`_Strict`).
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any, Callable
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError, field_validator
+
+from serve_rft.explorer.engine_tap import RequestContext
+from serve_rft.explorer.protocol import INT64_MAX, INT64_MIN, ApiError
+
+
+class Extensions(BaseModel):
+    """serve_rft's request fields (the openai SDK sends them with ``extra_body``) and OpenAI's
+    ``store``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    store: StrictBool | None = Field(None, description=(
+        "OpenAI's flag: false = do not keep this conversation. Served, never logged as an "
+        "experience (so never trained on); counted as unlogged."))
+    group_id: str | None = Field(None, min_length=1, max_length=256, description=(
+        "Put this request's answers in a client-named group, with the answers of other requests "
+        "that carry the same group_id (GRPO compares the answers of one group)."))
+    group_size: int | None = Field(None, ge=1, le=4096, description=(
+        "How many answers (choices, over all requests) the group will have; the group is "
+        "trained once all are rewarded. Without it, after buffer.group_timeout_s."))
+    conversation_id: str | None = Field(None, min_length=1, max_length=256, description=(
+        "Each assistant turn of a conversation is an experience; name the conversation to post "
+        "one reward for all its turns."))
+
+
+class _Strict(BaseModel):
+    """Types OpenAI is strict about and vLLM's protocol is not (checked before vLLM's)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: StrictStr | None = None
+    stream: StrictBool | None = None
+    echo: StrictBool | None = None
+    n: StrictInt | None = Field(None, ge=1)
+    max_tokens: StrictInt | None = Field(None, ge=1)
+    max_completion_tokens: StrictInt | None = Field(None, ge=1)
+    seed: StrictInt | None = Field(None, ge=INT64_MIN, le=INT64_MAX, description="vLLM's bound: int64.")
+    stop: StrictStr | list[StrictStr] | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, v):
+        if v == "" or (isinstance(v, list) and "" in v):
+            raise ValueError("a stop sequence cannot be empty")
+        return v
+
+
+class _StrictChat(_Strict):
+    messages: list[Any]
+    logprobs: StrictBool | None = None
+
+
+class _StrictCompletion(_Strict):
+    logprobs: StrictInt | None = Field(None, ge=0)
+
+
+def _unset(*neutral: Any) -> Callable[[Any], bool]:
+    return lambda v: v is None or v in neutral
+
+
+REFUSED: dict[str, tuple[Callable[[Any], bool], str]] = {
+    # field -> (its value leaves sampling alone, why another value is refused)
+    "presence_penalty": (_unset(0, 0.0), "penalties change the sampling distribution; the trainer does not "
+                         "reproduce them"),
+    "frequency_penalty": (_unset(0, 0.0), "penalties change the sampling distribution; the trainer does not "
+                          "reproduce them"),
+    "repetition_penalty": (_unset(1, 1.0), "penalties change the sampling distribution; the trainer does not "
+                           "reproduce them"),
+    "logit_bias": (lambda v: not v, "a logit bias changes the sampling distribution; the trainer does not "
+                   "reproduce it"),
+    "top_k": (_unset(0, -1), "top_k truncates the sampling distribution; the trainer reproduces top_p only"),
+    "min_p": (_unset(0, 0.0), "min_p truncates the sampling distribution; the trainer reproduces top_p only"),
+    "min_tokens": (_unset(0), "min_tokens masks the end of the answer for its first tokens; the trainer does "
+                   "not reproduce that"),
+    "allowed_token_ids": (lambda v: not v, "a token allow-list changes the sampling distribution; the trainer "
+                          "does not reproduce it"),
+    "bad_words": (lambda v: not v, "banned words change the sampling distribution; the trainer does not "
+                  "reproduce them"),
+    "vllm_xargs": (lambda v: not v, "custom logits-processor arguments may change the sampling distribution"),
+    "watermarking": (lambda v: v is None, "watermarking changes the sampling distribution"),
+    "use_beam_search": (lambda v: not v, "beam search does not sample: its tokens have no behaviour "
+                        "logprobs to train against"),
+    "prompt_embeds": (lambda v: v is None, "an answer to embeddings has no prompt token ids to train on"),
+    "cache_salt": (lambda v: v is None, "the prefix cache is salted by the service with the policy version"),
+    "request_id": (lambda v: v is None, "the service names each request (its id names the experience)"),
+    "kv_transfer_params": (lambda v: v is None, "disaggregated prefill is not served here"),
+    "ec_transfer_params": (lambda v: v is None, "encoder-cache transfer is not served here"),
+}
+
+
+def parse_request(body: Any, kind: str, max_n: int):
+    """A decoded JSON body -> (vLLM's request object, the `RequestContext`).
+
+    Args:
+        kind: ``chat`` (``ChatCompletionRequest``) or ``completion`` (``CompletionRequest``).
+        max_n: the largest ``n`` accepted.
+    Raises:
+        ApiError: 400 naming the field: not an object, a wrong type, a refused field
+            (`REFUSED`), ``n`` too large, more than one prompt, or vLLM's own validation.
+    """
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+    from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+    from vllm.exceptions import VLLMClientError
+
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    ours = {k: body.pop(k) for k in list(body) if k in Extensions.model_fields}
+    try:
+        ext = Extensions.model_validate(ours)
+        (_StrictChat if kind == "chat" else _StrictCompletion).model_validate(body)
+    except ValidationError as e:
+        raise ApiError.invalid(e) from None
+    for name, (neutral, why) in REFUSED.items():
+        if name in body and not neutral(body[name]):
+            raise ApiError(400, f"{name} is not supported by this service: {why}", name, code="unsupported_parameter")
+    if (body.get("n") or 1) > max_n:
+        raise ApiError(400, f"n must be <= {max_n}", "n")
+    if kind == "completion" and _several_prompts(body.get("prompt")):
+        raise ApiError(400, "one prompt per request: each answer is an experience named by the response id",
+                       "prompt", code="unsupported_parameter")
+    model = ChatCompletionRequest if kind == "chat" else CompletionRequest
+    try:
+        req = model.model_validate({**body, "request_id": uuid.uuid4().hex})
+    except ValidationError as e:
+        raise ApiError.invalid(e) from None
+    except (VLLMClientError, ValueError, TypeError) as e:  # vLLM's own validators raise these directly
+        raise ApiError(400, str(e), getattr(e, "parameter", None)) from None
+    return req, RequestContext(store=ext.store, group_id=ext.group_id, group_size=ext.group_size,
+                               conversation_id=ext.conversation_id)
+
+
+def _several_prompts(prompt: Any) -> bool:
+    """A completion ``prompt`` that is a list of prompts (strings or token-id lists) of length > 1."""
+    return isinstance(prompt, list) and len(prompt) > 1 and not all(isinstance(t, int) for t in prompt)

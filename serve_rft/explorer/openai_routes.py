@@ -1,0 +1,148 @@
+"""The OpenAI routes: ``/v1/chat/completions``, ``/v1/completions``, ``/v1/models[/{id}]``.
+
+A mixin of `ExplorerReplica`. A request passes the weight swap's admission (serve; hold while
+this lone replica loads new weights; or refuse with 503 while it drains, which HAProxy re-sends
+to a serving replica), is parsed on the replica's tokenizer thread (bounded JSON,
+`serve_rft.explorer.body`; what may be asked, `serve_rft.explorer.openai_request`) and is answered
+by vLLM's own serving classes (`serve_rft.explorer.openai_serving`), whose engine calls go through
+the tap that logs each answer as experiences before the answer ends
+(`serve_rft.explorer.engine_tap`). Every answer carries the replica and its policy version in
+headers. ``/v1/responses`` is not served (404, with the reason).
+
+Uses of the replica: ``cfg``, ``swap``, ``serving``, ``metrics``, ``replica_id``, ``cpu`` (its
+tokenizer thread) and ``headers(version)``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from serve_rft.explorer.body import parse_json, read_body
+from serve_rft.explorer.engine_tap import CURRENT, RequestContext
+from serve_rft.explorer.http import AUTHORIZED, app
+from serve_rft.explorer.openai_request import parse_request
+from serve_rft.explorer.protocol import ApiError
+
+ROUTES = {"chat": "chat", "completion": "completions"}
+
+
+class OpenAIRoutes:
+    """``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``, ``/v1/models/{id}``."""
+
+    @app.post("/v1/chat/completions", dependencies=AUTHORIZED)
+    async def chat_completions(self, request: Request):
+        return await self._metered(request, "chat")
+
+    @app.post("/v1/completions", dependencies=AUTHORIZED)
+    async def completions(self, request: Request):
+        return await self._metered(request, "completion")
+
+    @app.post("/v1/responses", dependencies=AUTHORIZED)
+    async def responses(self):
+        raise ApiError(404, "/v1/responses is not served here: its answers would be kept by the engine "
+                       "(previous_response_id) outside the experience store; use /v1/chat/completions",
+                       code="not_found")
+
+    @app.get("/v1/models", dependencies=AUTHORIZED)
+    async def models(self) -> JSONResponse:
+        listed = await self.serving.models.show_available_models()
+        return JSONResponse(listed.model_dump())
+
+    @app.get("/v1/models/{model_id:path}", dependencies=AUTHORIZED)
+    async def model(self, model_id: str) -> JSONResponse:
+        listed = await self.serving.models.show_available_models()
+        for card in listed.data:
+            if card.id == model_id:
+                return JSONResponse(card.model_dump())
+        raise ApiError(404, f"The model `{model_id}` does not exist.", "model", code="model_not_found")
+
+    async def _metered(self, request: Request, kind: str):
+        t0 = time.perf_counter()
+        route = ROUTES[kind]
+        try:
+            response = await self._answer(request, kind, t0)
+        except ApiError as e:
+            self.metrics.request(route, e.status, time.perf_counter() - t0)
+            raise
+        if not isinstance(response, StreamingResponse):  # a stream records itself when it ends
+            self.metrics.request(route, response.status_code, time.perf_counter() - t0)
+        return response
+
+    async def _answer(self, request: Request, kind: str, t0: float):
+        """Raises:
+            ApiError: 503 this replica is out of rotation or its engine died (HAProxy re-sends
+                it), 400 / 413 from the request.
+        """
+        await self._admit(request)
+        raw = await read_body(request)
+        req, ctx = await asyncio.get_running_loop().run_in_executor(
+            self.cpu, lambda: parse_request(parse_json(raw), kind, self.cfg.explorer.max_n))
+        ctx.t0 = t0
+        from vllm.entrypoints.serve.engine.protocol import ErrorResponse
+        from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
+        from vllm.exceptions import VLLMClientError
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        token = CURRENT.set(ctx)
+        try:
+            if kind == "chat":
+                result = await self.serving.chat.create_chat_completion(req, None)
+            else:
+                result = await self.serving.completion.create_completion(req, None)
+            if isinstance(result, ErrorResponse):
+                self.swap.record(ctx.version if ctx.version is not None else self.swap.version, False,
+                                 time.perf_counter() - t0)
+                return JSONResponse(result.model_dump(), status_code=result.error.code)
+            if isinstance(result, AsyncIterator):
+                return StreamingResponse(self._stream(result, ctx, kind, t0), media_type="text/event-stream",
+                                         headers=self.headers(ctx.version))
+        except EngineDeadError:  # nothing was sent: HAProxy re-sends a 503 to another replica,
+            self.swap.record(self.swap.version, False, time.perf_counter() - t0)  # Serve replaces this
+            raise ApiError(503, f"replica {self.replica_id}'s engine died; retry on another replica",
+                           type_="service_unavailable", code="engine_dead", retry_after=1) from None
+        except (VLLMClientError, ValueError, TypeError, OverflowError) as e:
+            # what vLLM refused in the request's values: a 4xx in vLLM's own shape, as its server answers
+            err = create_error_response(e)
+            return JSONResponse(err.model_dump(), status_code=err.error.code)
+        except Exception:
+            self.swap.record(self.swap.version, False, time.perf_counter() - t0)
+            raise
+        finally:
+            CURRENT.reset(token)
+        self.swap.record(ctx.version, True, time.perf_counter() - t0)
+        return JSONResponse(result.model_dump(), headers=self.headers(ctx.version))
+
+    async def _admit(self, request: Request) -> None:
+        """Serve, hold (no other replica serves: wait for the new weights, do not fail), or refuse.
+
+        Raises:
+            ApiError: 503 + Retry-After while this replica is out of rotation.
+        """
+        admission = self.swap.admission()
+        if admission == "hold":
+            await self.swap.gate.wait()
+            admission = "refuse" if self.swap.broken is not None else "serve"
+        if admission == "refuse":
+            await request.body()  # consume it: the connection stays clean for HAProxy to reuse
+            raise ApiError(503, f"replica {self.replica_id} is out of rotation (loading new weights or "
+                           "drained); retry on another replica", type_="service_unavailable",
+                           code="replica_draining", retry_after=1)
+
+    async def _stream(self, chunks: AsyncIterator[str], ctx: RequestContext, kind: str, t0: float
+                      ) -> AsyncIterator[str]:
+        """vLLM's SSE chunks, passed on; records the request when the stream ends (a stream that
+        ends without the engine finishing it carried vLLM's in-band error: a failure). A client
+        that goes away ends it without a record. The request's context is set again here: vLLM
+        builds the chunks (their ``system_fingerprint``) in the task that sends them."""
+        CURRENT.set(ctx)
+        async for chunk in chunks:
+            yield chunk
+        ok = ctx.finished
+        self.metrics.request(f"{ROUTES[kind]}_stream" if kind == "completion" else "chat_stream",
+                             200 if ok else 500, time.perf_counter() - t0)
+        self.swap.record(ctx.version, ok, time.perf_counter() - t0)

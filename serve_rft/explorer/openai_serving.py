@@ -1,0 +1,81 @@
+"""vLLM's own OpenAI serving layer over the replica's engine tap.
+
+The replica answers ``/v1/chat/completions``, ``/v1/completions`` and ``/v1/models`` with the
+classes vLLM's OpenAI server uses (``OpenAIServingChat``, ``OpenAIServingCompletion``,
+``OpenAIServingModels``, the ``OnlineRenderer`` that applies chat templates and tool schemas,
+the tool-call parser chosen by ``explorer.tool_call_parser``), built here as
+``vllm.entrypoints.launchers.api_server.app_state.init_app_state`` builds them, so request
+validation, sampling defaults (the model's ``generation_config.json``), chat templates, tool
+calls, structured outputs and every response shape are vLLM's. They reach the engine only through
+`serve_rft.explorer.engine_tap.EngineTap`, which logs each answer as experiences.
+
+``system_fingerprint`` names the policy version that produced the answer (``policy-v{N}``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from serve_rft.config import Config
+from serve_rft.explorer.engine_tap import CURRENT
+
+
+def fingerprint(version: int) -> str:
+    """``system_fingerprint`` naming the policy version, e.g. ``policy-v3``."""
+    return f"policy-v{version}"
+
+
+def _policy_fingerprint(cls):
+    """``cls`` with ``system_fingerprint`` read per request from the request's policy version."""
+
+    class PolicyFingerprint(cls):
+        @property
+        def system_fingerprint(self) -> str | None:
+            ctx = CURRENT.get()
+            return fingerprint(ctx.version) if ctx is not None and ctx.version is not None else None
+
+        @system_fingerprint.setter
+        def system_fingerprint(self, _value) -> None:  # vLLM's constructor sets its own
+            pass
+
+    PolicyFingerprint.__name__ = cls.__name__
+    return PolicyFingerprint
+
+
+@dataclass
+class OpenAIServing:
+    """The serving objects of one replica."""
+
+    models: object
+    chat: object
+    completion: object
+
+
+def build_serving(cfg: Config, tap, model_path: str) -> OpenAIServing:
+    """vLLM's serving objects over ``tap`` (an `EngineTap`), for the served name
+    ``cfg.model.served_name`` and the tool parser / chat template of ``cfg.explorer``."""
+    from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
+    from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion
+    from vllm.entrypoints.openai.models.protocol import BaseModelPath
+    from vllm.entrypoints.openai.models.serving import OpenAIServingModels
+    from vllm.renderers.chat_utils import load_chat_template
+    from vllm.renderers.online_renderer import OnlineRenderer
+
+    ecfg = cfg.explorer
+    template = load_chat_template(ecfg.chat_template)
+    tools = ecfg.tool_call_parser is not None
+    models = OpenAIServingModels(engine_client=tap, base_model_paths=[
+        BaseModelPath(name=cfg.model.served_name, model_path=model_path)])
+    renderer = OnlineRenderer(
+        model_config=tap.model_config, renderer=tap.renderer, request_logger=None, chat_template=template,
+        chat_template_content_format="auto", trust_request_chat_template=False, trust_request_mm_kwargs=False,
+        enable_auto_tools=tools, exclude_tools_when_tool_choice_none=False, tool_parser=ecfg.tool_call_parser,
+        tool_strict_level="auto", reasoning_parser="", default_chat_template_kwargs={}, log_error_stack=False)
+    renderer.warmup()
+    chat = _policy_fingerprint(OpenAIServingChat)(
+        engine_client=tap, models=models, response_role="assistant", online_renderer=renderer,
+        request_logger=None, chat_template=template, chat_template_content_format="auto",
+        enable_auto_tools=tools, tool_parser=ecfg.tool_call_parser)
+    completion = _policy_fingerprint(OpenAIServingCompletion)(
+        tap, models, online_renderer=renderer, request_logger=None)
+    return OpenAIServing(models=models, chat=chat, completion=completion)

@@ -1,0 +1,80 @@
+"""What a request may ask: vLLM's fields honoured, distribution changes the trainer does not
+reproduce refused with a 400 that names the field, serve_rft's extensions taken out."""
+
+import pytest
+
+from serve_rft.explorer.engine_tap import response_id, sampling_info
+from serve_rft.explorer.openai_request import REFUSED, parse_request
+from serve_rft.explorer.protocol import ApiError
+
+CHAT = {"messages": [{"role": "user", "content": "hi"}]}
+
+
+@pytest.mark.parametrize("field,value", [
+    ("presence_penalty", 0.5), ("frequency_penalty", -1.0), ("repetition_penalty", 1.2), ("logit_bias", {"5": 10}),
+    ("top_k", 5), ("min_p", 0.1), ("min_tokens", 3), ("allowed_token_ids", [1, 2]), ("bad_words", ["x"]),
+    ("use_beam_search", True), ("cache_salt", "s"), ("request_id", "mine"), ("vllm_xargs", {"a": 1}),
+])
+def test_a_field_the_trainer_cannot_reproduce_is_refused_by_name(field, value):
+    with pytest.raises(ApiError) as e:
+        parse_request({**CHAT, field: value}, "chat", max_n=16)
+    assert e.value.status == 400 and e.value.param == field and e.value.code == "unsupported_parameter"
+    assert field in e.value.message and REFUSED[field][1] in e.value.message
+
+
+@pytest.mark.parametrize("field,value", [
+    ("presence_penalty", 0), ("repetition_penalty", 1.0), ("top_k", -1), ("top_k", 0), ("min_p", 0.0),
+    ("logit_bias", {}), ("min_tokens", 0), ("temperature", None), ("top_p", 0.9), ("stop_token_ids", [7]),
+    ("ignore_eos", True), ("return_token_ids", True), ("response_format", {"type": "json_object"}),
+])
+def test_neutral_or_reproduced_values_are_served(field, value):
+    req, _ = parse_request({**CHAT, field: value}, "chat", max_n=16)
+    assert req.request_id and len(req.request_id) == 32  # the service names every request
+
+
+def test_extensions_and_store_are_taken_out_before_vllm():
+    req, ctx = parse_request({**CHAT, "group_id": "g", "group_size": 4, "conversation_id": "c", "store": False,
+                              "n": 2}, "chat", max_n=16)
+    assert (ctx.group_id, ctx.group_size, ctx.conversation_id, ctx.store) == ("g", 4, "c", False)
+    assert req.n == 2 and "group_id" not in (req.model_extra or {})
+    for bad in ({"group_size": 0}, {"store": "no"}, {"n": 17}):
+        with pytest.raises(ApiError) as e:
+            parse_request({**CHAT, **bad}, "chat", max_n=16)
+        assert e.value.status == 400 and e.value.param == next(iter(bad))
+
+
+def test_completions_take_one_prompt_text_or_token_ids():
+    for prompt in ("hello", [1, 2, 3], ["hello"], [[1, 2]]):
+        req, _ = parse_request({"prompt": prompt, "max_tokens": 4}, "completion", max_n=16)
+        assert req.prompt == prompt
+    for prompt in (["a", "b"], [[1], [2]]):
+        with pytest.raises(ApiError) as e:
+            parse_request({"prompt": prompt}, "completion", max_n=16)
+        assert e.value.param == "prompt"
+    with pytest.raises(ApiError) as e:
+        parse_request({"prompt": "x", "logprobs": True}, "completion", max_n=16)  # an int there
+    assert e.value.param == "logprobs"
+
+
+def test_vllms_own_validation_is_a_400_naming_the_field():
+    with pytest.raises(ApiError) as e:
+        parse_request({"messages": "hello"}, "chat", max_n=16)
+    assert e.value.status == 400 and e.value.param.startswith("messages")
+    with pytest.raises(ApiError):
+        parse_request([1, 2], "chat", max_n=16)
+
+
+def test_the_response_id_names_a_completions_engine_request():
+    assert response_id("cmpl-abc-0") == "cmpl-abc" and response_id("chatcmpl-abc") == "chatcmpl-abc"
+    assert response_id("cmpl-0") == "cmpl-0"
+
+
+def test_sampling_info_keeps_a_grammar_constraint():
+    from vllm import SamplingParams
+    from vllm.sampling_params import StructuredOutputsParams
+
+    info = sampling_info(SamplingParams(temperature=0.7, top_p=0.9, max_tokens=5, stop="x",
+                                        structured_outputs=StructuredOutputsParams(json_object=True)))
+    assert (info.temperature, info.top_p, info.max_tokens, info.stop) == (0.7, 0.9, 5, ["x"])
+    assert info.structured_outputs == {"json_object": True}
+    assert sampling_info(SamplingParams(max_tokens=5)).structured_outputs is None

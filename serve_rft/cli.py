@@ -188,6 +188,48 @@ def demo(config: Optional[Path] = ConfigOpt, sets: list[str] = SetOpt, model: Op
 
 
 @cli.command()
+def agent(url: str = typer.Option("http://127.0.0.1:8000", help="The running service's base URL."),
+          episodes: int = typer.Option(4, min=1, help="Conversations to run."),
+          stream: bool = typer.Option(False, help="Stream every turn (async client)."),
+          api_key: Optional[str] = typer.Option(None, envvar="SERVE_RFT_API_KEY",
+                                                help="Key to send (inference and rewards: an admin key).")) -> None:
+    """Run a tool-using agent through the openai SDK against a running service and reward each
+    conversation (serve_rft/demo/agent.py); prints one JSON line per episode."""
+    import asyncio
+    import uuid
+
+    import httpx
+    import openai
+
+    from serve_rft.demo.agent import post_reward, run_episode, run_episode_streamed
+
+    failed = 0
+    for _ in range(episodes):
+        cid = f"agent-{uuid.uuid4().hex}"
+        try:
+            if stream:
+                async def one():
+                    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=api_key or "none")
+                    try:
+                        return await run_episode_streamed(client, cid)
+                    finally:
+                        await client.close()
+                ep = asyncio.run(one())
+            else:
+                ep = run_episode(openai.OpenAI(base_url=f"{url}/v1", api_key=api_key or "none"), cid)
+            post_reward(url, ep, api_key)
+        except (openai.APIError, httpx.HTTPError, ValueError) as e:
+            failed += 1
+            console.print(f"[red]episode {cid} failed:[/red] {e}")
+            continue
+        print(json.dumps({"conversation_id": cid, "turns": [t.completion_id for t in ep.turns],
+                          "tool_call": ep.tool_call, "answer": ep.answer, "reward": ep.reward,
+                          "policy_versions": [t.policy_version for t in ep.turns]}))
+    if failed:
+        raise typer.Exit(1)
+
+
+@cli.command()
 def report(path: Path = typer.Argument(..., help="A `serve-rft demo --report` JSON, or a benchmark "
                                        "file with `runs` (benchmarks/results/learning.json)."),
            png: Optional[Path] = typer.Option(None, help="Write the figure here (default: PATH with .png)."),

@@ -18,8 +18,12 @@ def preflight(cfg: Config) -> None:
 
     Raises:
         ValueError: ``trainer.device=cuda`` or ``sync_method=nccl`` without CUDA (the message
-            says what to use instead).
+            says what to use instead); ``explorer.engine_args`` names no vLLM engine argument.
     """
+    if cfg.explorer.engine_args:
+        from serve_rft.config.explorer import check_known
+
+        check_known(cfg.explorer.engine_args)
     if cfg.synchronizer.sync_method.value == "nccl":
         from serve_rft.weights.nccl import NcclUnavailable, check_available
 

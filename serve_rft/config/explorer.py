@@ -4,11 +4,65 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
 from serve_rft.config.base import StrictSection
+
+ENGINE_ARGS_OWNED = {
+    "model": "set model.path instead",
+    "served_model_name": "set model.served_name instead",
+    "tokenizer": "the tokenizer is model.path's",
+    "dtype": "set explorer.dtype instead",
+    "max_model_len": "set explorer.max_model_len instead",
+    "max_num_seqs": "set explorer.max_num_seqs instead",
+    "gpu_memory_utilization": "set explorer.gpu_memory_utilization instead",
+    "enforce_eager": "set explorer.enforce_eager instead",
+    "disable_log_stats": "set explorer.log_stats instead",
+    "seed": "each replica gets its own seed",
+    "logprobs_mode": "the behaviour logprobs must be of the distribution the tokens were sampled from",
+    "max_logprobs": "serve_rft asks for the sampled token's logprob on every request",
+    "worker_extension_cls": "weight sync runs through serve_rft's worker extension",
+    "weight_transfer_config": "set synchronizer.sync_method instead",
+    "enable_lora": "set trainer.lora instead (merge_and_sync: false serves adapters)",
+    "max_lora_rank": "set trainer.lora.rank instead",
+    "max_loras": "set explorer.max_loras instead",
+    "max_cpu_loras": "set explorer.max_loras instead",
+    "logging_config": "vLLM logs through the replica's handlers (set VLLM_LOGGING_LEVEL)",
+    "tensor_parallel_size": "one vLLM worker per replica for now (weight sync and NCCL assume it)",
+    "pipeline_parallel_size": "one vLLM worker per replica for now (weight sync and NCCL assume it)",
+    "data_parallel_size": "set explorer.num_replicas instead (each replica is one engine)",
+}
+"""Engine arguments ``explorer.engine_args`` may not set -> why, or what to set instead."""
+
+
+def check_passthrough(engine_args: dict[str, Any]) -> None:
+    """Refuse pass-through keys serve_rft owns (`ENGINE_ARGS_OWNED`) without importing vLLM.
+
+    Raises:
+        ValueError: the first owned key, with why or what to set instead.
+    """
+    for key in engine_args:
+        if key in ENGINE_ARGS_OWNED:
+            raise ValueError(f"explorer.engine_args.{key} is serve_rft's to set: {ENGINE_ARGS_OWNED[key]}")
+
+
+def check_known(engine_args: dict[str, Any]) -> None:
+    """Refuse pass-through keys that are not fields of vLLM's ``AsyncEngineArgs`` (imports vLLM).
+
+    Raises:
+        ValueError: the unknown keys, with a hint.
+    """
+    import dataclasses
+
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    known = {f.name for f in dataclasses.fields(AsyncEngineArgs)}
+    unknown = sorted(set(engine_args) - known)
+    if unknown:
+        raise ValueError(f"explorer.engine_args: {', '.join(unknown)} not an argument of vLLM's "
+                         "AsyncEngineArgs (write `vllm serve` flags with _ for -)")
 
 
 class ModelConfig(StrictSection):
@@ -75,10 +129,22 @@ class ExplorerConfig(StrictSection):
     max_loras: int = Field(
         4, ge=1, description="With adapter-only LoRA sync (trainer.lora.merge_and_sync=false): adapters "
         "(policy versions) one vLLM batch may mix; requests in flight keep the version they started on.")
-
+    enforce_eager: bool | None = Field(
+        None, description="vLLM's enforce_eager (no CUDA graphs, no torch.compile). null: true on CPU "
+        "(vLLM-CPU), false on GPU, as vLLM's own default there.")
+    log_stats: bool = Field(
+        True, description="vLLM's engine metrics (requests running and waiting, KV-cache usage, time "
+        "to first token, ...) through Ray's metrics API, one ReplicaId label per replica, as Ray Serve "
+        "LLM exports them: ray_vllm_* on service.metrics_port.")
+    engine_args: dict[str, Any] = Field(
+        default_factory=dict, description="More vLLM engine arguments, passed through unchanged: any "
+        "field of vLLM's AsyncEngineArgs (`vllm serve` flags, - written _), e.g. {enable_prefix_caching: "
+        "false, max_num_batched_tokens: 4096}. Those serve_rft sets itself are refused with where "
+        "their value comes from (ENGINE_ARGS_OWNED above).")
 
     @model_validator(mode="after")
     def _initial_within_bounds(self) -> "ExplorerConfig":
+        check_passthrough(self.engine_args)
         a = self.autoscaling
         if a is not None and not a.min_replicas <= self.num_replicas <= a.max_replicas:
             raise ValueError(f"explorer.num_replicas={self.num_replicas} (the initial count) must lie within "

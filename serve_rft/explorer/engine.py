@@ -14,10 +14,7 @@ from pathlib import Path
 from typing import AsyncIterator
 
 from serve_rft.config import ExplorerConfig
-
-LOGPROBS_MODE = "processed_logprobs"
-"""Behaviour logprobs are logged after temperature (and top-p/top-k) processing: the
-distribution the token was actually sampled from."""
+from serve_rft.explorer.engine_args import ADAPTERS_KEPT, engine_kwargs, stat_loggers
 
 
 def engine_env(cfg: ExplorerConfig) -> None:
@@ -37,11 +34,6 @@ def _shm_path(kind: str = "bucket", suffix: str = ".safetensors") -> str:
 
     root = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
     return os.path.join(root, f"serve-rft-{kind}-{os.getpid()}-{uuid.uuid4().hex}{suffix}")
-
-
-ADAPTERS_KEPT = 8
-"""Adapter versions an engine keeps registered (requests in flight keep the version they
-started on; vLLM's own LRU cache decides which of them stay loaded)."""
 
 
 class ExplorerEngine:
@@ -87,37 +79,12 @@ class ExplorerEngine:
         """
         engine_env(cfg)
         from vllm.engine.arg_utils import AsyncEngineArgs
-        from vllm.config import LoggingConfig
+        from vllm.platforms import current_platform
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        extra = {}
-        if weight_transfer is not None:
-            from vllm.config.weight_transfer import WeightTransferConfig
-
-            extra["weight_transfer_config"] = WeightTransferConfig(backend=weight_transfer)
-        if lora_rank is not None:
-            extra.update(enable_lora=True, max_lora_rank=lora_rank, max_loras=cfg.max_loras,
-                         max_cpu_loras=max(ADAPTERS_KEPT, cfg.max_loras))
-        args = AsyncEngineArgs(
-            model=model_path,
-            dtype=cfg.dtype,
-            max_model_len=cfg.max_model_len,
-            max_num_seqs=cfg.max_num_seqs,
-            enforce_eager=True,
-            logprobs_mode=LOGPROBS_MODE,
-            max_logprobs=20,
-            seed=seed,
-            disable_log_stats=True,
-            # vLLM's default applies a logging dictConfig here, which closes every handler of the
-            # process: Ray Serve's buffered replica log handler then kept every later record (one
-            # access-log line per request) in memory for good and wrote none (benchmarks/soak.py).
-            # vLLM logs through the process's handlers instead, at VLLM_LOGGING_LEVEL (`engine_env`).
-            logging_config=LoggingConfig(configure_logging=False),
-            gpu_memory_utilization=cfg.gpu_memory_utilization,
-            worker_extension_cls="serve_rft.explorer.worker_ext.PolicyWeightsExtension",
-            **extra,
-        )
-        llm = AsyncLLM.from_engine_args(args)
+        args = AsyncEngineArgs(**engine_kwargs(cfg, model_path, seed=seed, on_cpu=current_platform.is_cpu(),
+                                               weight_transfer=weight_transfer, lora_rank=lora_rank))
+        llm = AsyncLLM.from_engine_args(args, stat_loggers=stat_loggers())
         engine = cls(llm, 0, replica_id, adapter_sync=lora_rank is not None)
         await llm.update_weight_version("0")
         # the engine's processes end when this process does, even by SIGKILL (no orphans)

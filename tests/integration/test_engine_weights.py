@@ -62,8 +62,12 @@ def test_checkpoint_and_memory_loads_give_exactly_the_new_policy(embedded_model,
             # close it (vLLM's logging dictConfig once did; it then kept every record in memory)
             buffered = logging.handlers.MemoryHandler(1, target=logging.StreamHandler(io.StringIO()))
             logging.getLogger("serve_rft.test.buffered").addHandler(buffered)
-            engine = await ExplorerEngine.create(str(embedded_model), ExplorerConfig())
+            # explorer.engine_args reach vLLM unchanged; enforce_eager defaults to true on CPU
+            engine = await ExplorerEngine.create(str(embedded_model), ExplorerConfig(
+                engine_args={"max_num_batched_tokens": 2048}))
             assert buffered.target is not None, "starting the engine closed the process's log handlers"
+            assert engine.llm.vllm_config.scheduler_config.max_num_batched_tokens == 2048
+            assert engine.llm.vllm_config.model_config.enforce_eager is True
             try:
                 results = {}
                 ids0, lp0, _ = await _sample(engine, "v0")

@@ -29,6 +29,98 @@ async def _experience(stack, cid: str, i: int):
         await s.close()
 
 
+def _logprob_gap(stack, exp) -> float:
+    """max |behaviour logprob - the trainer's recomputation| over ``exp``'s response tokens, with
+    the weights of the one version that produced them (version 0: the initial model)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from serve_rft.trainer.algorithm import response_logprobs
+    from serve_rft.weights.folders import version_dir
+
+    (version,) = {v for v, _, _ in exp.token_versions}
+    path = version_dir(stack.run_dir / "checkpoints", version) if version else stack.model_path
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    t = exp.sampling.temperature or 1.0
+    with torch.no_grad():
+        lp, _ = response_logprobs(model, [exp.prompt_token_ids], [exp.response_token_ids], [t],
+                                  top_ps=[exp.sampling.top_p])
+    return float((lp[0, : len(exp.response_token_ids)] - torch.tensor(exp.behaviour_logprobs)).abs().max())
+
+
+def test_a_tool_using_agent_runs_through_the_openai_sdk_and_its_conversation_is_trained(stack):
+    """serve_rft.demo.agent through the unchanged openai SDK, sync and not streamed, then async and
+    streamed: turn 1 a forced call of the weather tool (message.tool_calls), run client-side, sent
+    back as an assistant tool_calls turn and a tool message; turn 2 a text answer; one reward for
+    the conversation. Each turn's experience holds exactly the ids the engine consumed and sampled
+    (return_token_ids); the tool's output lies in turn 2's prompt (never in the loss); turn 1,
+    sampled under the tool's grammar, is left out of the loss and counted (constrained); turn 2 is
+    trained, and its behaviour logprobs are the trainer's recomputation on its version."""
+    import uuid
+
+    from transformers import AutoTokenizer
+
+    from serve_rft.demo.agent import CITIES, post_reward, run_episode, run_episode_streamed
+
+    u = stack.url
+    before = httpx.get(f"{u}/v1/status", headers=ADMIN).json()["trainer"]["constrained"]
+    ep = run_episode(openai.OpenAI(base_url=f"{u}/v1", api_key="x", max_retries=0),
+                     f"agent-{uuid.uuid4().hex}", "Paris")
+    assert ep.turns[0].finish_reason == "stop" and ep.tool_call["name"] == "weather"  # named: "stop", as OpenAI
+    assert json.loads(ep.tool_call["arguments"])["city"] in CITIES  # the grammar of the tool's parameters
+
+    async def streamed():
+        client = openai.AsyncOpenAI(base_url=f"{u}/v1", api_key="x", max_retries=0)
+        try:
+            return await run_episode_streamed(client, f"agent-{uuid.uuid4().hex}", "Oslo")
+        finally:
+            await client.close()
+
+    ep2 = asyncio.run(streamed())
+    assert ep2.tool_call["name"] == "weather" and ep2.tool_call["id"] and len(ep2.turns) == 2
+    for e in (ep, ep2):
+        assert post_reward(u, e, api_key="x")["data"][0]["status"] == "recorded"
+
+    tok = AutoTokenizer.from_pretrained(str(stack.model_path))
+    for i, turn in enumerate(ep.turns):  # token-exact: what the client saw is what is stored
+        exp = asyncio.run(_experience(stack, turn.completion_id, 0))
+        assert turn.token_ids and exp.prompt_token_ids == turn.prompt_token_ids
+        assert exp.response_token_ids == turn.token_ids
+        assert bool(exp.sampling.structured_outputs) == (i == 0)  # turn 1 under the tool's grammar
+    assert ep.tool_output in tok.decode(ep.turns[1].prompt_token_ids)  # the tool's output: prompt, masked
+    final = asyncio.run(_experience(stack, ep.turns[1].completion_id, 0))
+    if len({v for v, _, _ in final.token_versions}) == 1:  # a turn that spans a sync has no one checkpoint
+        assert _logprob_gap(stack, final) < 1e-3
+
+    async def linked():
+        store = _store(stack)
+        try:
+            return await store.conversation_turns(ep.conversation_id)
+        finally:
+            await store.close()
+
+    assert asyncio.run(linked()) == [t.completion_id for t in ep.turns]  # the conversation, in order
+
+    def states(e):
+        return [httpx.get(f"{u}/v1/experiences/{t.completion_id}").json()["choices"][0]["state"] for t in e.turns]
+
+    deadline = time.monotonic() + 180
+    while any(st in ("pending", "rewarded", "ready") for e in (ep, ep2) for st in states(e)):
+        if time.monotonic() > deadline:
+            pytest.fail(f"agent turns not trained: {states(ep)} {states(ep2)}")
+        time.sleep(1.0)
+    assert states(ep) == states(ep2) == ["constrained", "trained"]
+    assert httpx.get(f"{u}/v1/status", headers=ADMIN).json()["trainer"]["constrained"] >= before + 2
+
+    from typer.testing import CliRunner
+
+    from serve_rft.cli import cli
+    run = CliRunner().invoke(cli, ["agent", "--url", u, "--episodes", "1", "--api-key", "x"])
+    assert run.exit_code == 0, run.output
+    line = json.loads(run.output.strip().splitlines()[-1])
+    assert line["tool_call"]["name"] == "weather" and len(line["turns"]) == 2
+
+
 def test_health_models_status(stack):
     assert httpx.get(f"{stack.url}/health").status_code == 200
     models = openai.OpenAI(base_url=f"{stack.url}/v1", api_key="x").models.list()
@@ -552,7 +644,9 @@ def test_locust_smoke_run_has_no_errors_and_metrics_are_exported(stack, tmp_path
             'ray_serve_rft_request_seconds_bucket', 'ray_serve_rft_time_to_first_token_seconds_count',
             'kind="completion"', 'ray_serve_rft_experiences{', 'state="trained"', 'ray_serve_rft_rewards_total',
             'ray_serve_rft_experiences_logged_total', 'ray_serve_rft_trainer_step_seconds_count',
-            'stat="loss"', 'ray_serve_rft_sync_seconds_count', 'ray_serve_rft_trained_staleness_versions_count']
+            'stat="loss"', 'ray_serve_rft_sync_seconds_count', 'ray_serve_rft_trained_staleness_versions_count',
+            # vLLM's own engine metrics, one ReplicaId per replica (explorer.log_stats)
+            'ray_vllm_num_requests_running{', 'ReplicaId="', 'ray_vllm_time_to_first_token_seconds_bucket']
     assert stack.metrics_url
     deadline = time.monotonic() + 90
     text = ""

@@ -34,3 +34,41 @@ def test_train_mode_refuses_what_cannot_work():
     check_mode(load_config(None, ["synchronizer.sync_style=explorer_driven"]), "both")
     check_mode(load_config(None, ["service.ray_address=10.0.0.1:6379",
                                   "buffer.redis_url=redis://10.0.0.1:6380/0"]), "train")
+
+
+def test_engine_arguments_serve_rft_owns_or_vllm_lacks_are_refused_before_anything_starts(tmp_path):
+    """explorer.engine_args passes vLLM engine arguments through; one serve_rft sets itself is a
+    config error that says what to set instead, and a name vLLM's AsyncEngineArgs lacks is refused
+    by the CLI before Redis or Ray start."""
+    from pydantic import ValidationError
+
+    from serve_rft.config import load_config
+
+    with pytest.raises(ValidationError, match="explorer.engine_args.dtype is serve_rft's to set: set explorer.dtype"):
+        load_config(None, ["explorer.engine_args={dtype: bfloat16}"])
+    with pytest.raises(ValidationError, match="logprobs_mode is serve_rft's to set"):
+        load_config(None, ["explorer.engine_args={logprobs_mode: raw_logprobs}"])
+    result = CliRunner().invoke(cli, ["up", "--set", "explorer.engine_args={enable_prefix_cachng: false}",
+                                      "--set", f"service.run_dir={tmp_path}"])
+    assert result.exit_code == 2, result.output
+    assert "enable_prefix_cachng not an argument of vLLM's AsyncEngineArgs" in " ".join(result.output.split())
+    assert not (tmp_path / "redis").exists()
+
+
+def test_engine_kwargs_put_serve_rfts_arguments_first_and_pass_the_rest_through():
+    from serve_rft.config.explorer import ExplorerConfig
+    from serve_rft.explorer.engine_args import LOGPROBS_MODE, engine_kwargs
+
+    cfg = ExplorerConfig(engine_args={"enable_prefix_caching": False, "max_num_batched_tokens": 4096})
+    kw = engine_kwargs(cfg, "/m", seed=7, on_cpu=True)
+    assert kw["enable_prefix_caching"] is False and kw["max_num_batched_tokens"] == 4096
+    assert kw["logprobs_mode"] == LOGPROBS_MODE and kw["seed"] == 7 and kw["model"] == "/m"
+    assert kw["enforce_eager"] is True and kw["disable_log_stats"] is False
+    assert engine_kwargs(ExplorerConfig(), "/m", seed=0, on_cpu=False)["enforce_eager"] is False  # GPU: graphs
+    assert engine_kwargs(ExplorerConfig(enforce_eager=True), "/m", seed=0, on_cpu=False)["enforce_eager"] is True
+    assert engine_kwargs(ExplorerConfig(log_stats=False), "/m", seed=0, on_cpu=True)["disable_log_stats"] is True
+    so = engine_kwargs(ExplorerConfig(engine_args={"structured_outputs_config": {
+        "backend": "xgrammar", "disable_any_whitespace": True}}), "/m", seed=0, on_cpu=True)["structured_outputs_config"]
+    assert type(so).__name__ == "StructuredOutputsConfig" and so.disable_any_whitespace  # as `vllm serve` parses it
+    lora = engine_kwargs(ExplorerConfig(max_loras=2), "/m", seed=0, on_cpu=True, lora_rank=8)
+    assert lora["enable_lora"] and lora["max_lora_rank"] == 8 and lora["max_loras"] == 2

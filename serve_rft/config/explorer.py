@@ -120,6 +120,11 @@ class ExplorerConfig(StrictSection):
         "Hermes <tool_call> blocks, as the embedded model's chat template writes them; llama3_json, "
         "mistral, ...): turns the model's text into message.tool_calls. null: requests with tools "
         "get 400.")
+    tool_strict_level: Literal["auto", "function", "parameter"] = Field(
+        "auto", description="vLLM's --tool-strict-level: how much of a tool call its grammar pins. auto: "
+        "forced calls (tool_choice required / named) get the call envelope, arguments follow their "
+        "schema only for tools marked strict (OpenAI's rule); function: the envelope for every "
+        "request with tools; parameter: also every tool's arguments, as if all were strict.")
     chat_template: str | None = Field(
         None, description="A Jinja chat template file used instead of the model's own.")
     routing_stats_period_s: float = Field(

@@ -70,7 +70,7 @@ def build_serving(cfg: Config, tap, model_path: str) -> OpenAIServing:
         model_config=tap.model_config, renderer=tap.renderer, request_logger=None, chat_template=template,
         chat_template_content_format="auto", trust_request_chat_template=False, trust_request_mm_kwargs=False,
         enable_auto_tools=tools, exclude_tools_when_tool_choice_none=False, tool_parser=ecfg.tool_call_parser,
-        tool_strict_level="auto", reasoning_parser="", default_chat_template_kwargs={}, log_error_stack=False)
+        tool_strict_level=ecfg.tool_strict_level, reasoning_parser="", default_chat_template_kwargs={}, log_error_stack=False)
     renderer.warmup()
     chat = _policy_fingerprint(OpenAIServingChat)(
         engine_client=tap, models=models, response_role="assistant", online_renderer=renderer,

@@ -51,6 +51,13 @@ DRAIN_ENV = {"RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "5",
              "RAY_SERVE_PROXY_MIN_DRAINING_PERIOD_S": "5"}
 
 
+HAPROXY_STARTUP_TIMEOUT_S = 120
+"""How long Ray Serve's proxy actor waits for HAProxy to take over its admin socket before it gives
+up (Ray's default 30 s). A test stack in CI once failed to start with ``ProxyActor.ready()`` raising
+right after the previous stack's shutdown on a busy 2-core machine (the message was cut off: a
+crash on start, or this timeout); a slow start now waits instead of failing."""
+
+
 def haproxy_env() -> dict[str, str]:
     """The environment that puts a Ray cluster started from this process in HAProxy mode.
 
@@ -83,4 +90,5 @@ def haproxy_env() -> dict[str, str]:
         "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT": str(free_port("0.0.0.0")),
         "RAY_SERVE_HAPROXY_METRICS_ENABLED": "0",
         "RAY_SERVE_HAPROXY_NBTHREAD": str(max(1, min(4, os.cpu_count() or 1))),
+        "RAY_SERVE_HAPROXY_STARTUP_TIMEOUT_S": str(HAPROXY_STARTUP_TIMEOUT_S),
     }

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.integration
 def stack(redis_server, embedded_model, tmp_path_factory):
     yield from start_stack(redis_server.url, embedded_model, tmp_path_factory.mktemp("run-keep"),
                            ["synchronizer.sync_style=trainer_driven", "synchronizer.drain_mode=keep",
-                            "trainer.max_staleness=1",
+                            "trainer.max_staleness=1", "explorer.tool_strict_level=parameter",
                             "service.admin_keys=[x]", "service.api_keys=[inference-key]"])
 
 
@@ -90,3 +90,24 @@ def test_api_keys_inference_key_serves_admin_key_rewards(stack):
     assert httpx.get(f"{u}/v1/status", headers=inference).status_code == 401
     assert httpx.post(f"{u}/v1/rewards", json=reward, headers=loop.ADMIN).status_code == 200
     assert httpx.get(f"{u}/health").status_code == 200
+
+
+def test_tool_strict_level_parameter_pins_arguments_of_tools_not_marked_strict(stack):
+    """explorer.tool_strict_level reaches vLLM's renderer: at `parameter` a forced call of a tool
+    without OpenAI's `strict` flag still follows its parameters' schema (at the default `auto`
+    vLLM pins only the call envelope, and the random model wrote `"arguments": null`)."""
+    import json
+
+    from serve_rft.demo.agent import CALL_TOKENS, CITIES, TOOLS
+
+    loose = [{**TOOLS[0], "function": {k: v for k, v in TOOLS[0]["function"].items() if k != "strict"}}]
+    client = openai.OpenAI(base_url=f"{stack.url}/v1", api_key="inference-key", max_retries=0, timeout=300)
+    for _ in range(3):  # a call may run out of tokens in whitespace (CALL_TOKENS); try again
+        comp = client.chat.completions.create(
+            model="serve-rft", messages=[{"role": "user", "content": "weather in Rome?"}], tools=loose,
+            tool_choice={"type": "function", "function": {"name": "weather"}}, max_tokens=CALL_TOKENS,
+            temperature=1.0)
+        if comp.choices[0].finish_reason != "length":
+            break
+    assert comp.choices[0].finish_reason == "stop", comp
+    assert json.loads(comp.choices[0].message.tool_calls[0].function.arguments)["city"] in CITIES

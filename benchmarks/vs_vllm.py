@@ -38,12 +38,15 @@ PROMPTS = ["Say something nice.", "Tell me a story about the sea.", "Name an ani
            "Describe a grey sky over a quiet town in a few words."]
 
 
-def start_ours(run_dir: Path, log: Path, ingress: str = "haproxy") -> tuple[subprocess.Popen, str]:
+def start_ours(run_dir: Path, log: Path, ingress: str = "haproxy",
+               overrides: tuple[str, ...] = ()) -> tuple[subprocess.Popen, str]:
     """``serve-rft up --mode serve`` with one replica (its own embedded redis-server) behind
-    ``ingress`` (``service.ingress``: haproxy or proxy)."""
+    ``ingress`` (``service.ingress``: haproxy or proxy), plus ``overrides`` (``section.field=value``)."""
     cmd = [sys.executable, "-m", "serve_rft.cli", "up", "--mode", "serve", "--port", "0",
            "--set", "explorer.num_replicas=1", "--set", f"service.run_dir={run_dir}",
            "--set", "service.metrics_port=0", "--set", f"service.ingress={ingress}"]
+    for o in overrides:
+        cmd += ["--set", o]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=open(log, "w"), text=True,
                             start_new_session=True, cwd=ROOT)
     for line in proc.stdout:
@@ -147,6 +150,8 @@ def main() -> None:
                     help="both servers return the sampled tokens' logprobs (equal engine work)")
     ap.add_argument("--ingress", choices=["haproxy", "proxy"], default="haproxy",
                     help="our front door (service.ingress)")
+    ap.add_argument("--set", dest="sets", action="append", default=[],
+                    help="A run-config override for our side (section.field=value); repeatable.")
     ap.add_argument("--out", default="benchmarks/results/vs_vllm.json")
     a = ap.parse_args()
     model = str(ensure_embedded_model(ModelConfig().cache_dir))
@@ -154,7 +159,7 @@ def main() -> None:
     vllm_proc, vllm_url = start_vllm(model, free_port(), work / "vllm.log", a.vllm_threads)
     ours_proc = None
     try:
-        ours_proc, ours_url = start_ours(work / "run", work / "ours.log", a.ingress)
+        ours_proc, ours_url = start_ours(work / "run", work / "ours.log", a.ingress, tuple(a.sets))
         for url in (ours_url, vllm_url):  # warm-up
             asyncio.run(run_load(url, max(a.levels), 5.0, a.max_tokens))
         results = {}
@@ -179,7 +184,7 @@ def main() -> None:
                       f"--rounds {a.rounds} --duration {a.duration:g} --max-tokens {a.max_tokens} "
                       f"--modes {' '.join(a.modes)} "
                       f"--vllm-threads {a.vllm_threads} --ingress {a.ingress} --out {a.out}"
-                      + (" --logprobs" if a.logprobs else ""),
+                      + (" --logprobs" if a.logprobs else "") + "".join(f" --set {o}" for o in a.sets),
            "model": model, "cpus": os.cpu_count(), "results": results}
     Path(a.out).write_text(json.dumps(out, indent=2))
     print(json.dumps({k: {kk: vv for kk, vv in v.items() if kk != "runs"} for k, v in results.items()}, indent=1))

@@ -384,16 +384,22 @@ def test_a_drained_replica_refuses_and_haproxy_resends_every_request(stack):
             st = httpx.get(f"{u}/v1/status", headers=ADMIN).json()
             return {x["id"]: x["refused"] for x in st["replicas"]}[a] - before[a]
 
-        chat = openai.OpenAI(base_url=f"{u}/v1", api_key="x", max_retries=0, timeout=60)
-        deadline = time.monotonic() + 60
+        async def burst(k: int = 8):  # concurrent: leastconn spreads them over both replicas
+            client = openai.AsyncOpenAI(base_url=f"{u}/v1", api_key="x", max_retries=0, timeout=60)
+            await asyncio.gather(*[client.chat.completions.create(
+                model="serve-rft", messages=[{"role": "user", "content": f"w{i}"}], max_tokens=2)
+                for i in range(k)])
+            await client.close()
+
+        deadline = time.monotonic() + 90
         while refused_by_a() == 0 and time.monotonic() < deadline:
             # a learns of the drain from its next poll answer (on a loaded machine: seconds);
             # until then it may still serve. Its first refusal (re-sent by HAProxy, the client
             # sees b's answer) reaches the synchronizer with the poll after.
-            chat.chat.completions.create(model="serve-rft", messages=[{"role": "user", "content": "w"}],
-                                         max_tokens=2)
+            asyncio.run(burst())
             time.sleep(0.5)
-        assert refused_by_a() > 0, "the drained replica never refused a request"
+        assert refused_by_a() > 0, ("the drained replica never refused a request",
+                                    httpx.get(f"{u}/v1/status", headers=ADMIN).json()["replicas"])
 
         async def go():
             client = openai.AsyncOpenAI(base_url=f"{u}/v1", api_key="x", max_retries=0, timeout=60)

@@ -201,7 +201,7 @@ def agent(url: str = typer.Option("http://127.0.0.1:8000", help="The running ser
     import httpx
     import openai
 
-    from serve_rft.demo.agent import post_reward, run_episode, run_episode_streamed
+    from serve_rft.demo.agent import post_reward, run_episode, run_episode_async
 
     failed = 0
     for _ in range(episodes):
@@ -211,7 +211,7 @@ def agent(url: str = typer.Option("http://127.0.0.1:8000", help="The running ser
                 async def one():
                     client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=api_key or "none")
                     try:
-                        return await run_episode_streamed(client, cid)
+                        return await run_episode_async(client, cid, stream=True)
                     finally:
                         await client.close()
                 ep = asyncio.run(one())
@@ -223,7 +223,8 @@ def agent(url: str = typer.Option("http://127.0.0.1:8000", help="The running ser
             console.print(f"[red]episode {cid} failed:[/red] {e}")
             continue
         print(json.dumps({"conversation_id": cid, "turns": [t.completion_id for t in ep.turns],
-                          "tool_call": ep.tool_call, "answer": ep.answer, "reward": ep.reward,
+                          "tool_call": ep.tool_call, "answer": ep.answer,
+                          "follow_up_answer": ep.follow_up_answer, "reward": ep.reward,
                           "policy_versions": [t.policy_version for t in ep.turns]}))
     if failed:
         raise typer.Exit(1)

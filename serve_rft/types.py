@@ -61,6 +61,8 @@ class Experience(BaseModel):
     finish_reason: str | None
     created_at: float = Field(default_factory=time.time, description="Request arrival, unix s.")
     finished_at: float = Field(default_factory=time.time, description="Generation end, unix s.")
+    user: str | None = Field(None, description="OpenAI's ``user`` of the request, if given.")
+    metadata: dict[str, str] | None = Field(None, description="OpenAI's ``metadata`` of the request, if given.")
 
     @property
     def min_version(self) -> int:

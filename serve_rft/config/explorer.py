@@ -33,6 +33,8 @@ ENGINE_ARGS_OWNED = {
     "tensor_parallel_size": "one vLLM worker per replica for now (weight sync and NCCL assume it)",
     "pipeline_parallel_size": "one vLLM worker per replica for now (weight sync and NCCL assume it)",
     "data_parallel_size": "set explorer.num_replicas instead (each replica is one engine)",
+    "logits_processors": "custom logits processors change the sampling distribution; the trainer does not "
+                         "reproduce them",
 }
 """Engine arguments ``explorer.engine_args`` may not set -> why, or what to set instead."""
 

@@ -2,20 +2,25 @@
 online RL for agents serves (the shape AReaL's online proxy, OpenPipe ART and agent-lightning
 train on).
 
-One episode: a user asks about a city's weather. Turn 1 the model calls the ``weather`` tool;
-the call is forced with a named ``tool_choice`` and the tool is ``strict`` (OpenAI's flag: the
-arguments must follow its schema), so that even a random-init model makes a valid call: vLLM samples
-the whole ``<tool_call>`` block under a grammar built from the tool's parameters. The client runs the
-tool and sends the call back as the assistant turn (``content: null`` + ``tool_calls``) and the
-result as a ``tool`` message with the call's id. Turn 2 the model answers in text
-(``tool_choice: none``). The conversation gets one reward through ``/v1/rewards``
-(``conversation_id``; turn t of T gets ``reward * discount**(T-1-t)``).
+One episode, three assistant turns. A user asks about a city's weather. Turn 1 the model calls the
+``weather`` tool; the call is forced with a named ``tool_choice`` and the tool is ``strict``
+(OpenAI's flag: the arguments must follow its schema), so that even a random-init model makes a
+valid call: vLLM samples the whole ``<tool_call>`` block under a grammar built from the tool's
+parameters. The client runs the tool and sends the call back as the assistant turn
+(``content: null`` + ``tool_calls``) and the result as a ``tool`` message with the call's id.
+Turn 2 the model answers in text (``tool_choice: none``). Turn 3 the user follows up
+(`FOLLOW_UP`) and the model answers again. The conversation gets one reward through
+``/v1/rewards`` (``conversation_id``; turn t of T gets ``reward * discount**(T-1-t)``).
 
 Every turn is an experience of its own: the prompt ids exactly as the engine consumed them (the
-earlier turns as the chat template renders them, the tool output included; prompt tokens are never
-in the loss) and the sampled ids (``return_token_ids`` shows both to the client). A turn sampled
-under a grammar is left out of the loss and counted (state ``constrained``): its behaviour
-logprobs are of the masked distribution, which the trainer does not reproduce.
+earlier turns as the chat template renders them, the tool output and the user's follow-up included;
+prompt tokens are never in the loss) and the sampled ids (``return_token_ids`` shows both to the
+client). A turn sampled under a grammar is left out of the loss and counted (state
+``constrained``): its behaviour logprobs are of the masked distribution, which the trainer does
+not reproduce.
+
+The same script runs on the sync client (`run_episode`) and the async one (`run_episode_async`),
+each streamed or not: `_script` is the conversation, the two drivers only send its requests.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from __future__ import annotations
 import json
 import random
 from dataclasses import dataclass, field
+from typing import Any, Generator
 
 import httpx
 import openai
@@ -33,6 +39,13 @@ TOOLS = [{"type": "function", "function": {
     "parameters": {"type": "object", "properties": {"city": {"type": "string", "enum": CITIES}},
                    "required": ["city"], "additionalProperties": False}}}]
 FORCED = {"type": "function", "function": {"name": "weather"}}
+FOLLOW_UP = "Thanks. Should I take an umbrella?"
+"""The user's message of turn 3."""
+
+CALL_TOKENS = 600
+"""``max_tokens`` of the forced call: vLLM's tool-call grammar lets whitespace into the JSON without
+bound, and a random-init model at temperature 1 spends ~120 tokens on a call on average (16 of 16
+calls finished within 600, measured on the embedded model; at temperature 0.3 only 6 of 16 did)."""
 
 
 def weather(city: str) -> str:
@@ -60,6 +73,7 @@ class Turn:
         token_ids: the sampled ids, in order.
         finish_reason: OpenAI's.
         policy_version: from ``system_fingerprint`` (``policy-v{N}``).
+        text: the answer's text ("" for a tool call).
     """
 
     completion_id: str
@@ -67,115 +81,143 @@ class Turn:
     token_ids: list[int]
     finish_reason: str
     policy_version: int | None
+    text: str = ""
 
 
 @dataclass
 class Episode:
-    """A finished conversation: its turns, the tool call and result, the answer and reward."""
+    """A finished conversation: its turns, the tool call and result, the answers and reward."""
 
     conversation_id: str
     turns: list[Turn] = field(default_factory=list)
     tool_call: dict | None = None
     tool_output: str = ""
     answer: str = ""
+    follow_up_answer: str = ""
     reward: float | None = None
+
+
+@dataclass
+class _Ask:
+    """One chat request of the script."""
+
+    messages: list[dict]
+    tool_choice: Any
+    max_tokens: int
 
 
 def _version(fingerprint: str | None) -> int | None:
     return int(fingerprint.removeprefix("policy-v")) if fingerprint and fingerprint.startswith("policy-v") else None
 
 
-def _messages(question: str, call, tool_output: str | None) -> list[dict]:
+def _script(ep: Episode, city: str, max_tokens: int) -> Generator[_Ask, tuple[Turn, dict | None], None]:
+    """The conversation: yields each request, receives ``(turn, tool call or None)``, fills ``ep``.
+
+    Raises:
+        ValueError: turn 1 ended without a tool call (`CALL_TOKENS` ran out), or its arguments are
+            not a JSON object.
+    """
     msgs = [{"role": "system", "content": "You answer with the weather tool."},
-            {"role": "user", "content": question}]
-    if call is not None:
-        msgs += [{"role": "assistant", "content": None, "tool_calls": [
-                     {"id": call.id, "type": "function",
-                      "function": {"name": call.function.name, "arguments": call.function.arguments}}]},
-                 {"role": "tool", "tool_call_id": call.id, "content": tool_output}]
-    return msgs
+            {"role": "user", "content": f"What is the weather in {city} today?"}]
+    turn, call = yield _Ask(msgs, FORCED, CALL_TOKENS)
+    if not call or not call["name"]:
+        raise ValueError(f"turn 1 ended ({turn.finish_reason}) without a tool call: {turn.text!r}")
+    ep.tool_call = call
+    ep.tool_output = weather(**_arguments(call["arguments"], turn))
+    msgs = msgs + [{"role": "assistant", "content": None, "tool_calls": [
+                        {"id": call["id"], "type": "function",
+                         "function": {"name": call["name"], "arguments": call["arguments"]}}]},
+                   {"role": "tool", "tool_call_id": call["id"], "content": ep.tool_output}]
+    turn, _ = yield _Ask(msgs, "none", max_tokens)
+    ep.answer = turn.text
+    msgs = msgs + [{"role": "assistant", "content": turn.text}, {"role": "user", "content": FOLLOW_UP}]
+    turn, _ = yield _Ask(msgs, "none", max_tokens)
+    ep.follow_up_answer = turn.text
+    ep.reward = episode_reward(ep.answer, ep.tool_output)
 
 
-CALL_TOKENS = 600
-"""``max_tokens`` of the forced call: vLLM's tool-call grammar lets whitespace into the JSON without
-bound, and a random-init model at temperature 1 spends ~120 tokens on a call on average (16 of 16
-calls finished within 600, measured on the embedded model; at temperature 0.3 only 6 of 16 did)."""
+def _request(ask: _Ask, model: str, temperature: float, stream: bool, conversation_id: str) -> dict:
+    return dict(model=model, messages=ask.messages, tools=TOOLS, tool_choice=ask.tool_choice,
+                max_tokens=ask.max_tokens, temperature=temperature, stream=stream,
+                parallel_tool_calls=False,
+                extra_body={"conversation_id": conversation_id, "return_token_ids": True})
 
 
-def run_episode(client: openai.OpenAI, conversation_id: str, city: str | None = None, *,
+def run_episode(client: openai.OpenAI, conversation_id: str, city: str | None = None, *, stream: bool = False,
                 model: str = "serve-rft", max_tokens: int = 24, temperature: float = 1.0) -> Episode:
-    """Run one episode with the sync client (not streamed); see the module docstring.
+    """Run one episode with the sync client, every turn streamed or not; see the module docstring.
 
     Raises:
         openai.APIError: the service refused a turn.
-        ValueError: turn 1 ended without a tool call (`CALL_TOKENS` ran out).
+        ValueError: turn 1 ended without a tool call.
     """
-    city = city or random.choice(CITIES)
-    question = f"What is the weather in {city} today?"
     ep = Episode(conversation_id)
-    extra = {"conversation_id": conversation_id, "return_token_ids": True}
-    r1 = client.chat.completions.create(model=model, messages=_messages(question, None, None), tools=TOOLS,
-                                        tool_choice=FORCED, parallel_tool_calls=False, max_tokens=CALL_TOKENS,
-                                        temperature=temperature, extra_body=extra)
-    ep.turns.append(_turn(r1))
-    calls = r1.choices[0].message.tool_calls
-    if not calls:
-        raise ValueError(f"turn 1 ended ({r1.choices[0].finish_reason}) without a tool call: "
-                         f"{r1.choices[0].message.content!r}")
-    call = calls[0]
-    ep.tool_call = {"id": call.id, "name": call.function.name, "arguments": call.function.arguments}
-    ep.tool_output = weather(**_arguments(call.function.arguments, r1))
-    r2 = client.chat.completions.create(model=model, messages=_messages(question, call, ep.tool_output),
-                                        tools=TOOLS, tool_choice="none", max_tokens=max_tokens,
-                                        temperature=temperature, extra_body=extra)
-    ep.turns.append(_turn(r2))
-    ep.answer = r2.choices[0].message.content or ""
-    ep.reward = episode_reward(ep.answer, ep.tool_output)
-    return ep
+    script = _script(ep, city or random.choice(CITIES), max_tokens)
+    try:
+        ask = next(script)
+        while True:
+            r = client.chat.completions.create(**_request(ask, model, temperature, stream, conversation_id))
+            got = _from_chunks(list(r)) if stream else _from_response(r)
+            ep.turns.append(got[0])
+            ask = script.send(got)
+    except StopIteration:
+        return ep
 
 
-async def run_episode_streamed(client: openai.AsyncOpenAI, conversation_id: str, city: str | None = None, *,
-                               model: str = "serve-rft", max_tokens: int = 24,
-                               temperature: float = 1.0) -> Episode:
-    """The same episode with the async client, every turn streamed (tool-call deltas assembled
-    as the openai SDK's users do). Turns carry no token ids (streams do not return them).
+async def run_episode_async(client: openai.AsyncOpenAI, conversation_id: str, city: str | None = None, *,
+                            stream: bool = True, model: str = "serve-rft", max_tokens: int = 24,
+                            temperature: float = 1.0) -> Episode:
+    """`run_episode` on the async client.
 
     Raises:
         openai.APIError: the service refused a turn; ValueError: turn 1 made no tool call.
     """
-    city = city or random.choice(CITIES)
-    question = f"What is the weather in {city} today?"
     ep = Episode(conversation_id)
-    extra = {"conversation_id": conversation_id}
+    script = _script(ep, city or random.choice(CITIES), max_tokens)
+    try:
+        ask = next(script)
+        while True:
+            r = await client.chat.completions.create(**_request(ask, model, temperature, stream, conversation_id))
+            got = _from_chunks([c async for c in r]) if stream else _from_response(r)
+            ep.turns.append(got[0])
+            ask = script.send(got)
+    except StopIteration:
+        return ep
 
-    async def turn(messages, tool_choice, n_tokens):
-        stream = await client.chat.completions.create(
-            model=model, messages=messages, tools=TOOLS, tool_choice=tool_choice, parallel_tool_calls=False,
-            max_tokens=n_tokens, temperature=temperature, stream=True, extra_body=extra)
-        rid, text, finish, fingerprint, call = "", "", "", None, {"id": "", "name": "", "arguments": ""}
-        async for chunk in stream:
-            rid, fingerprint = chunk.id, chunk.system_fingerprint or fingerprint
-            for c in chunk.choices:
-                text += c.delta.content or ""
-                for tc in c.delta.tool_calls or []:
-                    call["id"] = tc.id or call["id"]
-                    if tc.function is not None:
-                        call["name"] += tc.function.name or ""
-                        call["arguments"] += tc.function.arguments or ""
-                finish = c.finish_reason or finish
-        ep.turns.append(Turn(rid, [], [], finish, _version(fingerprint)))
-        return text, call
 
-    _, call = await turn(_messages(question, None, None), FORCED, CALL_TOKENS)
-    if not call["name"]:
-        raise ValueError(f"turn 1 ended ({ep.turns[-1].finish_reason}) without a tool call")
-    ep.tool_call = call
-    ep.tool_output = weather(**_arguments(call["arguments"], ep.turns[-1]))
-    as_call = openai.types.chat.ChatCompletionMessageToolCall.model_validate(
-        {"id": call["id"], "type": "function", "function": {"name": call["name"], "arguments": call["arguments"]}})
-    ep.answer, _ = await turn(_messages(question, as_call, ep.tool_output), "none", max_tokens)
-    ep.reward = episode_reward(ep.answer, ep.tool_output)
-    return ep
+def _from_response(r) -> tuple[Turn, dict | None]:
+    """A non-streamed response as a `Turn` and its first tool call (vLLM's ``return_token_ids``
+    fields are extras to the openai SDK: ``prompt_token_ids`` on the response, ``token_ids`` on the
+    choice)."""
+    c = r.choices[0]
+    calls = c.message.tool_calls
+    call = ({"id": calls[0].id, "name": calls[0].function.name, "arguments": calls[0].function.arguments}
+            if calls else None)
+    return Turn(r.id, list(getattr(r, "prompt_token_ids", None) or []), list(getattr(c, "token_ids", None) or []),
+                c.finish_reason, _version(r.system_fingerprint), c.message.content or ""), call
+
+
+def _from_chunks(chunks: list) -> tuple[Turn, dict | None]:
+    """Streamed chunks as a `Turn` and the tool call assembled from its deltas, as the openai SDK's
+    users do (with ``return_token_ids`` the first chunk carries the prompt ids and each chunk its
+    sampled ids, as vLLM streams them)."""
+    rid, text, finish, fingerprint = "", "", "", None
+    call = {"id": "", "name": "", "arguments": ""}
+    prompt_ids: list[int] = []
+    token_ids: list[int] = []
+    for chunk in chunks:
+        rid, fingerprint = chunk.id, chunk.system_fingerprint or fingerprint
+        prompt_ids += getattr(chunk, "prompt_token_ids", None) or []
+        for c in chunk.choices:
+            token_ids += getattr(c, "token_ids", None) or []
+            text += c.delta.content or ""
+            for tc in c.delta.tool_calls or []:
+                call["id"] = tc.id or call["id"]
+                if tc.function is not None:
+                    call["name"] += tc.function.name or ""
+                    call["arguments"] += tc.function.arguments or ""
+            finish = c.finish_reason or finish
+    return Turn(rid, prompt_ids, token_ids, finish, _version(fingerprint), text), call if call["name"] else None
 
 
 def _arguments(raw: str, seen) -> dict:
@@ -186,19 +228,11 @@ def _arguments(raw: str, seen) -> dict:
     """
     try:
         args = json.loads(raw)
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, TypeError):
         args = None
     if not isinstance(args, dict):
         raise ValueError(f"the tool call's arguments are not a JSON object: {raw!r} in {seen!r}")
     return args
-
-
-def _turn(r) -> Turn:
-    """A non-streamed response as a `Turn` (vLLM's ``return_token_ids`` fields are extras to the
-    openai SDK: ``prompt_token_ids`` on the response, ``token_ids`` on the choice)."""
-    c = r.choices[0]
-    return Turn(r.id, list(getattr(r, "prompt_token_ids", None) or []), list(getattr(c, "token_ids", None) or []),
-                c.finish_reason, _version(r.system_fingerprint))
 
 
 def post_reward(base_url: str, episode: Episode, api_key: str | None = None, discount: float = 1.0) -> dict:

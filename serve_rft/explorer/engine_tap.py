@@ -9,6 +9,8 @@ server does. They call ``engine_client.generate(prompt, sampling_params, request
 - labels the request with the policy version it is served with: full-weight sync salts the
   prefix cache with it (a KV block computed under one version is never reused under another);
   adapter-only LoRA sync answers with that version's adapter;
+- refuses (400) sampling settings the trainer does not reproduce (`reproducible.check`: they
+  can come from the model's generation config or a field vLLM adds after the request checks);
 - asks vLLM for the sampled tokens' logprobs (the behaviour logprobs the trainer needs) even
   when the client did not (vLLM's serving layer shows logprobs only to clients that asked);
 - accumulates what vLLM returns (token ids, logprobs, per-token weight-version spans) and, when
@@ -28,6 +30,7 @@ from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
+from serve_rft.explorer import reproducible
 from serve_rft.explorer.experience_log import ExperienceLog, Sampled
 from serve_rft.types import SamplingInfo
 
@@ -45,6 +48,7 @@ class RequestContext:
         logged: experiences the tap logged for it (set when the request finished).
         finished: the engine finished the request (a stream that ends without it failed).
         t0: arrival, `time.perf_counter` (for time to first token).
+        metadata, user: OpenAI's request fields, kept with the experiences.
     """
 
     store: bool | None = None
@@ -56,6 +60,8 @@ class RequestContext:
     logged: int = 0
     finished: bool = False
     t0: float = field(default_factory=time.perf_counter)
+    metadata: dict[str, str] | None = None
+    user: str | None = None
 
 
 CURRENT: ContextVar[RequestContext | None] = ContextVar("serve_rft_request", default=None)
@@ -103,7 +109,12 @@ class EngineTap:
     def generate(self, prompt, sampling_params, request_id: str, lora_request=None, **kwargs) -> AsyncIterator:
         """vLLM's ``EngineClient.generate`` (called by the serving layer; ``prompt`` is its
         rendered engine input, a dict with ``prompt_token_ids``). Reads `CURRENT` now, at call
-        time, in the route's context."""
+        time, in the route's context.
+
+        Raises:
+            vllm.exceptions.VLLMValidationError: a logged request whose sampling the trainer
+                cannot reproduce (`serve_rft.explorer.reproducible.check`).
+        """
         from vllm.sampling_params import RequestOutputKind
 
         ctx = CURRENT.get()
@@ -114,6 +125,7 @@ class EngineTap:
         prompt = dict(prompt)
         prompt["cache_salt"] = f"policy-v{version}"
         if ctx is not None:
+            reproducible.check(sampling_params)  # a 400 before anything is sampled
             ctx.version = version
             if sampling_params.logprobs is None:
                 sampling_params.logprobs = 0  # the sampled token's logprob, shown to nobody

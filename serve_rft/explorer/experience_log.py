@@ -71,7 +71,8 @@ class Sampled:
 
 def build_experiences(cid: str, replica_id: str, prompt_ids: list[int], choices: list[Sampled],
                       sampling: SamplingInfo, created_at: float, fallback_version: int,
-                      group_id: str | None = None) -> list[Experience]:
+                      group_id: str | None = None, user: str | None = None,
+                      metadata: dict[str, str] | None = None) -> list[Experience]:
     """One `Experience` per choice; the group is ``group_id`` (a client's) or the request itself
     (the completion id). ``created_at``: unix seconds the request arrived; ``fallback_version``:
     the policy version of tokens vLLM reported no version span for."""
@@ -82,7 +83,7 @@ def build_experiences(cid: str, replica_id: str, prompt_ids: list[int], choices:
             prompt_token_ids=prompt_ids, response_token_ids=c.token_ids,
             behaviour_logprobs=c.logprobs, token_versions=c.spans(fallback_version),
             sampling=sampling, finish_reason=c.finish_reason,
-            created_at=created_at, finished_at=now,
+            created_at=created_at, finished_at=now, user=user, metadata=metadata,
         )
         for c in sorted(choices, key=lambda c: c.index)
     ]
@@ -101,8 +102,9 @@ class ExperienceLog:
         """Log one answer's choices; never raises for the store's sake.
 
         Args:
-            req: the request's ``store``, ``group_id``, ``group_size``, ``conversation_id`` and
-                ``created_at`` (a `serve_rft.explorer.engine_tap.RequestContext`).
+            req: the request's ``store``, ``group_id``, ``group_size``, ``conversation_id``,
+                ``created_at``, ``user`` and ``metadata`` (a
+                `serve_rft.explorer.engine_tap.RequestContext`).
             cid: the response's id (what rewards name).
             prompt_ids: the token ids the engine consumed.
             version: the policy version of tokens without a version span.
@@ -114,7 +116,8 @@ class ExperienceLog:
             self.metrics.served(prompt_n, completion_n, 0, unlogged=len(choices))
             return 0
         group = f"u:{req.group_id}" if req.group_id else None  # client groups never collide with ids
-        exps = build_experiences(cid, self.replica_id, prompt_ids, choices, sampling, req.created_at, version, group)
+        exps = build_experiences(cid, self.replica_id, prompt_ids, choices, sampling, req.created_at, version, group,
+                                 req.user, req.metadata)
         try:
             await asyncio.wait_for(self.store.log_experiences(exps, group_size=req.group_size if group else None,
                                                               conversation_id=req.conversation_id),

@@ -9,8 +9,9 @@ Structured outputs (``response_format``, ``structured_outputs``, a forced tool c
 ``tool_choice`` ``required`` or a named function) are served; their experiences carry the
 constraint and the trainer leaves them out of the loss, counted (`serve_rft.trainer.intake`).
 
-serve_rft's own request fields (`Extensions`) and OpenAI's ``store`` are taken out before vLLM
-validates the rest. vLLM's validation is lax where OpenAI is strict (``"stream": "yes"`` would
+serve_rft's own request fields (`Extensions`) and OpenAI's ``store`` and ``metadata`` are taken
+out before vLLM validates the rest; a field vLLM does not know is refused (vLLM would ignore it).
+``user`` and ``metadata`` are kept with the experiences. vLLM's validation is lax where OpenAI is strict (``"stream": "yes"`` would
 be true), so the fields a client most often gets wrong are checked strictly first (`_Strict`).
 """
 
@@ -23,6 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, Strict
 
 from serve_rft.explorer.engine_tap import RequestContext
 from serve_rft.explorer.protocol import INT64_MAX, INT64_MIN, ApiError
+from serve_rft.explorer.reproducible import NOT_REPRODUCED
 
 
 class Extensions(BaseModel):
@@ -43,6 +45,17 @@ class Extensions(BaseModel):
     conversation_id: str | None = Field(None, min_length=1, max_length=256, description=(
         "Each assistant turn of a conversation is an experience; name the conversation to post "
         "one reward for all its turns."))
+    metadata: dict[StrictStr, StrictStr] | None = Field(None, max_length=16, description=(
+        "OpenAI's ``metadata`` (up to 16 pairs, keys up to 64 and values up to 512 characters): "
+        "kept with the request's experiences."))
+
+    @field_validator("metadata")
+    @classmethod
+    def _metadata(cls, v):
+        for key, value in (v or {}).items():
+            if not key or len(key) > 64 or len(value) > 512:
+                raise ValueError("metadata keys are 1-64 characters, values at most 512")
+        return v
 
 
 class _Strict(BaseModel):
@@ -76,30 +89,12 @@ class _StrictCompletion(_Strict):
     logprobs: StrictInt | None = Field(None, ge=0)
 
 
-def _unset(*neutral: Any) -> Callable[[Any], bool]:
-    return lambda v: v is None or v in neutral
-
-
 REFUSED: dict[str, tuple[Callable[[Any], bool], str]] = {
     # field -> (its value leaves sampling alone, why another value is refused)
-    "presence_penalty": (_unset(0, 0.0), "penalties change the sampling distribution; the trainer does not "
-                         "reproduce them"),
-    "frequency_penalty": (_unset(0, 0.0), "penalties change the sampling distribution; the trainer does not "
-                          "reproduce them"),
-    "repetition_penalty": (_unset(1, 1.0), "penalties change the sampling distribution; the trainer does not "
-                           "reproduce them"),
-    "logit_bias": (lambda v: not v, "a logit bias changes the sampling distribution; the trainer does not "
-                   "reproduce it"),
-    "top_k": (_unset(0, -1), "top_k truncates the sampling distribution; the trainer reproduces top_p only"),
-    "min_p": (_unset(0, 0.0), "min_p truncates the sampling distribution; the trainer reproduces top_p only"),
-    "min_tokens": (_unset(0), "min_tokens masks the end of the answer for its first tokens; the trainer does "
-                   "not reproduce that"),
-    "allowed_token_ids": (lambda v: not v, "a token allow-list changes the sampling distribution; the trainer "
-                          "does not reproduce it"),
-    "bad_words": (lambda v: not v, "banned words change the sampling distribution; the trainer does not "
-                  "reproduce them"),
-    "vllm_xargs": (lambda v: not v, "custom logits-processor arguments may change the sampling distribution"),
-    "watermarking": (lambda v: v is None, "watermarking changes the sampling distribution"),
+    **{name: NOT_REPRODUCED[name] for name in (
+        "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "top_k", "min_p",
+        "min_tokens", "allowed_token_ids", "bad_words", "watermarking", "thinking_token_budget")},
+    "vllm_xargs": (lambda v: not v, NOT_REPRODUCED["extra_args"][1]),
     "use_beam_search": (lambda v: not v, "beam search does not sample: its tokens have no behaviour "
                         "logprobs to train against"),
     "prompt_embeds": (lambda v: v is None, "an answer to embeddings has no prompt token ids to train on"),
@@ -108,6 +103,17 @@ REFUSED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "kv_transfer_params": (lambda v: v is None, "disaggregated prefill is not served here"),
     "ec_transfer_params": (lambda v: v is None, "encoder-cache transfer is not served here"),
 }
+
+UNKNOWN_WHY = {
+    "functions": "OpenAI's deprecated function calling is not served: use tools",
+    "function_call": "OpenAI's deprecated function calling is not served: use tool_choice",
+    "guided_json": "vLLM's old guided decoding fields are gone: use response_format or structured_outputs",
+    "guided_regex": "vLLM's old guided decoding fields are gone: use structured_outputs",
+    "guided_choice": "vLLM's old guided decoding fields are gone: use structured_outputs",
+    "guided_grammar": "vLLM's old guided decoding fields are gone: use structured_outputs",
+}
+"""Request fields vLLM does not know (it would ignore them) with a hint; any other unknown field
+is refused too, as OpenAI's API refuses one ("Unrecognized request argument supplied")."""
 
 
 def parse_request(body: Any, kind: str, max_n: int):
@@ -118,7 +124,8 @@ def parse_request(body: Any, kind: str, max_n: int):
         max_n: the largest ``n`` accepted.
     Raises:
         ApiError: 400 naming the field: not an object, a wrong type, a refused field
-            (`REFUSED`), ``n`` too large, more than one prompt, or vLLM's own validation.
+            (`REFUSED`), a field vLLM does not know (`UNKNOWN_WHY`), ``n`` too large, more
+            than one prompt, or vLLM's own validation.
     """
     from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
     from vllm.entrypoints.openai.completion.protocol import CompletionRequest
@@ -135,12 +142,17 @@ def parse_request(body: Any, kind: str, max_n: int):
     for name, (neutral, why) in REFUSED.items():
         if name in body and not neutral(body[name]):
             raise ApiError(400, f"{name} is not supported by this service: {why}", name, code="unsupported_parameter")
+    model = ChatCompletionRequest if kind == "chat" else CompletionRequest
+    for name in body:
+        if name not in model.model_fields:
+            why = UNKNOWN_WHY.get(name, f"not a parameter of {'chat' if kind == 'chat' else 'text'} completions here")
+            raise ApiError(400, f"Unrecognized request argument supplied: {name} ({why})", name,
+                           code="unknown_parameter")
     if (body.get("n") or 1) > max_n:
         raise ApiError(400, f"n must be <= {max_n}", "n")
     if kind == "completion" and _several_prompts(body.get("prompt")):
         raise ApiError(400, "one prompt per request: each answer is an experience named by the response id",
                        "prompt", code="unsupported_parameter")
-    model = ChatCompletionRequest if kind == "chat" else CompletionRequest
     try:
         req = model.model_validate({**body, "request_id": uuid.uuid4().hex})
     except ValidationError as e:
@@ -148,7 +160,7 @@ def parse_request(body: Any, kind: str, max_n: int):
     except (VLLMClientError, ValueError, TypeError) as e:  # vLLM's own validators raise these directly
         raise ApiError(400, str(e), getattr(e, "parameter", None)) from None
     return req, RequestContext(store=ext.store, group_id=ext.group_id, group_size=ext.group_size,
-                               conversation_id=ext.conversation_id)
+                               conversation_id=ext.conversation_id, metadata=ext.metadata, user=req.user)
 
 
 def _several_prompts(prompt: Any) -> bool:

@@ -5,7 +5,8 @@ classes vLLM's OpenAI server uses (``OpenAIServingChat``, ``OpenAIServingComplet
 ``OpenAIServingModels``, the ``OnlineRenderer`` that applies chat templates and tool schemas,
 the tool-call parser chosen by ``explorer.tool_call_parser``), built here as
 ``vllm.entrypoints.launchers.api_server.app_state.init_app_state`` builds them, so request
-validation, sampling defaults (the model's ``generation_config.json``), chat templates, tool
+validation, sampling defaults (the model's ``generation_config.json``, those the trainer
+reproduces: `serve_rft.explorer.reproducible.split_defaults`), chat templates, tool
 calls, structured outputs and every response shape are vLLM's. They reach the engine only through
 `serve_rft.explorer.engine_tap.EngineTap`, which logs each answer as experiences.
 
@@ -14,10 +15,14 @@ calls, structured outputs and every response shape are vLLM's. They reach the en
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 from serve_rft.config import Config
 from serve_rft.explorer.engine_tap import CURRENT
+from serve_rft.explorer.reproducible import split_defaults
+
+log = logging.getLogger(__name__)
 
 
 def fingerprint(version: int) -> str:
@@ -53,7 +58,8 @@ class OpenAIServing:
 
 def build_serving(cfg: Config, tap, model_path: str) -> OpenAIServing:
     """vLLM's serving objects over ``tap`` (an `EngineTap`), for the served name
-    ``cfg.model.served_name`` and the tool parser / chat template of ``cfg.explorer``."""
+    ``cfg.model.served_name`` and the tool parser / chat template of ``cfg.explorer``; the
+    model's sampling defaults the trainer does not reproduce are dropped (logged)."""
     from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
     from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion
     from vllm.entrypoints.openai.models.protocol import BaseModelPath
@@ -78,4 +84,9 @@ def build_serving(cfg: Config, tap, model_path: str) -> OpenAIServing:
         enable_auto_tools=tools, tool_parser=ecfg.tool_call_parser)
     completion = _policy_fingerprint(OpenAIServingCompletion)(
         tap, models, online_renderer=renderer, request_logger=None)
+    kept, dropped = split_defaults(chat.default_sampling_params)
+    if dropped:
+        log.warning("the model's sampling defaults %s are not applied: the trainer does not reproduce "
+                    "them (applied: %s)", dropped, kept)
+    chat.default_sampling_params, completion.default_sampling_params = kept, dict(kept)
     return OpenAIServing(models=models, chat=chat, completion=completion)

@@ -60,7 +60,7 @@ def _openai_bodies() -> dict[str, Any]:
 
     def with_extensions(model):
         class Request(model, Extensions):  # the schema: vLLM's fields and ours
-            model_config = {**model.model_config, "extra": "allow"}
+            model_config = {**model.model_config, "extra": "forbid"}  # unknown fields: 400
         Request.__name__ = model.__name__
         return Request
 

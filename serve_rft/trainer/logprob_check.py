@@ -29,21 +29,22 @@ class Sampled:
 
 
 async def sample(engine, prompts: list[list[int]], temperature: float, top_p: float, n: int,
-                 max_tokens: int, seed: int = 0) -> list[Sampled]:
-    """``n`` responses per prompt from ``engine`` with vLLM's logprob of each sampled token."""
+                 max_tokens: int, seed: int = 0, **fields) -> list[Sampled]:
+    """``n`` responses per prompt from ``engine`` with vLLM's logprob of each sampled token;
+    ``fields``: more ``SamplingParams`` (``ignore_eos``, ``stop_token_ids``, ``stop``, ...)."""
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
     out: list[Sampled] = []
     for k, prompt in enumerate(prompts):
         sp = SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens, logprobs=0,
-                            seed=seed + k, output_kind=RequestOutputKind.FINAL_ONLY)
+                            seed=seed + k, output_kind=RequestOutputKind.FINAL_ONLY, **fields)
         async for ro in engine.generate(prompt, sp, f"lp-{uuid.uuid4().hex}"):
             pass
         for o in ro.outputs:
             ids = list(o.token_ids)
             out.append(Sampled(prompt, ids, [o.logprobs[i][t].logprob for i, t in enumerate(ids)],
-                               temperature, top_p))
+                               sp.temperature, sp.top_p))  # as vLLM normalised them (greedy: top_p 1)
     return out
 
 

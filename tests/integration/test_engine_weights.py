@@ -51,8 +51,10 @@ def test_checkpoint_and_memory_loads_give_exactly_the_new_policy(embedded_model,
     import ray
     from transformers import AutoModelForCausalLM
 
-    from serve_rft.config import ExplorerConfig
+    from serve_rft.config import Config, ExplorerConfig
     from serve_rft.explorer.engine import ExplorerEngine
+    from serve_rft.explorer.engine_tap import EngineTap
+    from serve_rft.explorer.openai_serving import build_serving
     from serve_rft.weights import CheckpointMethod, LoadFailed, MemoryMethod, load_or_restore
 
     ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False)
@@ -63,11 +65,17 @@ def test_checkpoint_and_memory_loads_give_exactly_the_new_policy(embedded_model,
             buffered = logging.handlers.MemoryHandler(1, target=logging.StreamHandler(io.StringIO()))
             logging.getLogger("serve_rft.test.buffered").addHandler(buffered)
             # explorer.engine_args reach vLLM unchanged; enforce_eager defaults to true on CPU
+            # (sampling defaults as an Instruct model's generation_config.json sets them)
             engine = await ExplorerEngine.create(str(embedded_model), ExplorerConfig(
-                engine_args={"max_num_batched_tokens": 2048}))
+                engine_args={"max_num_batched_tokens": 2048, "override_generation_config": {
+                    "temperature": 0.5, "top_k": 20, "repetition_penalty": 1.05}}))
             assert buffered.target is not None, "starting the engine closed the process's log handlers"
             assert engine.llm.vllm_config.scheduler_config.max_num_batched_tokens == 2048
             assert engine.llm.vllm_config.model_config.enforce_eager is True
+            # the serving layer applies only the defaults the trainer reproduces
+            serving = build_serving(Config(), EngineTap(engine, None), str(embedded_model))
+            assert serving.chat.default_sampling_params == serving.completion.default_sampling_params == {
+                "temperature": 0.5}
             try:
                 results = {}
                 ids0, lp0, _ = await _sample(engine, "v0")

@@ -49,76 +49,88 @@ def _logprob_gap(stack, exp) -> float:
 
 
 def test_a_tool_using_agent_runs_through_the_openai_sdk_and_its_conversation_is_trained(stack):
-    """serve_rft.demo.agent through the unchanged openai SDK, sync and not streamed, then async and
-    streamed: turn 1 a forced call of the weather tool (message.tool_calls), run client-side, sent
-    back as an assistant tool_calls turn and a tool message; turn 2 a text answer; one reward for
-    the conversation. Each turn's experience holds exactly the ids the engine consumed and sampled
-    (return_token_ids); the tool's output lies in turn 2's prompt (never in the loss); turn 1,
-    sampled under the tool's grammar, is left out of the loss and counted (constrained); turn 2 is
-    trained, and its behaviour logprobs are the trainer's recomputation on its version."""
+    """serve_rft.demo.agent through the unchanged openai SDK, sync and async, streamed and not (one
+    episode each): turn 1 a forced call of the weather tool (message.tool_calls), run client-side,
+    sent back as an assistant tool_calls turn and a tool message; turn 2 a text answer; turn 3 a
+    user follow-up and its answer; one reward for the conversation. Each turn's experience holds
+    exactly the ids the engine consumed and sampled (return_token_ids); the tool's output and the
+    user's follow-up lie in the prompts (the trainer's loss covers only response ids); turn 1,
+    sampled under the tool's grammar, is left out of the loss and counted (constrained); turns 2
+    and 3 are trained, and their behaviour logprobs are the trainer's recomputation."""
     import uuid
 
     from transformers import AutoTokenizer
 
-    from serve_rft.demo.agent import CITIES, post_reward, run_episode, run_episode_streamed
+    from serve_rft.demo.agent import CITIES, FOLLOW_UP, post_reward, run_episode, run_episode_async
 
     u = stack.url
     before = httpx.get(f"{u}/v1/status", headers=ADMIN).json()["trainer"]["constrained"]
-    ep = run_episode(openai.OpenAI(base_url=f"{u}/v1", api_key="x", max_retries=0),
-                     f"agent-{uuid.uuid4().hex}", "Paris")
-    assert ep.turns[0].finish_reason == "stop" and ep.tool_call["name"] == "weather"  # named: "stop", as OpenAI
-    assert json.loads(ep.tool_call["arguments"])["city"] in CITIES  # the grammar of the tool's parameters
+    sync = openai.OpenAI(base_url=f"{u}/v1", api_key="x", max_retries=0)
+    episodes = [run_episode(sync, f"agent-{uuid.uuid4().hex}", "Paris"),
+                run_episode(sync, f"agent-{uuid.uuid4().hex}", "Rome", stream=True)]
 
-    async def streamed():
+    async def on_async_client():
         client = openai.AsyncOpenAI(base_url=f"{u}/v1", api_key="x", max_retries=0)
         try:
-            return await run_episode_streamed(client, f"agent-{uuid.uuid4().hex}", "Oslo")
+            return await asyncio.gather(run_episode_async(client, f"agent-{uuid.uuid4().hex}", "Oslo", stream=True),
+                                        run_episode_async(client, f"agent-{uuid.uuid4().hex}", "Lima", stream=False))
         finally:
             await client.close()
 
-    ep2 = asyncio.run(streamed())
-    assert ep2.tool_call["name"] == "weather" and ep2.tool_call["id"] and len(ep2.turns) == 2
-    for e in (ep, ep2):
+    episodes += asyncio.run(on_async_client())
+    for e in episodes:
+        assert e.tool_call["name"] == "weather" and e.tool_call["id"] and len(e.turns) == 3, e
+        assert json.loads(e.tool_call["arguments"])["city"] in CITIES  # the grammar of the tool's parameters
+        assert e.turns[0].finish_reason == "stop"  # a named tool_choice finishes "stop", as OpenAI's
         assert post_reward(u, e, api_key="x")["data"][0]["status"] == "recorded"
 
     tok = AutoTokenizer.from_pretrained(str(stack.model_path))
-    for i, turn in enumerate(ep.turns):  # token-exact: what the client saw is what is stored
-        exp = asyncio.run(_experience(stack, turn.completion_id, 0))
-        assert turn.token_ids and exp.prompt_token_ids == turn.prompt_token_ids
-        assert exp.response_token_ids == turn.token_ids
-        assert bool(exp.sampling.structured_outputs) == (i == 0)  # turn 1 under the tool's grammar
-    assert ep.tool_output in tok.decode(ep.turns[1].prompt_token_ids)  # the tool's output: prompt, masked
-    final = asyncio.run(_experience(stack, ep.turns[1].completion_id, 0))
-    if len({v for v, _, _ in final.token_versions}) == 1:  # a turn that spans a sync has no one checkpoint
-        assert _logprob_gap(stack, final) < 1e-3
+    for e in episodes:  # token-exact, streamed or not, sync or async: what the client saw is what is stored
+        exps = [asyncio.run(_experience(stack, t.completion_id, 0)) for t in e.turns]
+        for i, (turn, exp) in enumerate(zip(e.turns, exps)):
+            assert turn.token_ids and exp.prompt_token_ids == turn.prompt_token_ids, (e.conversation_id, i)
+            assert exp.response_token_ids == turn.token_ids, (e.conversation_id, i)
+            assert bool(exp.sampling.structured_outputs) == (i == 0)  # turn 1 under the tool's grammar
+        # each later prompt extends the earlier one; the tool's output (turn 2) and the user's
+        # follow-up (turn 3) are prompt tokens
+        for a, b in ((0, 1), (1, 2)):
+            assert e.turns[b].prompt_token_ids[:len(e.turns[a].prompt_token_ids)] == e.turns[a].prompt_token_ids
+        assert e.tool_output in tok.decode(e.turns[1].prompt_token_ids)
+        assert FOLLOW_UP in tok.decode(e.turns[2].prompt_token_ids[len(e.turns[1].prompt_token_ids):])
+    for e in episodes:
+        for t in e.turns[1:]:
+            final = asyncio.run(_experience(stack, t.completion_id, 0))
+            if len({v for v, _, _ in final.token_versions}) == 1:  # a turn spanning a sync has no one checkpoint
+                assert _logprob_gap(stack, final) < 1e-3, (e.conversation_id, t.completion_id)
 
-    async def linked():
+    async def linked(cid):
         store = _store(stack)
         try:
-            return await store.conversation_turns(ep.conversation_id)
+            return await store.conversation_turns(cid)
         finally:
             await store.close()
 
-    assert asyncio.run(linked()) == [t.completion_id for t in ep.turns]  # the conversation, in order
+    for e in episodes:  # the conversation, in order
+        assert asyncio.run(linked(e.conversation_id)) == [t.completion_id for t in e.turns]
 
     def states(e):
         return [httpx.get(f"{u}/v1/experiences/{t.completion_id}").json()["choices"][0]["state"] for t in e.turns]
 
-    deadline = time.monotonic() + 180
-    while any(st in ("pending", "rewarded", "ready") for e in (ep, ep2) for st in states(e)):
+    deadline = time.monotonic() + 240
+    while any(st in ("pending", "rewarded", "ready") for e in episodes for st in states(e)):
         if time.monotonic() > deadline:
-            pytest.fail(f"agent turns not trained: {states(ep)} {states(ep2)}")
+            pytest.fail(f"agent turns not trained: {[states(e) for e in episodes]}")
         time.sleep(1.0)
-    assert states(ep) == states(ep2) == ["constrained", "trained"]
-    assert httpx.get(f"{u}/v1/status", headers=ADMIN).json()["trainer"]["constrained"] >= before + 2
+    assert [states(e) for e in episodes] == [["constrained", "trained", "trained"]] * 4
+    assert httpx.get(f"{u}/v1/status", headers=ADMIN).json()["trainer"]["constrained"] >= before + 4
 
     from typer.testing import CliRunner
 
     from serve_rft.cli import cli
-    run = CliRunner().invoke(cli, ["agent", "--url", u, "--episodes", "1", "--api-key", "x"])
+    run = CliRunner().invoke(cli, ["agent", "--url", u, "--episodes", "1", "--api-key", "x", "--stream"])
     assert run.exit_code == 0, run.output
     line = json.loads(run.output.strip().splitlines()[-1])
-    assert line["tool_call"]["name"] == "weather" and len(line["turns"]) == 2
+    assert line["tool_call"]["name"] == "weather" and len(line["turns"]) == 3
 
 
 def test_health_models_status(stack):
@@ -205,8 +217,9 @@ def test_the_openai_surface_is_vllms_and_every_answer_is_logged_token_exact(stac
     """Served by vLLM's own serving classes: streamed and non-streamed greedy text are equal (a
     tail that ends mid-character included); a forced tool call comes back as message.tool_calls
     with finish_reason tool_calls and its experience carries the grammar (left out of the loss);
-    /v1/completions takes token ids and returns the ids it sampled (return_token_ids), which are
-    exactly the experience's; /v1/models/{id}; /v1/responses and untrainable fields are refused."""
+    /v1/completions takes token ids or text, streamed or not, and returns the ids it sampled
+    (return_token_ids), which are exactly the experience's, and its answers are rewarded and
+    trained; /v1/models/{id}; /v1/responses and untrainable fields are refused."""
     u = stack.url
     client = openai.OpenAI(base_url=f"{u}/v1", api_key="x", max_retries=0)
     for content in ("a" * 300, "hello", "x y z"):
@@ -233,12 +246,42 @@ def test_the_openai_surface_is_vllms_and_every_answer_is_logged_token_exact(stac
     exp = asyncio.run(_experience(stack, r["id"], 0))
     assert exp.prompt_token_ids == prompt == r["choices"][0]["prompt_token_ids"]
     assert exp.response_token_ids == r["choices"][0]["token_ids"] and len(exp.behaviour_logprobs) == 6
+    # a streamed text completion on the openai SDK: logged token-exact too; both are trained like chat
+    chunks = list(client.completions.create(model="serve-rft", prompt="hello there", max_tokens=6, temperature=0.7,
+                                            stream=True, extra_body={"return_token_ids": True, "ignore_eos": True}))
+    streamed_ids = [t for c in chunks for ch in c.choices for t in (getattr(ch, "token_ids", None) or [])]
+    streamed_prompt = [t for c in chunks for ch in c.choices for t in (getattr(ch, "prompt_token_ids", None) or [])]
+    sexp = asyncio.run(_experience(stack, chunks[0].id, 0))
+    assert sexp.response_token_ids == streamed_ids and len(streamed_ids) == 6, (streamed_ids, sexp)
+    assert sexp.prompt_token_ids == streamed_prompt and streamed_prompt
+    for cid in (r["id"], chunks[0].id):
+        got = httpx.post(f"{u}/v1/rewards", json={"completion_id": cid, "reward": 0.5}).json()
+        assert got["data"][0]["status"] == "recorded", got
+
+    def state(cid):
+        return httpx.get(f"{u}/v1/experiences/{cid}").json()["choices"][0]["state"]
+
+    deadline = time.monotonic() + 180
+    while {state(r["id"]), state(chunks[0].id)} != {"trained"}:
+        assert time.monotonic() < deadline, (state(r["id"]), state(chunks[0].id))
+        time.sleep(1.0)
 
     assert httpx.get(f"{u}/v1/models/serve-rft").json()["id"] == "serve-rft"
     assert httpx.get(f"{u}/v1/models/gpt-4o").status_code == 404
-    assert httpx.post(f"{u}/v1/responses", json={"model": "serve-rft", "input": "hi"}).status_code == 404
+    r = httpx.post(f"{u}/v1/responses", json={"model": "serve-rft", "input": "hi"})
+    assert r.status_code == 404 and "/v1/chat/completions" in r.json()["error"]["message"], r.text
     r = httpx.post(f"{u}/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}], "top_k": 5})
     assert r.status_code == 400 and r.json()["error"]["param"] == "top_k"
+    assert "top_k is not supported by this service" in r.json()["error"]["message"]
+    # a field vLLM does not know: 400 as OpenAI answers it (vLLM would ignore it)
+    r = httpx.post(f"{u}/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}],
+                                                     "service_tier": "auto"})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "unknown_parameter", r.text
+    # OpenAI's user and metadata are kept with the experiences (through the SDK's own parameters)
+    comp = client.chat.completions.create(model="serve-rft", messages=[{"role": "user", "content": "m"}],
+                                          max_tokens=2, user="u-7", metadata={"tenant": "t1"})
+    exp = asyncio.run(_experience(stack, comp.id, 0))
+    assert (exp.user, exp.metadata) == ("u-7", {"tenant": "t1"})
 
 
 def test_bad_input_gets_openai_errors(stack):

@@ -14,6 +14,8 @@ CHAT = {"messages": [{"role": "user", "content": "hi"}]}
     ("presence_penalty", 0.5), ("frequency_penalty", -1.0), ("repetition_penalty", 1.2), ("logit_bias", {"5": 10}),
     ("top_k", 5), ("min_p", 0.1), ("min_tokens", 3), ("allowed_token_ids", [1, 2]), ("bad_words", ["x"]),
     ("use_beam_search", True), ("cache_salt", "s"), ("request_id", "mine"), ("vllm_xargs", {"a": 1}),
+    ("watermarking", {"seed": 1}), ("kv_transfer_params", {"x": 1}), ("ec_transfer_params", {"x": 1}),
+    ("thinking_token_budget", 8),
 ])
 def test_a_field_the_trainer_cannot_reproduce_is_refused_by_name(field, value):
     with pytest.raises(ApiError) as e:
@@ -41,6 +43,39 @@ def test_extensions_and_store_are_taken_out_before_vllm():
         with pytest.raises(ApiError) as e:
             parse_request({**CHAT, **bad}, "chat", max_n=16)
         assert e.value.status == 400 and e.value.param == next(iter(bad))
+
+
+@pytest.mark.parametrize("field,hint", [
+    ("functions", "use tools"), ("function_call", "use tool_choice"), ("guided_json", "response_format"),
+    ("service_tier", "not a parameter"), ("prediction", "not a parameter"), ("foo", "not a parameter"),
+])
+def test_a_field_vllm_does_not_know_is_refused_as_openai_refuses_it(field, hint):
+    with pytest.raises(ApiError) as e:  # vLLM would ignore it (and answer as if it were not there)
+        parse_request({**CHAT, field: "x"}, "chat", max_n=16)
+    assert e.value.status == 400 and e.value.param == field and e.value.code == "unknown_parameter"
+    assert e.value.message.startswith(f"Unrecognized request argument supplied: {field}") and hint in e.value.message
+    with pytest.raises(ApiError):
+        parse_request({"prompt": "p", field: "x"}, "completion", max_n=16)
+
+
+def test_user_and_metadata_are_kept_for_the_experiences():
+    meta = {"tenant": "t1", "k" * 64: "v" * 512}
+    req, ctx = parse_request({**CHAT, "user": "u-1", "metadata": meta}, "chat", max_n=16)
+    assert (ctx.user, ctx.metadata) == ("u-1", meta) and "metadata" not in (req.model_extra or {})
+    for bad in ({str(i): "v" for i in range(17)}, {"k" * 65: "v"}, {"k": "v" * 513}, {"k": 1}, {"": "v"}, ["k"]):
+        with pytest.raises(ApiError) as e:
+            parse_request({**CHAT, "metadata": bad}, "chat", max_n=16)
+        assert e.value.status == 400 and e.value.param.startswith("metadata"), bad
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"top_logprobs": 2}, "top_logprobs"),  # without logprobs: true
+    ({"stream_options": {"include_usage": True}}, "stream_options"),  # without stream: true
+])
+def test_options_without_the_field_they_qualify_are_vllms_400(body, param):
+    with pytest.raises(ApiError) as e:
+        parse_request({**CHAT, **body}, "chat", max_n=16)
+    assert e.value.status == 400 and param in e.value.message
 
 
 def test_completions_take_one_prompt_text_or_token_ids():

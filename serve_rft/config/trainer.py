@@ -109,6 +109,14 @@ class TrainerConfig(StrictSection):
         "auto", description="Forward passes of the trainer: bf16 autocast (weights, optimizer and "
         "log-softmax stay fp32) or fp32. auto: bf16 on cuda, fp32 on cpu (where the logprob agreement "
         "with vLLM's fp32 engine is 1e-6).")
+    logprob_impl: Literal["chunked", "full"] = Field(
+        "chunked", description="How a step computes the logprobs of sampled tokens. chunked: the "
+        "decoder, then the LM head on the response positions only, logprob_chunk_tokens at a time, "
+        "with a backward that recomputes each chunk (serve_rft/trainer/token_logprobs.py). full: "
+        "[batch, length, vocab] fp32 logits of the whole model (the reference; more memory and time).")
+    logprob_chunk_tokens: int = Field(
+        1024, ge=1, description="chunked: response tokens per LM-head chunk; the largest buffer is "
+        "[chunk, vocab] fp32 (1024 x 151,936 words: 0.6 GB).")
     keep_checkpoints: int = Field(5, ge=1, description="Published versions kept on disk.")
     save_interval: int = Field(
         1, ge=1, description="Save the trainer state (weights, optimizer, RNG, version, the ready "

@@ -13,6 +13,7 @@ from typing import Literal
 
 import torch
 
+from serve_rft.trainer.token_logprobs import top_p_keep  # noqa: F401  (re-exported: its name before)
 from serve_rft.weights.verify import probe_ids
 
 
@@ -67,56 +68,93 @@ def compute_advantages(rewards: list[float], group_ids: list[str], baseline: Run
     return torch.tensor(adv, dtype=torch.float32)
 
 
-def top_p_keep(logits: torch.Tensor, top_p: float) -> torch.Tensor:
-    """Which tokens nucleus sampling keeps, exactly as vLLM's sampler decides it
-    (``vllm.v1.sample.ops.topk_topp_sampler.apply_top_k_top_p_pytorch``): sort ascending, drop
-    the tokens whose cumulative probability is ``<= 1 - top_p``, always keep the most likely.
-
-    Args:
-        logits: ``[T, V]`` temperature-scaled logits.
-    Returns:
-        ``[T, V]`` bool, True = kept.
-    """
-    sorted_logits, idx = logits.sort(dim=-1, descending=False)
-    cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
-    drop_sorted = cum <= 1 - top_p
-    drop_sorted[:, -1] = False
-    drop = torch.zeros_like(drop_sorted).scatter_(-1, idx, drop_sorted)
-    return ~drop
+def _padded_batch(prompts: list[list[int]], responses: list[list[int]], pad_id: int, device
+                  ) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """``[B, L]`` right-padded prompt+response ids, their ``[B, L]`` attention mask (built on
+    the host, one copy each to ``device``), and ``T`` (the longest response, at least 1)."""
+    seqs = [p + r for p, r in zip(prompts, responses)]
+    L = max(len(s) for s in seqs)
+    T = max(max((len(r) for r in responses), default=0), 1)
+    ids = torch.full((len(seqs), L), pad_id, dtype=torch.long)
+    attn = torch.zeros((len(seqs), L), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, : len(s)] = torch.tensor(s, dtype=torch.long)
+        attn[i, : len(s)] = 1
+    return ids.to(device), attn.to(device), T
 
 
 def response_logprobs(model, prompts: list[list[int]], responses: list[list[int]],
                       temperatures: list[float], pad_id: int = 0, with_entropy: bool = False,
-                      top_ps: list[float] | None = None):
+                      top_ps: list[float] | None = None, *, chunk_tokens: int = 1024,
+                      impl: Literal["chunked", "full"] = "chunked"):
     """Logprobs of the response tokens under ``model``, as vLLM's ``processed_logprobs``.
 
-    Builds ``[B, L]`` right-padded prompt+response ids, runs the model, and per response token
+    Runs ``[B, L]`` right-padded prompt+response ids through the model, and per response token
     takes ``log_softmax`` of the position before it after vLLM's sampler processing, in vLLM's
     order: logits / T (T = the request's temperature; greedy requests use 1), then the top-p
     mask (`top_p_keep`) renormalised. The sampled token is always kept: at the weights that
     sampled it, it was in the nucleus, so this changes nothing there, and on later weights it
     keeps its logprob finite (its exact truncated value would be -inf).
 
+    ``impl="chunked"`` (the default) runs the decoder alone and the LM head on the response
+    positions only, ``chunk_tokens`` at a time, with a backward that recomputes each chunk
+    (`serve_rft.trainer.token_logprobs`); a model without the plain decoder + linear head
+    structure (`token_logprobs.lm_parts`) takes ``impl="full"``: ``[B, L, V]`` fp32 logits,
+    as before. Both give the same values and gradients (tests/unit/test_algorithm.py).
+
     Returns:
         (``[B, T]`` logprobs, ``[B, T]`` float mask of real response tokens), and with
         ``with_entropy`` a third ``[B, T]``: the entropy (nats) of each position's tempered
         distribution, without grad.
+    Raises:
+        ValueError: a non-empty response after an empty prompt (no position predicts its
+            first token).
     """
+    from serve_rft.trainer import token_logprobs
+
+    if any(r and not p for p, r in zip(prompts, responses)):
+        raise ValueError("a response needs at least one prompt token before it")
+    parts = token_logprobs.lm_parts(model) if impl == "chunked" else None
+    if parts is None:
+        return _response_logprobs_full(model, prompts, responses, temperatures, pad_id, with_entropy, top_ps)
+    decoder, weight = parts
+    device = weight.device
+    ids, attn, T = _padded_batch(prompts, responses, pad_id, device)
+    rows, pos, cols, toks, temps, tps = [], [], [], [], [], []
+    for i, (p, r) in enumerate(zip(prompts, responses)):
+        rows += [i] * len(r)
+        pos += range(len(p) - 1, len(p) - 1 + len(r))  # position t predicts token t + 1
+        cols += range(len(r))
+        toks += r
+        temps += [temperatures[i] if temperatures[i] > 1e-5 else 1.0] * len(r)
+        tps += [top_ps[i] if top_ps is not None else 1.0] * len(r)
+    out = torch.zeros((len(prompts), T), dtype=torch.float32, device=device)
+    mask, ent = torch.zeros_like(out), torch.zeros_like(out)
+    if not toks:
+        return (out, mask, ent) if with_entropy else (out, mask)
+    index = torch.tensor([rows, pos, cols, toks], dtype=torch.long).to(device)
+    scalars = torch.tensor([temps, tps], dtype=torch.float32).to(device)
+    hidden = decoder(input_ids=ids, attention_mask=attn, use_cache=False).last_hidden_state
+    lp, e = token_logprobs.chunked_token_logprobs(hidden[index[0], index[1]], weight, index[3], scalars[0],
+                                                  scalars[1], chunk_tokens, with_entropy)
+    where = (index[0], index[2])
+    out = out.index_put(where, lp)
+    mask = mask.index_put_(where, torch.ones_like(lp))
+    return (out, mask, ent.index_put_(where, e)) if with_entropy else (out, mask)
+
+
+def _response_logprobs_full(model, prompts, responses, temperatures, pad_id=0, with_entropy=False,
+                            top_ps=None):
+    """`response_logprobs` from the full ``[B, L, V]`` fp32 logits of ``model(...)``: any
+    causal LM; the reference the chunked path is tested against."""
     from serve_rft.trainer.losses import token_entropy
 
     device = next(model.parameters()).device
-    seqs = [p + r for p, r in zip(prompts, responses)]
-    L = max(len(s) for s in seqs)
-    T = max(max((len(r) for r in responses), default=0), 1)
-    ids = torch.full((len(seqs), L), pad_id, dtype=torch.long, device=device)
-    attn = torch.zeros((len(seqs), L), dtype=torch.long, device=device)
-    for i, s in enumerate(seqs):
-        ids[i, : len(s)] = torch.tensor(s, dtype=torch.long)
-        attn[i, : len(s)] = 1
+    ids, attn, T = _padded_batch(prompts, responses, pad_id, device)
     logits = model(input_ids=ids, attention_mask=attn).logits.float()
-    out = torch.zeros((len(seqs), T), dtype=torch.float32, device=device)
-    mask = torch.zeros((len(seqs), T), dtype=torch.float32, device=device)
-    ent = torch.zeros((len(seqs), T), dtype=torch.float32, device=device)
+    out = torch.zeros((len(prompts), T), dtype=torch.float32, device=device)
+    mask = torch.zeros((len(prompts), T), dtype=torch.float32, device=device)
+    ent = torch.zeros((len(prompts), T), dtype=torch.float32, device=device)
     for i, (p, r) in enumerate(zip(prompts, responses)):
         if not r:
             continue

@@ -229,9 +229,10 @@ class PolicyTrainer:
         responses = [e.response_token_ids for e in exps]
         temps = [e.sampling.temperature for e in exps]
         top_ps = [e.sampling.top_p for e in exps]
+        how = dict(chunk_tokens=c.logprob_chunk_tokens, impl=c.logprob_impl)
         with self._autocast():
             logp, mask, ent = response_logprobs(self.model, prompts, responses, temps, self.pad_id,
-                                                with_entropy=True, top_ps=top_ps)
+                                                with_entropy=True, top_ps=top_ps, **how)
         behaviour = torch.zeros_like(logp)
         for i, e in enumerate(exps):
             behaviour[i, : len(e.behaviour_logprobs)] = torch.tensor(e.behaviour_logprobs)
@@ -248,11 +249,11 @@ class PolicyTrainer:
             with torch.no_grad(), self._autocast():
                 if self.ref_model is not None:
                     ref, _ = response_logprobs(self.ref_model, prompts, responses, temps, self.pad_id,
-                                               top_ps=top_ps)
+                                               top_ps=top_ps, **how)
                 else:
                     with self.model.disable_adapter():
                         ref, _ = response_logprobs(self.model, prompts, responses, temps, self.pad_id,
-                                                   top_ps=top_ps)
+                                                   top_ps=top_ps, **how)
             kl = kl_k3(logp, ref)
             loss = loss + c.kl_coef * aggregate(kl, mask, agg, n_tokens, n_seqs)
             stats["kl_ref"] = float((kl.detach() * mask).sum() / here)

@@ -52,3 +52,170 @@ def test_ppo_clip_stops_gradient_outside_the_trust_region():
     assert float(loss.detach()) == pytest.approx(-1.28)
     assert float(logp.grad.abs().sum()) == 0.0
     assert stats["clip_fraction"] == 1.0
+
+
+# --- the chunked logprobs (serve_rft/trainer/token_logprobs.py) against the full-logits path ---
+
+PROMPTS = [[1, 2, 3], [4], [5, 6, 7, 8, 9], [3, 3], [7, 1, 2, 9]]
+RESPONSES = [[10, 11, 12, 13], [], [20, 21], [30, 31, 32, 33, 34, 35], [40, 41, 42]]
+TEMPS = [0.0, 0.7, 1.3, 0.7, 1.3]  # greedy (T = 1), colder, hotter
+TOP_PS = [1.0, 0.9, 0.5, 0.9, 0.5]
+
+
+def _tiny(kind: str):
+    """A tiny random causal LM: ``qwen2`` (untied head), ``llama_tied``, or ``lora`` (a peft
+    LoRA adapter with random B on an untied Qwen2). The head is scaled up so the distributions
+    are peaked and the nucleus masks drop words."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    arch = dict(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2)
+    if kind == "llama_tied":
+        model = LlamaForCausalLM(LlamaConfig(tie_word_embeddings=True, **arch)).float()
+        assert model.lm_head.weight is model.model.embed_tokens.weight
+    else:
+        model = Qwen2ForCausalLM(Qwen2Config(tie_word_embeddings=False, **arch)).float()
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(8.0)
+    if kind == "lora":
+        peft = pytest.importorskip("peft")
+        lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"])
+        model = peft.get_peft_model(model, lora)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.normal_(0, 0.1)
+    return model
+
+
+def _run(model, impl: str, chunk: int = 3, top_ps=TOP_PS):
+    """Logprobs, mask, entropy, and the gradients of ``sum(logp * adv * mask)`` by parameter name."""
+    from serve_rft.trainer.algorithm import response_logprobs
+
+    model.zero_grad(set_to_none=True)
+    lp, mask, ent = response_logprobs(model, PROMPTS, RESPONSES, TEMPS, with_entropy=True, top_ps=top_ps,
+                                      chunk_tokens=chunk, impl=impl)
+    adv = torch.tensor([1.0, -0.5, 2.0, -1.0, 0.3]).unsqueeze(1)
+    (lp * adv * mask).sum().backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return lp.detach(), mask, ent, grads
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "llama_tied", "lora"])
+@pytest.mark.parametrize("chunk", [3, 1024])
+def test_chunked_logprobs_and_gradients_equal_the_full_logits_path(kind, chunk):
+    from serve_rft.trainer.token_logprobs import lm_parts
+
+    model = _tiny(kind)
+    assert lm_parts(model) is not None  # the chunked path is really taken
+    lp, mask, ent, grads = _run(model, "chunked", chunk)
+    ref_lp, ref_mask, ref_ent, ref_grads = _run(model, "full")
+    assert torch.equal(mask, ref_mask) and mask.sum() == sum(len(r) for r in RESPONSES)
+    assert torch.allclose(lp, ref_lp, atol=1e-5, rtol=0)
+    assert torch.allclose(ent, ref_ent, atol=1e-5, rtol=0)
+    assert float((lp * (1 - mask)).abs().sum()) == 0.0 and float((ent * (1 - mask)).abs().sum()) == 0.0
+    assert grads.keys() == ref_grads.keys() and grads
+    if kind == "lora":
+        assert all("lora_" in n for n in grads)  # the frozen head gets no gradient at all
+    for name, g in grads.items():
+        assert torch.allclose(g, ref_grads[name], atol=1e-5, rtol=1e-4), name
+    # the nucleus masks dropped words (top_p < 1 changes the logprobs) and the sampled token kept
+    untruncated = _run(model, "chunked", chunk, top_ps=None)[0]
+    assert (lp - untruncated)[[2, 3, 4]].abs().max() > 1e-3 and torch.isfinite(lp).all()
+
+
+def test_lora_reference_with_the_adapter_disabled_is_the_base():
+    from serve_rft.trainer.algorithm import response_logprobs
+
+    model = _tiny("lora")
+    with torch.no_grad():
+        on, _ = response_logprobs(model, PROMPTS, RESPONSES, TEMPS, top_ps=TOP_PS, chunk_tokens=4)
+        with model.disable_adapter():
+            off, _ = response_logprobs(model, PROMPTS, RESPONSES, TEMPS, top_ps=TOP_PS, chunk_tokens=4)
+            full, _ = response_logprobs(model, PROMPTS, RESPONSES, TEMPS, top_ps=TOP_PS, impl="full")
+    assert torch.allclose(off, full, atol=1e-5) and (on - off).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "llama_tied", "lora"])
+def test_chunked_under_bf16_autocast_matches_the_full_path(kind):
+    """policy.py runs the logprobs under bf16 autocast: the head's matmul runs in bf16 in both
+    paths (logits rounded to bf16, then fp32), so the logprobs agree to fp32 rounding; the
+    gradients to bf16 rounding."""
+    model = _tiny(kind)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        lp, mask, ent, grads = _run(model, "chunked", 3)
+        ref_lp, _, ref_ent, ref_grads = _run(model, "full")
+    assert lp.dtype == torch.float32 and torch.isfinite(lp).all()
+    assert torch.allclose(lp, ref_lp, atol=1e-4) and torch.allclose(ent, ref_ent, atol=1e-4)
+    for name, g in grads.items():  # bf16 matmul gradients: the chunks' sum is kept in fp32 here
+        assert g.dtype == torch.float32
+        assert torch.allclose(g, ref_grads[name], atol=0.02 * float(ref_grads[name].abs().max()) + 1e-6), name
+
+
+def test_all_empty_responses_and_an_empty_prompt():
+    from serve_rft.trainer.algorithm import response_logprobs
+
+    model = _tiny("qwen2")
+    lp, mask, ent = response_logprobs(model, [[1, 2], [3]], [[], []], [1.0, 1.0], with_entropy=True)
+    assert lp.shape == mask.shape == ent.shape == (2, 1) and float(mask.sum()) == 0.0
+    with pytest.raises(ValueError, match="prompt token"):
+        response_logprobs(model, [[]], [[5]], [1.0])
+
+
+def test_models_without_the_plain_structure_take_the_full_path():
+    from serve_rft.trainer.algorithm import _response_logprobs_full, response_logprobs
+    from serve_rft.trainer.token_logprobs import lm_parts
+
+    model = _tiny("qwen2")
+    model.lm_head = torch.nn.Linear(32, 97, bias=True)  # a head with a bias: not lm_head(h) = h @ W.T
+    assert lm_parts(model) is None
+    with torch.no_grad():
+        got = response_logprobs(model, PROMPTS, RESPONSES, TEMPS, top_ps=TOP_PS)
+        ref = _response_logprobs_full(model, PROMPTS, RESPONSES, TEMPS, top_ps=TOP_PS)
+    assert all(torch.equal(a, b) for a, b in zip(got, ref))
+
+
+def test_per_row_top_p_is_the_single_value_rule():
+    from serve_rft.trainer.token_logprobs import top_p_keep
+
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(6, 300, generator=g) * 3
+    ps = torch.tensor([0.3, 0.5, 0.7, 0.9, 0.95, 0.99])
+    rows = top_p_keep(logits, ps)
+    for i, p in enumerate(ps.tolist()):
+        assert torch.equal(rows[i], top_p_keep(logits[i : i + 1], p)[0])
+
+
+def test_a_trainer_step_is_the_same_with_either_logprob_impl(embedded_model):
+    """`PolicyTrainer` (trainer.logprob_impl): loss, statistics and every gradient agree, with
+    the KL reference pass, mixed temperatures and top_p, and chunks smaller than the batch."""
+    from serve_rft.config import load_config
+    from serve_rft.trainer.policy import PolicyTrainer
+    from serve_rft.types import Experience, RewardedExperience, SamplingInfo
+
+    batch = [RewardedExperience(
+        experience=Experience(completion_id=f"c{i // 2}", choice_index=i % 2, group_id=f"c{i // 2}",
+                              replica_id="r", prompt_token_ids=[1, 2, 3 + i], response_token_ids=r,
+                              behaviour_logprobs=[-6.5] * len(r), token_versions=[(0, 0, len(r))],
+                              sampling=SamplingInfo(temperature=TEMPS[i], top_p=TOP_PS[i], max_tokens=8),
+                              finish_reason="length"),
+        reward=float(i % 2), stream_id=f"0-{i}") for i, r in enumerate(RESPONSES)]
+    sets = ["trainer.lr=0", "trainer.kl_coef=0.1", "trainer.logprob_chunk_tokens=4"]
+    full = PolicyTrainer(load_config(None, sets + ["trainer.logprob_impl=full"]), str(embedded_model))
+    chunked = PolicyTrainer(load_config(None, sets), str(embedded_model))
+    a, b = full.step(batch), chunked.step(batch)
+    for k in ("loss", "entropy", "kl_ref", "max_abs_logprob_diff", "grad_norm"):
+        assert b[k] == pytest.approx(a[k], rel=1e-4, abs=1e-6), k
+    for x, y in zip(full.model.parameters(), chunked.model.parameters()):
+        assert torch.allclose(x.grad, y.grad, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("vocab", [8, 97, 1024])
+def test_nucleus_masks_survive_bit_packing(vocab):
+    from serve_rft.trainer.token_logprobs import _pack, _unpack
+
+    keep = torch.rand(5, vocab, generator=torch.Generator().manual_seed(vocab)) < 0.3
+    packed = _pack(keep)
+    assert packed.dtype == torch.uint8 and packed.shape == (5, (vocab + 7) // 8)
+    assert torch.equal(_unpack(packed, vocab), keep)

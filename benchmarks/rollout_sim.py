@@ -47,6 +47,7 @@ class SimReplica:
     sync_done_at: float = 0.0
     drained: bool = False
     routable: bool = False  # the ingress routes to it (a moment after it registered)
+    routable_at: float = float("inf")
 
     @property
     def up(self) -> bool:
@@ -198,6 +199,10 @@ class Fleet:
         if not self.check:
             return
         up = [x for x in self.replicas.values() if x.up and x.routable]
+        # a replica that turned routable counts once its next heartbeat (a poll, every poll_s) said
+        # so: until then the synchronizer knows it as warming, and a lone ready replica may sync
+        # (told that no other serves, it holds its requests rather than refusing them; documented)
+        known_ready = [x for x in up if x is r or self.now - x.routable_at > self.poll_s]
         # a stalled replica counts as serving until replica_timeout_s without a poll, found by
         # the expiry scan that runs every half poll period (documented)
         slack = self.cfg.replica_timeout_s + self.poll_s / 2
@@ -205,7 +210,7 @@ class Fleet:
                    and not x.drained and self.now - x.stuck_at <= slack]
         serving_after = [x for x in up + counted if x.serving or x in counted]
         serving_after = [x for x in serving_after if x is not r]
-        if len(up) >= 2 and r.routable and not r.drained and not serving_after:
+        if len(known_ready) >= 2 and r.routable and not r.drained and not serving_after:
             self.violations.append(f"t={self.now:.1f}: grant to {r.rid} left no replica serving")
         if version != 0 and version not in self.checkpoints:
             self.violations.append(f"t={self.now:.1f}: granted v{version}, whose checkpoint was pruned")
@@ -258,7 +263,7 @@ class Fleet:
             elif kind == "done" and r.syncing is not None and self.now >= r.sync_done_at:
                 self._finish(r)
             elif kind == "routable":
-                r.routable = True
+                r.routable, r.routable_at = True, self.now
         self._account(end - self.now)
         self.now = end
         self.state.expire(self.now)

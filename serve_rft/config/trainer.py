@@ -62,6 +62,14 @@ class TrainerConfig(StrictSection):
     micro_batch_size: int = Field(
         0, ge=0, description="Experiences per forward/backward (gradient accumulation bounds memory); "
         "0: the whole batch at once. The gradient equals the unsplit batch's.")
+    micro_batch_tokens: int | None = Field(
+        None, ge=1, description="Padded tokens per forward/backward: a micro-batch runs as one "
+        "[experiences, longest prompt + response] right-padded tensor, and this bounds its size "
+        "(experiences x longest length, tokens). The batch's experiences are sorted longest first "
+        "(less padding) and packed greedily; one longer than the budget is a micro-batch of its own "
+        "(never dropped). With micro_batch_size > 0 both limits apply. None: off (micro_batch_size "
+        "alone, in batch order). The gradient and the step's statistics equal the unsplit batch's "
+        "(serve_rft/trainer/micro_batches.py).")
     batch_size: int = Field(32, ge=1, description="Experiences per training step (upper bound).")
     min_batch_size: int = Field(8, ge=1, description="Wait for at least this many ready experiences.")
     batch_wait_s: float = Field(

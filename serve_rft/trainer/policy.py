@@ -164,17 +164,24 @@ class PolicyTrainer:
         return c.lr_min_ratio + (1 - c.lr_min_ratio) * 0.5 * (1 + math.cos(math.pi * t))
 
     def step(self, batch: list[RewardedExperience]) -> dict[str, float]:
-        """One optimizer step on ``batch`` (``trainer.algorithm``), in micro-batches of
-        ``micro_batch_size`` whose summed gradient equals the whole batch's.
+        """One optimizer step on ``batch`` (``trainer.algorithm``), in micro-batches whose summed
+        gradient equals the whole batch's: at most ``micro_batch_size`` experiences and (when
+        set) ``micro_batch_tokens`` padded tokens each (`serve_rft.trainer.micro_batches.partition`;
+        with a token budget the experiences are regrouped longest first). Advantages and OPMD's
+        ``tau log Z`` are computed on the whole batch first, in batch order, and follow their
+        experiences into the micro-batches.
 
         Returns:
-            loss, reward / advantage / ratio / clip / entropy / KL statistics, the learning
-            rate, ``max_abs_logprob_diff`` (trainer vs behaviour logprobs), seconds.
+            loss, reward / advantage / ratio / clip / entropy / KL statistics (the unsplit
+            batch's, `serve_rft.trainer.micro_batches.accumulate`), the learning rate,
+            ``max_abs_logprob_diff`` (trainer vs behaviour logprobs), ``micro_batches`` (the
+            number of parts), seconds.
         """
         import torch
 
         from serve_rft.trainer.algorithm import compute_advantages
         from serve_rft.trainer.losses import group_tau_log_z
+        from serve_rft.trainer.micro_batches import accumulate, partition
 
         t0 = time.perf_counter()
         c = self.cfg
@@ -186,27 +193,24 @@ class PolicyTrainer:
         tlz = group_tau_log_z(rewards, groups, c.opmd_tau).to(self.device) if c.algorithm == "opmd_kimi" else None
         n_tokens = float(sum(len(e.response_token_ids) for e in exps))
         n_seqs = float(len(exps))
-        size = c.micro_batch_size or len(batch)
+        parts = partition([len(e.prompt_token_ids) + len(e.response_token_ids) for e in exps],
+                          c.micro_batch_size, c.micro_batch_tokens)
         self.optimizer.zero_grad(set_to_none=True)
         totals: dict[str, float] = {}
-        for start in range(0, len(batch), size):
-            part = slice(start, start + size)
-            loss, stats, tokens = self._micro_step(exps[part], adv[part], rewards[part],
-                                                   tlz[part] if tlz is not None else None, n_tokens, n_seqs)
+        for part in parts:
+            idx = torch.tensor(part, dtype=torch.long, device=self.device)
+            loss, stats, tokens = self._micro_step([exps[i] for i in part], adv[idx], [rewards[i] for i in part],
+                                                   tlz[idx] if tlz is not None else None, n_tokens, n_seqs)
             loss.backward()
             totals["loss"] = totals.get("loss", 0.0) + float(loss.detach())
-            for k, v in stats.items():  # token-weighted means (max for *_max)
-                if k.endswith("_max"):
-                    totals[k] = max(totals.get(k, v), v)
-                else:
-                    totals[k] = totals.get(k, 0.0) + v * tokens / max(n_tokens, 1.0)
+            accumulate(totals, stats, tokens, len(part), n_tokens, n_seqs)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), c.grad_clip)
         lr = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step()
         self.scheduler.step()
         totals.update(grad_norm=float(grad_norm), lr=lr, reward_mean=sum(rewards) / len(rewards),
                       adv_abs_mean=float(adv.abs().mean()), batch_size=len(batch), tokens=n_tokens,
-                      micro_batches=math.ceil(len(batch) / size), step_seconds=time.perf_counter() - t0)
+                      micro_batches=len(parts), step_seconds=time.perf_counter() - t0)
         return totals
 
     def _autocast(self):

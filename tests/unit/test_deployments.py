@@ -1,6 +1,8 @@
 """deployments/: `serve build` accepts the importable application, and serve_config.yaml's
 deployment options are exactly what `serve build` prints for configs/default.yaml; the builder
-the config file names turns its args into the same application."""
+the config file names turns its args into the same application. The KubeRay RayService
+(deployments/kuberay/rayservice.yaml) runs that application on configs/cluster.yaml, with Ray on
+every pod started as `serve-rft up` starts it."""
 
 import os
 import subprocess
@@ -66,3 +68,140 @@ def test_refusals_only_when_haproxy_retries_them(monkeypatch):
     monkeypatch.setenv("RAY_SERVE_ENABLE_HA_PROXY", "0")
     monkeypatch.setenv("RAY_SERVE_HAPROXY_RETRY_ON", "503")
     assert not refusals_are_retried()
+
+
+# --- deployments/kuberay/rayservice.yaml: the same application, Ray as the launcher starts it ---
+
+RAYSERVICE = ROOT / "deployments" / "kuberay" / "rayservice.yaml"
+IMAGE_ROOT = "/opt/serve_rft/"  # where the image holds this repository (deployments/README.md, "Image")
+SHARED = "/shared"
+# What haproxy_env() picks per machine so that stacks can share one (free ports, the core count);
+# a pod has a network namespace and cores of its own, so Ray's defaults stand there.
+PER_MACHINE = {"RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT",
+               "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT", "RAY_SERVE_HAPROXY_NBTHREAD"}
+
+
+def _manifest() -> dict:
+    docs = [d for d in yaml.safe_load_all(RAYSERVICE.read_text()) if d]
+    return {d["kind"]: d for d in docs}
+
+
+def _groups(service: dict) -> dict:
+    cluster = service["spec"]["rayClusterConfig"]
+    return {"head": cluster["headGroupSpec"], **{g["groupName"]: g for g in cluster["workerGroupSpecs"]}}
+
+
+def _ray_container(group: dict) -> dict:
+    (container,) = [c for c in group["template"]["spec"]["containers"] if c["name"].startswith("ray-")]
+    return container
+
+
+def _kuberay_app() -> dict:
+    (app,) = yaml.safe_load(_manifest()["RayService"]["spec"]["serveConfigV2"])["applications"]
+    return app
+
+
+def _kuberay_config():
+    """The run config the RayService's application builds: `deployments.app.app_builder`'s
+    `load_config` call (its `preflight` needs CUDA), with the image path mapped to this checkout."""
+    from serve_rft.config import load_config
+
+    args = _kuberay_app()["args"]
+    assert set(args) == {"config", "overrides"}
+    assert args["config"].startswith(IMAGE_ROOT), "an absolute path: the builder's working directory is Ray's"
+    local = ROOT / args["config"].removeprefix(IMAGE_ROOT)
+    assert local == ROOT / "configs" / "cluster.yaml" and local.is_file()
+    return load_config(local, list(args["overrides"]))
+
+
+def test_rayservice_serves_the_shipped_application_on_the_cluster_config(monkeypatch):
+    """serveConfigV2 is serve_config.yaml's application with configs/cluster.yaml: same builder,
+    route and HTTP options; its deployment options are what the builder makes of the cluster config
+    (as serve_config.yaml's are for the default one) plus the replicas' label_selector."""
+    from ray.serve._private.build_app import build_app as serve_build
+    from ray.serve.deployment import deployment_to_schema
+
+    from serve_rft.service.app import build_app
+
+    service = _manifest()["RayService"]
+    assert service["apiVersion"] == "ray.io/v1"
+    assert service["spec"]["upgradeStrategy"] == {"type": "None"}  # never a second trainer (README)
+    serve_cfg = yaml.safe_load(service["spec"]["serveConfigV2"])
+    shipped_cfg = yaml.safe_load((ROOT / "deployments" / "serve_config.yaml").read_text())
+    assert {k: v for k, v in serve_cfg.items() if k != "applications"} == \
+        {k: v for k, v in shipped_cfg.items() if k != "applications"}
+    app, shipped = _kuberay_app(), shipped_cfg["applications"][0]
+    for key in ("name", "route_prefix", "import_path"):
+        assert app[key] == shipped[key]
+
+    cfg = _kuberay_config()
+    assert cfg.buffer.redis_url and "127.0.0.1" not in cfg.buffer.redis_url  # nothing starts one there
+    assert cfg.model.path.startswith(SHARED + "/") and cfg.service.run_dir.startswith(SHARED + "/")
+
+    monkeypatch.setenv("RAY_SERVE_ENABLE_HA_PROXY", "1")  # as on every pod: no custom router
+    built = [deployment_to_schema(d).model_dump(exclude_unset=True)
+             for d in serve_build(build_app(cfg), name="serve_rft").deployments]
+    (deployment,) = app["deployments"]
+    assert set(deployment) == set(shipped["deployments"][0])
+    options = dict(deployment, ray_actor_options=dict(deployment["ray_actor_options"]))
+    selector = options["ray_actor_options"].pop("label_selector")
+    assert [options] == built
+    assert selector == _groups(service)["explorer-gpu"]["labels"]
+
+
+def test_every_pod_starts_ray_as_serve_rft_up_does():
+    """HAProxy mode with the launcher's retry line, the task-events bound and the replicas'
+    draining period on every pod (an HAProxy runs on each); the proxies' draining period is at
+    least Ray's 30 s, since a Kubernetes Service is in front of them."""
+    from serve_rft.service.ingress import DRAIN_ENV, HAPROXY_FLAG, RETRY_ON, haproxy_env
+    from serve_rft.service.launcher import TASK_EVENTS_ENV
+
+    expected = {k: v for k, v in haproxy_env().items() if k not in PER_MACHINE}
+    assert expected[HAPROXY_FLAG] == "1" and expected["RAY_SERVE_HAPROXY_RETRY_ON"] == RETRY_ON
+    expected |= TASK_EVENTS_ENV
+    direct = "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"
+    expected[direct] = DRAIN_ENV[direct]
+    groups = _groups(_manifest()["RayService"])
+    assert set(groups) == {"head", "explorer-gpu", "trainer-gpu"}
+    images = set()
+    for name, group in groups.items():
+        container = _ray_container(group)
+        images.add(container["image"])
+        env = {e["name"]: e.get("value") for e in container["env"]}
+        assert {k: env.get(k) for k in expected} == expected, name
+        assert float(env["RAY_SERVE_PROXY_MIN_DRAINING_PERIOD_S"]) >= 30, name
+        assert not set(env) & PER_MACHINE, name
+        assert IMAGE_ROOT.rstrip("/") in env["PYTHONPATH"].split(":"), name  # deployments.app
+    assert len(images) == 1
+
+
+def test_shared_volume_on_every_pod_and_gpus_for_replicas_and_trainer():
+    manifest = _manifest()
+    claim = manifest["PersistentVolumeClaim"]
+    assert claim["spec"]["accessModes"] == ["ReadWriteMany"]
+    groups = _groups(manifest["RayService"])
+    for name, group in groups.items():
+        volumes = {v["name"] for v in group["template"]["spec"]["volumes"]
+                   if v.get("persistentVolumeClaim", {}).get("claimName") == claim["metadata"]["name"]}
+        mounts = [m["mountPath"] for m in _ray_container(group)["volumeMounts"] if m["name"] in volumes]
+        assert mounts == [SHARED], name
+
+    cfg = _kuberay_config()
+    head = groups.pop("head")
+    assert head["rayStartParams"]["num-cpus"] == "0"  # no replica, trainer or build task there
+    assert "nvidia.com/gpu" not in _ray_container(head)["resources"]["limits"]
+    explorer, trainer = groups["explorer-gpu"], groups["trainer-gpu"]
+    per_pod = int(_ray_container(explorer)["resources"]["limits"]["nvidia.com/gpu"])
+    assert explorer["replicas"] == explorer["minReplicas"] == explorer["maxReplicas"]
+    assert explorer["replicas"] * per_pod == cfg.explorer.num_replicas * cfg.explorer.num_gpus_per_replica
+    # the trainer takes the one GPU the replicas leave (it cannot be pinned: README, "Placement")
+    assert trainer["replicas"] == 1 and cfg.trainer.device == "cuda"
+    assert int(_ray_container(trainer)["resources"]["limits"]["nvidia.com/gpu"]) == cfg.trainer.num_gpus == 1
+
+
+def test_operator_doc_gives_the_launchers_retry_line():
+    """The `ray start` line in deployments/README.md carries RETRY_ON exactly (bash $'...')."""
+    from serve_rft.service.ingress import RETRY_ON
+
+    quoted = "$'" + RETRY_ON.replace("\n", "\\n") + "'"
+    assert f"RAY_SERVE_HAPROXY_RETRY_ON={quoted}" in (ROOT / "deployments" / "README.md").read_text()

@@ -113,6 +113,10 @@ class TrainerConfig(StrictSection):
     num_gpus: float = Field(
         1.0, gt=0, le=1, description="Ray GPUs the trainer actor takes with device=cuda (a fraction "
         "shares one GPU with replicas: configs/single_gpu.yaml).")
+    label_selector: dict[str, str] | None = Field(
+        None, description="Ray node labels the trainer actor must run on (Ray's label_selector, "
+        "e.g. {serve-rft.io/role: trainer}: the node group started with that label; "
+        "deployments/kuberay/rayservice.yaml). None: any node with the resources.")
     precision: Literal["auto", "fp32", "bf16"] = Field(
         "auto", description="Forward passes of the trainer: bf16 autocast (weights, optimizer and "
         "log-softmax stay fp32) or fp32. auto: bf16 on cuda, fp32 on cpu (where the logprob agreement "

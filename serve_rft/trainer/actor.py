@@ -242,10 +242,18 @@ class Trainer(Publishing):
         return self.published
 
 
-def get_or_create_trainer(cfg: Config, model_path: str):
-    """The named trainer actor (detached), created if it does not exist yet."""
+def trainer_options(cfg: Config) -> dict:
+    """Ray actor options of the trainer: its name, one Ray GPU share with ``device=cuda``, the
+    ``trainer.label_selector`` placement if set, detached, restarted without bound (a restarted
+    trainer resumes from its saved state)."""
     gpus = cfg.trainer.num_gpus if cfg.trainer.device == "cuda" else 0
-    # max_restarts=-1: Ray restarts a trainer whose process died; it resumes from its state.
-    return Trainer.options(name=TRAINER_NAME, namespace=NAMESPACE, get_if_exists=True, num_gpus=gpus,
-                           lifetime="detached", max_restarts=-1, max_task_retries=-1,
-                           ).remote(cfg.model_dump_json(), model_path)
+    opts = dict(name=TRAINER_NAME, namespace=NAMESPACE, get_if_exists=True, num_gpus=gpus,
+                lifetime="detached", max_restarts=-1, max_task_retries=-1)
+    if cfg.trainer.label_selector:
+        opts["label_selector"] = dict(cfg.trainer.label_selector)
+    return opts
+
+
+def get_or_create_trainer(cfg: Config, model_path: str):
+    """The named trainer actor (detached), created if it does not exist yet (`trainer_options`)."""
+    return Trainer.options(**trainer_options(cfg)).remote(cfg.model_dump_json(), model_path)

@@ -147,6 +147,14 @@ def test_rayservice_serves_the_shipped_application_on_the_cluster_config(monkeyp
     selector = options["ray_actor_options"].pop("label_selector")
     assert [options] == built
     assert selector == _groups(service)["explorer-gpu"]["labels"]
+    # the trainer goes to its own group (Ray's label_selector, as Ray validates actor options)
+    from serve_rft.trainer.actor import trainer_options
+    from ray._common.ray_option_utils import validate_actor_options
+
+    assert cfg.trainer.label_selector == _groups(service)["trainer-gpu"]["labels"]
+    opts = trainer_options(cfg)
+    validate_actor_options(opts, in_options=True)
+    assert opts["label_selector"] == cfg.trainer.label_selector and opts["num_gpus"] == 1.0
 
 
 def test_every_pod_starts_ray_as_serve_rft_up_does():

@@ -45,7 +45,7 @@ class SimReplica:
     syncing: int | None = None
     sync_from: int = 0
     sync_done_at: float = 0.0
-    drained: bool = False
+    drained: bool = False  # holds an operator's drain: learned from its last poll answer, as a replica does
     routable: bool = False  # the ingress routes to it (a moment after it registered)
     routable_at: float = float("inf")
 
@@ -158,8 +158,7 @@ class Fleet:
             self.state.set_drained(rid, drained, self.now)
         except (KeyError, ValueError):
             return False
-        self.replicas[rid].drained = drained
-        if not drained:
+        if not drained:  # the replica itself learns either from its next poll answer (`_poll`)
             self._wake()
         return True
 
@@ -182,9 +181,11 @@ class Fleet:
             st.register(r.rid, r.version, self.now, base_handle={"method": "checkpoint", "path": "/base"},
                         handle={"method": "checkpoint", "path": f"/v{r.version}"} if r.version else None,
                         drained=r.drained, warming=not r.routable)
-        st.heartbeat(r.rid, r.version, 0, self.now, ready=r.routable)
+        st.heartbeat(r.rid, r.version, 0, self.now, ready=r.routable, drained=r.drained)
         self._ray_check()
         order = st.grant(r.rid, self.now)
+        info = st.members.get(r.rid)  # the poll answer's drain (serve_rft/synchronizer/actor.py poll)
+        r.drained = bool(info and info.drained and st.members.serving_besides(info))
         if order is None:
             self._waiting[r.rid] = None
             return

@@ -163,7 +163,7 @@ class WeightSwap:
             try:
                 reply: PollReply = await self.sync.poll.remote(
                     self.replica_id, self.engine.policy_version, self.explorer_step(), POLL_S, traffic,
-                    self.refused_total, self.reached)
+                    self.refused_total, self.reached, self.operator_drained)
                 if not reply.known:  # a restarted synchronizer: introduce ourselves again
                     await self._register()
                     await asyncio.sleep(POLL_S)

@@ -90,12 +90,13 @@ class Synchronizer(SyncMonitor):
     @ray.method(enable_task_events=False)
     async def poll(self, replica_id: str, version: int, explorer_step: int = 0, timeout_s: float = 1.0,
                    traffic: dict[int, tuple[int, int, float]] | None = None, refused: int | None = None,
-                   ready: bool = True) -> PollReply:
+                   ready: bool = True, drained: bool | None = None) -> PollReply:
         """Heartbeat + long-poll: returns within ``timeout_s`` with a `SyncOrder` if this
         replica may sync now. ``traffic``: requests that ended since the last poll, per version
         (requests, errors, latency seconds), for a canary's verdict; ``refused``: requests it
         refused so far while out of rotation; ``ready``: a request has reached it through the
-        ingress (until then it is warming: not counted in rotation)."""
+        ingress (until then it is warming: not counted in rotation); ``drained``: it holds an
+        operator's drain now (put back, it counts in rotation once it says it no longer does)."""
         await self._rebuild()
         if not self.state.known(replica_id):
             return PollReply(known=False)
@@ -105,7 +106,7 @@ class Synchronizer(SyncMonitor):
         while True:
             now = time.time()
             self.state.expire(now, EXPIRE_EVERY_S)
-            self.state.heartbeat(replica_id, version, explorer_step, now, refused, ready)
+            self.state.heartbeat(replica_id, version, explorer_step, now, refused, ready, drained)
             try:
                 await self._check_ray()
             except Exception:  # noqa: BLE001 - GCS busy: the grant below trusts the last answer,

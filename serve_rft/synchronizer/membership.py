@@ -6,7 +6,9 @@ or, while it syncs, while it renews its lease; Ray reporting its actor dead (`Me
 with ``lost``) or Ray Serve stopping it gracefully (``left``) ends it at once. *In rotation* =
 live, RUNNING, not drained by an operator and not *warming*: a replica that started counts only
 once a request reached it through the ingress (before, HAProxy may not route to it yet, so a
-syncing peer must not refuse requests on its account). A STOPPED replica that is not known dead may come
+syncing peer must not refuse requests on its account). A replica an operator put back counts
+once its own poll says it stopped refusing (*undraining* until then: it learns of the undrain
+from a poll answer, and a peer granted a sync meanwhile would refuse too). A STOPPED replica that is not known dead may come
 back (a stalled event loop), so the versions it serves stay loadable (`alive_versions`).
 
 Counts are kept incrementally (every change goes through `Membership.update`), so a poll costs
@@ -40,6 +42,7 @@ class ReplicaInfo:
     sync_started: float | None = None
     lease_until: float | None = None
     drained: bool = False  # an operator took it out of rotation
+    undraining: bool = False  # put back by an operator, but it has not yet said it stopped refusing
     warming: bool = False  # registered, but the ingress has not routed a request to it yet
     pid: int | None = None  # the replica's process id (operators, fault tests)
     refused: int = 0  # requests it refused while out of rotation (re-sent elsewhere by HAProxy)
@@ -59,7 +62,8 @@ class ReplicaInfo:
 
     @property
     def in_rotation(self) -> bool:
-        return self.live and self.state is ComponentState.RUNNING and not self.drained and not self.warming
+        return (self.live and self.state is ComponentState.RUNNING and not self.drained and not self.undraining
+                and not self.warming)
 
     def clear_sync(self) -> None:
         self.granted = self.sync_started = self.lease_until = None

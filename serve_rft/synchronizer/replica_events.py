@@ -41,7 +41,7 @@ class ReplicaEvents:
         r.pid = pid if pid is not None else r.pid
         r.clear_sync()
         self._update(r, now, kind, state=ComponentState.RUNNING, policy_version=version, drained=drained,
-                     warming=warming)
+                     warming=warming, undraining=False)
         self._observe(r, r.schedule.explorer_step, now)
 
     def known(self, replica_id: str) -> bool:
@@ -64,17 +64,20 @@ class ReplicaEvents:
                            c.sync_timeout_s, now)
 
     def heartbeat(self, replica_id: str, version: int, explorer_step: int, now: float,
-                  refused: int | None = None, ready: bool = True) -> None:
+                  refused: int | None = None, ready: bool = True, drained: bool | None = None) -> None:
         """A replica's poll: it is alive, serves ``version``, reached ``explorer_step`` and has
         refused ``refused`` requests so far while out of rotation. Unknown replicas must
         `register` first (they send their handles then). ``ready``: a request reached it through
-        the ingress (it leaves warming)."""
+        the ingress (it leaves warming). ``drained``: whether it holds an operator's drain now
+        (False ends *undraining*; None: not reported, taken as False)."""
         r = self.members.get(replica_id)
         if r is None or not r.alive:
             return
         r.last_seen = now
         if ready and r.warming:
             self._update(r, now, "ready", warming=False)
+        if r.undraining and not drained:
+            self._update(r, now, "back", undraining=False)
         if refused is not None:
             r.refused = refused
         if r.state is not ComponentState.RUNNING:  # came back, or its sync ended unreported
@@ -122,7 +125,9 @@ class ReplicaEvents:
             return
         if drained and r.in_rotation and self.members.n_live >= 2 and self.members.serving_besides(r) == 0:
             raise ValueError(f"draining {replica_id} would leave no replica in rotation")
-        self._update(r, now, "drained" if drained else "undrained", drained=drained)
+        # put back, it counts in rotation once its next poll says it stopped refusing (`heartbeat`)
+        self._update(r, now, "drained" if drained else "undrained", drained=drained,
+                     undraining=not drained)
 
     def left(self, replica_id: str, now: float) -> None:
         """Ray Serve stopped the replica gracefully (scale-down, redeploy)."""

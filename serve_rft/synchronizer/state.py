@@ -310,7 +310,8 @@ class SyncState(ReplicaEvents):
             "trainer": {"state": self.trainer_state.value, "step": self.trainer_step},
             "replicas": [
                 {"id": r.replica_id, "state": r.state.value, "policy_version": r.policy_version,
-                 "alive": r.alive, "drained": r.drained, "warming": r.warming, "granted": r.granted,
+                 "alive": r.alive, "drained": r.drained, "undraining": r.undraining, "warming": r.warming,
+                 "granted": r.granted,
                  "refused": r.refused, "pid": r.pid,
                  "failures": r.failures, "last_error": r.last_error,
                  "backoff_s": round(max(0.0, r.backoff_until - now), 3) if r.backoff_version else 0.0,

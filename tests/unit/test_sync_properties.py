@@ -275,3 +275,23 @@ def test_drain_refuses_to_take_the_last_serving_replica():
     assert not f.drain(b, True)
     with pytest.raises(ValueError):
         f.state.set_drained(b, True, f.now)
+
+
+def test_a_replica_put_back_counts_once_it_stopped_refusing():
+    """An operator puts a drained replica back while a version waits for its peer: the peer is
+    granted only after the replica's own poll says it stopped refusing (it learns of the undrain
+    from a poll answer; granted at once, the peer would refuse too and HAProxy's retries could
+    meet two refusing replicas)."""
+    f = Fleet(SynchronizerConfig(sync_style="trainer_driven", max_unavailable=1), lambda rng: 0.5, seed=1)
+    a, b = f.add_replica(), f.add_replica()
+    f.advance(5.0)
+    assert f.drain(a, True)
+    f.advance(2.0)
+    f.publish()
+    f.advance(3.0)  # the drained replica synced (it costs nothing); its peer may not leave rotation
+    assert (f.replicas[a].version, f.replicas[b].version) == (1, 0)
+    assert f.drain(a, False)
+    assert f.state.members.get(a).undraining and not f.state.members.get(a).in_rotation
+    f.advance(3.0)
+    assert f.replicas[b].version == 1 and not f.violations, f.violations
+    assert not f.state.members.get(a).undraining

@@ -202,7 +202,7 @@ def test_shared_volume_on_every_pod_and_gpus_for_replicas_and_trainer():
     per_pod = int(_ray_container(explorer)["resources"]["limits"]["nvidia.com/gpu"])
     assert explorer["replicas"] == explorer["minReplicas"] == explorer["maxReplicas"]
     assert explorer["replicas"] * per_pod == cfg.explorer.num_replicas * cfg.explorer.num_gpus_per_replica
-    # the trainer takes the one GPU the replicas leave (it cannot be pinned: README, "Placement")
+    # the trainer's own GPU, where trainer.label_selector places it (deployments/README.md, "Placement")
     assert trainer["replicas"] == 1 and cfg.trainer.device == "cuda"
     assert int(_ray_container(trainer)["resources"]["limits"]["nvidia.com/gpu"]) == cfg.trainer.num_gpus == 1
 

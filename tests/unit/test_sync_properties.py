@@ -19,6 +19,8 @@ and checks the invariants after every step:
 
 from __future__ import annotations
 
+import os
+
 import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
@@ -189,7 +191,9 @@ class FleetMachine(RuleBasedStateMachine):
 
 
 TestFleet = FleetMachine.TestCase
-TestFleet.settings = settings(max_examples=150, stateful_step_count=40, deadline=None,
+# CI: 150 examples x 40 steps; a longer search: FLEET_EXAMPLES=3000 FLEET_STEPS=60 pytest ... -k TestFleet
+TestFleet.settings = settings(max_examples=int(os.environ.get("FLEET_EXAMPLES", 150)),
+                              stateful_step_count=int(os.environ.get("FLEET_STEPS", 40)), deadline=None,
                               suppress_health_check=list(HealthCheck))
 
 

@@ -44,8 +44,8 @@ FOLLOW_UP = "Thanks. Should I take an umbrella?"
 
 CALL_TOKENS = 600
 """``max_tokens`` of the forced call: vLLM's tool-call grammar lets whitespace into the JSON without
-bound, so a random-init model can spend many more tokens on a call than its JSON needs (lower
-600 leaves room for that on the embedded model at temperature 1."""
+bound, so a random-init model can spend many more tokens on a call than its JSON needs; 600 leaves
+room for that on the embedded model at temperature 1."""
 
 
 def weather(city: str) -> str:

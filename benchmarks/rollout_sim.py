@@ -184,8 +184,7 @@ class Fleet:
         st.heartbeat(r.rid, r.version, 0, self.now, ready=r.routable, drained=r.drained)
         self._ray_check()
         order = st.grant(r.rid, self.now)
-        info = st.members.get(r.rid)  # the poll answer's drain (serve_rft/synchronizer/actor.py poll)
-        r.drained = bool(info and info.drained and st.members.serving_besides(info))
+        r.drained = st.drain_holds(r.rid)  # the poll answer's drain (serve_rft/synchronizer/actor.py poll)
         if order is None:
             self._waiting[r.rid] = None
             return

@@ -9,8 +9,9 @@ server does. They call ``engine_client.generate(prompt, sampling_params, request
 - labels the request with the policy version it is served with: full-weight sync salts the
   prefix cache with it (a KV block computed under one version is never reused under another);
   adapter-only LoRA sync answers with that version's adapter;
-- refuses (400) sampling settings the trainer does not reproduce (`reproducible.check`: they
-  can come from the model's generation config or a field vLLM adds after the request checks);
+- refuses (400) sampling settings the trainer does not reproduce (`reproducible.check`): a
+  backstop, since the request checks refuse them by name and the generation-config defaults
+  that set them are dropped, so it fires only on a setting vLLM adds after those checks;
 - asks vLLM for the sampled tokens' logprobs (the behaviour logprobs the trainer needs) even
   when the client did not (vLLM's serving layer shows logprobs only to clients that asked);
 - accumulates what vLLM returns (token ids, logprobs, per-token weight-version spans) and, when

@@ -7,7 +7,7 @@ reproduce: their behaviour logprobs would not be the policy's, and a PPO ratio a
 would be wrong without anybody noticing. Those are refused (`REFUSED`), each with its reason.
 Structured outputs (``response_format``, ``structured_outputs``, a forced tool call with
 ``tool_choice`` ``required`` or a named function) are served; their experiences carry the
-constraint and the trainer leaves them out of the loss, counted (`serve_rft.trainer.intake`).
+constraint and the trainer leaves them out of the loss, counted (`serve_rft.trainer.feed`).
 
 serve_rft's own request fields (`Extensions`) and OpenAI's ``store`` and ``metadata`` are taken
 out before vLLM validates the rest; a field vLLM does not know is refused (vLLM would ignore it).
@@ -29,7 +29,7 @@ from serve_rft.explorer.reproducible import NOT_REPRODUCED
 
 class Extensions(BaseModel):
     """serve_rft's request fields (the openai SDK sends them with ``extra_body``) and OpenAI's
-    ``store``."""
+    ``store`` and ``metadata``."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -91,10 +91,8 @@ class _StrictCompletion(_Strict):
 
 REFUSED: dict[str, tuple[Callable[[Any], bool], str]] = {
     # field -> (its value leaves sampling alone, why another value is refused)
-    **{name: NOT_REPRODUCED[name] for name in (
-        "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "top_k", "min_p",
-        "min_tokens", "allowed_token_ids", "bad_words", "watermarking", "thinking_token_budget")},
-    "vllm_xargs": (lambda v: not v, NOT_REPRODUCED["extra_args"][1]),
+    # every sampling field the trainer does not reproduce, under its request name
+    **{{"extra_args": "vllm_xargs"}.get(name, name): rule for name, rule in NOT_REPRODUCED.items()},
     "use_beam_search": (lambda v: not v, "beam search does not sample: its tokens have no behaviour "
                         "logprobs to train against"),
     "prompt_embeds": (lambda v: v is None, "an answer to embeddings has no prompt token ids to train on"),

@@ -1,7 +1,7 @@
 """What of vLLM's sampling the trainer reproduces, checked on the sampling parameters vLLM uses.
 
 The trainer recomputes a behaviour logprob as ``log_softmax(logits / temperature)`` of the
-sampled token, renormalised over the top-p nucleus (`serve_rft.trainer.policy`); vLLM's
+sampled token, renormalised over the top-p nucleus (`serve_rft.trainer.algorithm.response_logprobs`); vLLM's
 sampler does exactly that when nothing else touches the logits. vLLM's serving layer builds a
 request's ``SamplingParams`` from the request's fields *and* the model's
 ``generation_config.json`` (``ModelConfig.get_diff_sampling_param``: ``top_k``, ``min_p``,
@@ -57,8 +57,8 @@ def split_defaults(defaults: dict[str, Any]) -> tuple[dict[str, Any], dict[str, 
     """
     kept, dropped = {}, {}
     for key, value in defaults.items():
-        neutral = NOT_REPRODUCED.get(key, (lambda v: key in REPRODUCED_DEFAULTS, ""))[0]
-        (kept if key in REPRODUCED_DEFAULTS or neutral(value) else dropped)[key] = value
+        keep = key in REPRODUCED_DEFAULTS or (key in NOT_REPRODUCED and NOT_REPRODUCED[key][0](value))
+        (kept if keep else dropped)[key] = value
     return kept, dropped
 
 

@@ -90,7 +90,7 @@ class Synchronizer(SyncMonitor):
     @ray.method(enable_task_events=False)
     async def poll(self, replica_id: str, version: int, explorer_step: int = 0, timeout_s: float = 1.0,
                    traffic: dict[int, tuple[int, int, float]] | None = None, refused: int | None = None,
-                   ready: bool = True, drained: bool | None = None) -> PollReply:
+                   ready: bool = True, drained: bool = False) -> PollReply:
         """Heartbeat + long-poll: returns within ``timeout_s`` with a `SyncOrder` if this
         replica may sync now. ``traffic``: requests that ended since the last poll, per version
         (requests, errors, latency seconds), for a canary's verdict; ``refused``: requests it
@@ -113,8 +113,7 @@ class Synchronizer(SyncMonitor):
                 log.exception("listing replica actors")  # the monitor tries again every second
             order = self.state.grant(replica_id, time.time())
             r = self.state.members.get(replica_id)
-            # an operator's drain holds only while another replica serves (else it serves anyway)
-            reply = PollReply(order=order, drained=bool(r and r.drained and self.state.members.serving_besides(r)),
+            reply = PollReply(order=order, drained=self.state.drain_holds(replica_id),
                               role="canary" if r is not None and self.state.candidate in (
                                   r.policy_version, r.granted) else "incumbent")
             if order is not None:

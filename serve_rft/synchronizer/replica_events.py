@@ -64,12 +64,12 @@ class ReplicaEvents:
                            c.sync_timeout_s, now)
 
     def heartbeat(self, replica_id: str, version: int, explorer_step: int, now: float,
-                  refused: int | None = None, ready: bool = True, drained: bool | None = None) -> None:
+                  refused: int | None = None, ready: bool = True, drained: bool = False) -> None:
         """A replica's poll: it is alive, serves ``version``, reached ``explorer_step`` and has
         refused ``refused`` requests so far while out of rotation. Unknown replicas must
         `register` first (they send their handles then). ``ready``: a request reached it through
         the ingress (it leaves warming). ``drained``: whether it holds an operator's drain now
-        (False ends *undraining*; None: not reported, taken as False)."""
+        (False ends *undraining*)."""
         r = self.members.get(replica_id)
         if r is None or not r.alive:
             return

@@ -93,6 +93,12 @@ class SyncState(ReplicaEvents):
     def pinned(self) -> int | None:
         return self.rollout.pinned
 
+    def drain_holds(self, replica_id: str) -> bool:
+        """Whether ``replica_id`` must hold an operator's drain now (what its poll answer says): an
+        operator's drain holds only while another replica is in rotation (else it serves anyway)."""
+        r = self.members.get(replica_id)
+        return bool(r and r.drained and self.members.serving_besides(r))
+
     def serving(self) -> int:
         """Live replicas in rotation now (RUNNING, not drained)."""
         return self.members.n_in_rotation

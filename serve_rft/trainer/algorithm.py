@@ -13,7 +13,7 @@ from typing import Literal
 
 import torch
 
-from serve_rft.trainer.token_logprobs import top_p_keep  # noqa: F401  (re-exported: its name before)
+from serve_rft.trainer.token_logprobs import chunked_token_logprobs, lm_parts, top_p_keep
 from serve_rft.weights.verify import probe_ids
 
 
@@ -99,8 +99,8 @@ def response_logprobs(model, prompts: list[list[int]], responses: list[list[int]
     ``impl="chunked"`` (the default) runs the decoder alone and the LM head on the response
     positions only, ``chunk_tokens`` at a time, with a backward that recomputes each chunk
     (`serve_rft.trainer.token_logprobs`); a model without the plain decoder + linear head
-    structure (`token_logprobs.lm_parts`) takes ``impl="full"``: ``[B, L, V]`` fp32 logits,
-    as before. Both give the same values and gradients (tests/unit/test_algorithm.py).
+    structure (`token_logprobs.lm_parts`) takes ``impl="full"``: ``[B, L, V]`` fp32 logits.
+    Both give the same values and gradients (tests/unit/test_algorithm.py).
 
     Returns:
         (``[B, T]`` logprobs, ``[B, T]`` float mask of real response tokens), and with
@@ -110,11 +110,9 @@ def response_logprobs(model, prompts: list[list[int]], responses: list[list[int]
         ValueError: a non-empty response after an empty prompt (no position predicts its
             first token).
     """
-    from serve_rft.trainer import token_logprobs
-
     if any(r and not p for p, r in zip(prompts, responses)):
         raise ValueError("a response needs at least one prompt token before it")
-    parts = token_logprobs.lm_parts(model) if impl == "chunked" else None
+    parts = lm_parts(model) if impl == "chunked" else None
     if parts is None:
         return _response_logprobs_full(model, prompts, responses, temperatures, pad_id, with_entropy, top_ps)
     decoder, weight = parts
@@ -135,7 +133,7 @@ def response_logprobs(model, prompts: list[list[int]], responses: list[list[int]
     index = torch.tensor([rows, pos, cols, toks], dtype=torch.long).to(device)
     scalars = torch.tensor([temps, tps], dtype=torch.float32).to(device)
     hidden = decoder(input_ids=ids, attention_mask=attn, use_cache=False).last_hidden_state
-    lp, e = token_logprobs.chunked_token_logprobs(hidden[index[0], index[1]], weight, index[3], scalars[0],
+    lp, e = chunked_token_logprobs(hidden[index[0], index[1]], weight, index[3], scalars[0],
                                                   scalars[1], chunk_tokens, with_entropy)
     where = (index[0], index[2])
     out = out.index_put(where, lp)

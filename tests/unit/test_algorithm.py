@@ -164,7 +164,7 @@ def test_all_empty_responses_and_an_empty_prompt():
 
 
 def test_models_without_the_plain_structure_take_the_full_path():
-    from serve_rft.trainer.algorithm import _response_logprobs_full, response_logprobs
+    from serve_rft.trainer.algorithm import response_logprobs
     from serve_rft.trainer.token_logprobs import lm_parts
 
     model = _tiny("qwen2")
@@ -172,7 +172,7 @@ def test_models_without_the_plain_structure_take_the_full_path():
     assert lm_parts(model) is None
     with torch.no_grad():
         got = response_logprobs(model, PROMPTS, RESPONSES, TEMPS, top_ps=TOP_PS)
-        ref = _response_logprobs_full(model, PROMPTS, RESPONSES, TEMPS, top_ps=TOP_PS)
+        ref = response_logprobs(model, PROMPTS, RESPONSES, TEMPS, top_ps=TOP_PS, impl="full")
     assert all(torch.equal(a, b) for a, b in zip(got, ref))
 
 

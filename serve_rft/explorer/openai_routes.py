@@ -1,8 +1,8 @@
 """The OpenAI routes: ``/v1/chat/completions``, ``/v1/completions``, ``/v1/models[/{id}]``.
 
 A mixin of `ExplorerReplica`. A request passes the weight swap's admission (serve; hold while
-this lone replica loads new weights; or refuse with 503 while it drains, which HAProxy re-sends
-to a serving replica), is parsed on the replica's tokenizer thread (bounded JSON,
+this lone replica loads new weights, or while it drains a request too large for HAProxy to re-send;
+or refuse with 503 while it drains, which HAProxy re-sends to a serving replica), is parsed on the replica's tokenizer thread (bounded JSON,
 `serve_rft.explorer.body`; what may be asked, `serve_rft.explorer.openai_request`) and is answered
 by vLLM's own serving classes (`serve_rft.explorer.openai_serving`), whose engine calls go through
 the tap that logs each answer as experiences before the answer ends
@@ -25,6 +25,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from serve_rft.explorer.body import parse_json, read_body
 from serve_rft.explorer.engine_tap import CURRENT, RequestContext
 from serve_rft.explorer.http import AUTHORIZED, app
+from serve_rft.explorer.ingress_mode import fits_a_retry
 from serve_rft.explorer.openai_request import parse_request
 from serve_rft.explorer.protocol import ApiError
 
@@ -118,12 +119,15 @@ class OpenAIRoutes:
         return JSONResponse(result.model_dump(), headers=self.headers(ctx.version))
 
     async def _admit(self, request: Request) -> None:
-        """Serve, hold (no other replica serves: wait for the new weights, do not fail), or refuse.
+        """Serve, hold (no other replica serves, or HAProxy could not re-send this request: wait for
+        the new weights, do not fail), or refuse.
 
         Raises:
             ApiError: 503 + Retry-After while this replica is out of rotation.
         """
-        admission = self.swap.admission()
+        head = len(request.method) + len(request.url.path) + len(request.url.query) + 16  # request line
+        head += sum(len(k) + len(v) + 4 for k, v in request.headers.raw)
+        admission = self.swap.admission(fits_a_retry(request.headers.get("content-length"), head))
         if admission == "hold":
             await self.swap.gate.wait()
             admission = "refuse" if self.swap.broken is not None else "serve"

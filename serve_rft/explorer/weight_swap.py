@@ -8,7 +8,8 @@ for a canary); when granted a sync it
    it arrives) and holds a *lease* it renews every ``lease_s / 4`` until the end, so a slow load
    keeps its slot and a dead replica loses it;
 2. drains: new chat requests are refused with 503 (behind HAProxy, which re-sends them to another
-   replica) while another replica serves, else held at a gate (they wait, none fail); the
+   replica) while another replica serves, else held at a gate (they wait, none fail); a request
+   too large for HAProxy to re-send is held too (`WeightSwap.admission`); the
    synchronizer's answer to each renewal says which, so a replica whose peer died stops refusing;
 3. pauses vLLM (``wait``: in-flight requests finish first; ``keep``: they freeze and continue on
    the new weights), loads, resumes;
@@ -88,12 +89,20 @@ class WeightSwap:
     def draining(self) -> bool:
         return self.syncing and not self.gate.is_set() or self.operator_drained
 
-    def admission(self) -> str:
-        """``serve``, ``refuse`` (answer 503, HAProxy re-sends it) or ``hold`` (wait for the gate)."""
+    def admission(self, retryable: bool = True) -> str:
+        """``serve``, ``refuse`` (answer 503, HAProxy re-sends it) or ``hold`` (wait for the gate).
+
+        Args:
+            retryable: HAProxy could re-send this request (it fits its buffer,
+                `serve_rft.explorer.ingress_mode.fits_a_retry`). One it could not is never
+                refused for a drain: held while weights load, served during an operator's drain.
+        """
         if self.broken is not None:
             return "refuse"
         if not self.draining:
             return "serve"
+        if not retryable:
+            return "serve" if self.gate.is_set() else "hold"
         if self.refuses or (self.operator_drained and self.refusals_retried):
             self.refused += 1
             self.refused_total += 1

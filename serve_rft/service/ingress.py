@@ -65,7 +65,9 @@ def haproxy_env() -> dict[str, str]:
     Prometheus exporter 9101, fallback proxy 8500; HAProxy binds them on every interface) are
     free ones, so several stacks can share a machine. ``retry-on conn-failure empty-response 503`` + ``option
     http-buffer-request`` (`RETRY_ON`) make HAProxy re-send a request a draining replica refused
-    (nothing was processed; request bodies fit HAProxy's buffer). HAProxy's own per-request
+    (nothing was processed). HAProxy re-sends only a request that was whole in its 16 KiB buffer
+    (``tune.bufsize``); a replica holds a larger one instead of refusing it
+    (`serve_rft.explorer.ingress_mode.fits_a_retry`). HAProxy's own per-request
     metrics pipeline is off: replicas export ``serve_rft_requests_total`` and the latency
     histograms themselves. Worker threads: at most the machine's cores, at most 4.
 

@@ -429,8 +429,10 @@ def test_a_drained_replica_refuses_and_haproxy_resends_every_request(stack):
     """The drain path, held open on purpose: an operator drains one replica (the same refusal a
     sync's drain uses); while it is drained every request still succeeds, all are answered by the
     other replica, and the drained one refused some (HAProxy's leastconn prefers the idle, drained
-    replica and re-sends each refusal). Draining the last replica in rotation is refused (409)."""
+    replica and re-sends each refusal). A request too large for HAProxy to re-send is served by
+    the drained replica, not refused. Draining the last replica in rotation is refused (409)."""
     u = stack.url
+    _until_every_replica_is_routed_to(stack)  # a warming replica is not in rotation: no 409 for it
     deadline = time.monotonic() + 120
     while True:  # both replicas serving (the trainer may still be publishing: one may be syncing)
         st = httpx.get(f"{u}/v1/status", headers=ADMIN).json()
@@ -482,6 +484,17 @@ def test_a_drained_replica_refuses_and_haproxy_resends_every_request(stack):
 
         served_by = asyncio.run(go())  # a refuses now: every request is b's, none fails
         assert set(served_by) == {b}, served_by
+
+        async def large():  # bodies HAProxy cannot re-send (over half its 16 KiB buffer): a serves
+            body = json.dumps({"messages": [{"role": "user", "content": "big"}], "max_tokens": 2})
+            async with httpx.AsyncClient(timeout=60) as c:  # them instead of refusing, none fails
+                return await asyncio.gather(*[c.post(
+                    f"{u}/v1/chat/completions", content=body + " " * (20_000 + i),
+                    headers={"content-type": "application/json"}) for i in range(12)])
+
+        answers = asyncio.run(large())
+        assert all(r.status_code == 200 for r in answers), [(r.status_code, r.text[:300]) for r in answers]
+        assert a in {r.headers["x-serve-rft-replica"] for r in answers}
         events = httpx.get(f"{u}/v1/sync/events", headers=ADMIN).json()["events"]
         assert any(e["kind"] == "drained" and e["component"] == a for e in events)
     finally:

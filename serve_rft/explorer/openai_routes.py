@@ -127,7 +127,8 @@ class OpenAIRoutes:
         """
         head = len(request.method) + len(request.url.path) + len(request.url.query) + 16  # request line
         head += sum(len(k) + len(v) + 4 for k, v in request.headers.raw)
-        admission = self.swap.admission(fits_a_retry(request.headers.get("content-length"), head))
+        admission = self.swap.admission(fits_a_retry(request.headers.get("content-length"), head),
+                                        request.headers.get("x-request-id"))
         if admission == "hold":
             await self.swap.gate.wait()
             admission = "refuse" if self.swap.broken is not None else "serve"

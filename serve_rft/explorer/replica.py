@@ -22,6 +22,7 @@ import logging
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import ray
 from fastapi import Request
 from fastapi.responses import JSONResponse
 from redis.exceptions import RedisError
@@ -79,7 +80,8 @@ class ExplorerReplica(OpenAIRoutes, AdminRoutes):
                                      model_path)
         step = self.cfg.synchronizer.explorer_step_experiences
         self.swap = WeightSwap(self.replica_id, context.replica_id.to_full_id_str(), self.engine, self.sync,
-                               self.cfg, model_path, lambda: self.experience_log.logged // step)
+                               self.cfg, model_path, lambda: self.experience_log.logged // step,
+                               node_id=ray.get_runtime_context().get_node_id())
         await self.swap.start()  # a restarted or new replica loads the incumbent version first
         self._counts_task = asyncio.create_task(self._export_store_counts())
 

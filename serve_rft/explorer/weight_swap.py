@@ -30,6 +30,7 @@ import asyncio
 import logging
 import os
 import time
+from collections import OrderedDict
 from typing import Callable
 
 from serve_rft.config import Config
@@ -42,6 +43,9 @@ log = logging.getLogger("serve_rft.explorer")
 
 POLL_S = 1.0
 MAX_POLL_FAILURES_S = 120.0
+REFUSED_IDS_KEPT = 4096
+"""How many refused requests' ids a replica remembers (a request HAProxy brings back is not refused
+again, `WeightSwap.admission`); at ~40 bytes each, bounded memory."""
 
 
 class WeightSwap:
@@ -53,11 +57,12 @@ class WeightSwap:
         engine: the replica's `ExplorerEngine`; ``sync``: the `Synchronizer` handle.
         cfg: the run config; ``model_path``: the initial weights (version 0).
         explorer_step: returns the replica's explorer step (experiences logged / step size).
+        node_id: the Ray node it runs on (reported to the synchronizer, shown in /v1/status).
     """
 
     def __init__(self, replica_id: str, actor_name: str | None, engine, sync, cfg: Config, model_path: str,
-                 explorer_step: Callable[[], int]):
-        self.replica_id, self.actor_name = replica_id, actor_name
+                 explorer_step: Callable[[], int], node_id: str | None = None):
+        self.replica_id, self.actor_name, self.node_id = replica_id, actor_name, node_id
         self.engine, self.sync, self.cfg = engine, sync, cfg
         self.explorer_step = explorer_step
         self.base_handle = {"method": "checkpoint", "path": model_path}
@@ -70,6 +75,7 @@ class WeightSwap:
         self.gate.set()
         self.refused = 0  # refusals during the current sync
         self.refused_total = 0  # refusals since start (syncs and operator drains)
+        self.refused_ids: OrderedDict[str, None] = OrderedDict()  # the last REFUSED_IDS_KEPT refused
         self.reached = False  # a request came through the ingress: the replica is routable
         self.role = "incumbent"
         self.last_sync: dict[str, float] = {}
@@ -89,23 +95,34 @@ class WeightSwap:
     def draining(self) -> bool:
         return self.syncing and not self.gate.is_set() or self.operator_drained
 
-    def admission(self, retryable: bool = True) -> str:
+    def admission(self, retryable: bool = True, request_id: str | None = None) -> str:
         """``serve``, ``refuse`` (answer 503, HAProxy re-sends it) or ``hold`` (wait for the gate).
+
+        A request is refused for a drain at most once. HAProxy re-sends a refusal to another
+        replica; if that one is dead (killed while this one drains, before the synchronizer
+        learns of it) or refuses too, HAProxy's next retry comes back here with the same
+        ``x-request-id`` (set once per request by Ray's HAProxy config), and is then held (or
+        served, during an operator's drain) rather than refused into HAProxy's exhausted retries.
 
         Args:
             retryable: HAProxy could re-send this request (it fits its buffer,
                 `serve_rft.explorer.ingress_mode.fits_a_retry`). One it could not is never
                 refused for a drain: held while weights load, served during an operator's drain.
+            request_id: the request's ``x-request-id`` header, if any.
         """
         if self.broken is not None:
             return "refuse"
         if not self.draining:
             return "serve"
-        if not retryable:
+        if not retryable or (request_id is not None and request_id in self.refused_ids):
             return "serve" if self.gate.is_set() else "hold"
         if self.refuses or (self.operator_drained and self.refusals_retried):
             self.refused += 1
             self.refused_total += 1
+            if request_id is not None:
+                self.refused_ids[request_id] = None
+                if len(self.refused_ids) > REFUSED_IDS_KEPT:
+                    self.refused_ids.popitem(last=False)
             return "refuse"
         return "hold"
 
@@ -144,7 +161,7 @@ class WeightSwap:
         await self.sync.register.remote(
             self.replica_id, self.engine.policy_version, self.base_handle,
             self.loaded if self.engine.policy_version else None, self.operator_drained, self.actor_name,
-            os.getpid(), not self.reached)
+            os.getpid(), not self.reached, self.node_id)
 
     def leave(self) -> None:
         """Ray Serve stops this replica: tell the synchronizer (fire and forget)."""

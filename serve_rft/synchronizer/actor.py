@@ -64,14 +64,15 @@ class Synchronizer(SyncMonitor):
     # -- replicas ------------------------------------------------------------------
     async def register(self, replica_id: str, version: int, base_handle: dict | None = None,
                        handle: dict | None = None, drained: bool = False, actor_name: str | None = None,
-                       pid: int | None = None, warming: bool = False) -> None:
+                       pid: int | None = None, warming: bool = False, node_id: str | None = None) -> None:
         """A replica serves ``version`` (``handle`` loads it; ``base_handle`` its initial weights);
-        ``actor_name``: its Ray actor (how its death is noticed); ``pid``: its process."""
+        ``actor_name``: its Ray actor (how its death is noticed); ``pid`` / ``node_id``: its
+        process and Ray node."""
         await self._rebuild()
         if actor_name:
             self._actor_names[replica_id] = actor_name
         self.state.register(replica_id, version, time.time(), base_handle=base_handle, handle=handle,
-                            drained=drained, pid=pid, warming=warming)
+                            drained=drained, pid=pid, warming=warming, node_id=node_id)
         await self._notify()
 
     async def initial(self) -> PublishedVersion | None:

@@ -45,6 +45,7 @@ class ReplicaInfo:
     undraining: bool = False  # put back by an operator, but it has not yet said it stopped refusing
     warming: bool = False  # registered, but the ingress has not routed a request to it yet
     pid: int | None = None  # the replica's process id (operators, fault tests)
+    node_id: str | None = None  # the Ray node it runs on (hex), for operators and placement checks
     refused: int = 0  # requests it refused while out of rotation (re-sent elsewhere by HAProxy)
     introduced: bool = True  # False: known from a lease renewal only; it registers (with handles) next
     failures: int = 0

@@ -20,11 +20,12 @@ class ReplicaEvents:
 
     def register(self, replica_id: str, version: int, now: float, base_handle: dict | None = None,
                  handle: dict | None = None, drained: bool = False, pid: int | None = None,
-                 warming: bool = False) -> None:
+                 warming: bool = False, node_id: str | None = None) -> None:
         """A replica came up (or re-introduced itself to a restarted synchronizer) serving
         ``version``; ``base_handle`` loads its initial weights (version 0), ``handle`` the version
         it serves, ``drained`` whether an operator had drained it, ``warming``: no request reached
-        it yet (it is not counted in rotation until one does)."""
+        it yet (it is not counted in rotation until one does); ``pid`` / ``node_id``: its process and
+        Ray node, kept for operators."""
         self._now = now
         if base_handle is not None:
             self.versions.add(0, base_handle, now)
@@ -39,6 +40,7 @@ class ReplicaEvents:
             return  # a replica Ray reported dead does not come back under the same id
         r.last_seen, r.introduced = now, True
         r.pid = pid if pid is not None else r.pid
+        r.node_id = node_id if node_id is not None else r.node_id
         r.clear_sync()
         self._update(r, now, kind, state=ComponentState.RUNNING, policy_version=version, drained=drained,
                      warming=warming, undraining=False)

@@ -318,7 +318,7 @@ class SyncState(ReplicaEvents):
                 {"id": r.replica_id, "state": r.state.value, "policy_version": r.policy_version,
                  "alive": r.alive, "drained": r.drained, "undraining": r.undraining, "warming": r.warming,
                  "granted": r.granted,
-                 "refused": r.refused, "pid": r.pid,
+                 "refused": r.refused, "pid": r.pid, "node_id": r.node_id,
                  "failures": r.failures, "last_error": r.last_error,
                  "backoff_s": round(max(0.0, r.backoff_until - now), 3) if r.backoff_version else 0.0,
                  "last_sync_s": r.last_sync_s, "last_seen_s_ago": round(now - r.last_seen, 3),

@@ -60,3 +60,32 @@ def test_a_broken_replica_refuses_everything(behind_haproxy):
     s = swap()
     s.broken = RuntimeError("load outlived its timeout")
     assert s.admission(True) == "refuse" and s.admission(False) == "refuse"
+
+
+def test_a_request_haproxy_brings_back_is_not_refused_twice(behind_haproxy):
+    """A sync's refusal re-sent to a peer that died (before the synchronizer knew) comes back on
+    HAProxy's next retry with the same x-request-id: held until the weights are loaded, not refused
+    into HAProxy's exhausted retries (CI once saw 274 such failures in a kill during a sync)."""
+    s = swap()
+    s.syncing, s.refuses = True, True
+    s.gate.clear()
+    assert s.admission(True, "req-1") == "refuse"
+    assert s.admission(True, "req-2") == "refuse"
+    assert s.admission(True, "req-1") == "hold" and s.refused == 2
+    assert s.admission(True, None) == "refuse"  # no id (not through HAProxy): nothing to recognise
+    s.syncing = False
+    s.operator_drained = True  # an operator's drain: the gate is open, a returning request is served
+    s.gate.set()
+    assert s.admission(True, "req-3") == "refuse" and s.admission(True, "req-3") == "serve"
+
+
+def test_the_refused_ids_are_bounded(behind_haproxy):
+    from serve_rft.explorer.weight_swap import REFUSED_IDS_KEPT
+
+    s = swap()
+    s.syncing, s.refuses = True, True
+    s.gate.clear()
+    for i in range(REFUSED_IDS_KEPT + 10):
+        assert s.admission(True, f"r{i}") == "refuse"
+    assert len(s.refused_ids) == REFUSED_IDS_KEPT and "r0" not in s.refused_ids
+    assert s.admission(True, f"r{REFUSED_IDS_KEPT + 9}") == "hold"

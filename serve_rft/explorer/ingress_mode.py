@@ -14,6 +14,9 @@ import os
 
 HAPROXY_FLAG = "RAY_SERVE_ENABLE_HA_PROXY"
 BUFSIZE_ENV, DEFAULT_BUFSIZE = "RAY_SERVE_HAPROXY_TUNE_BUFSIZE", 16384  # Ray's default tune.bufsize
+REQUEST_ID_HEADER = "x-serve-rft-request-id"
+"""HAProxy's ``unique-id-header`` (`serve_rft.service.ingress.RETRY_ON`): one id per client request,
+the same on every re-send of it."""
 
 
 def haproxy_enabled() -> bool:
@@ -58,3 +61,10 @@ def fits_a_retry(content_length: str | None, header_bytes: int) -> bool:
     if content_length is None or not content_length.isdigit():
         return False
     return int(content_length) + header_bytes <= retry_capacity_bytes()
+
+
+def haproxy_request_id(values: list[str]) -> str | None:
+    """The id HAProxy gave this request, from the `REQUEST_ID_HEADER` values in order. HAProxy
+    appends its own after any a client sent, so the last one counts (a client that sends the
+    header only makes its own request held rather than refused: nothing is lost)."""
+    return values[-1] if values else None

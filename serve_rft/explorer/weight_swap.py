@@ -100,15 +100,15 @@ class WeightSwap:
 
         A request is refused for a drain at most once. HAProxy re-sends a refusal to another
         replica; if that one is dead (killed while this one drains, before the synchronizer
-        learns of it) or refuses too, HAProxy's next retry comes back here with the same
-        ``x-request-id`` (set once per request by Ray's HAProxy config), and is then held (or
+        learns of it) or refuses too, HAProxy's next retry comes back here with the same id
+        (``unique-id-header``, `serve_rft.service.ingress.RETRY_ON`), and is then held (or
         served, during an operator's drain) rather than refused into HAProxy's exhausted retries.
 
         Args:
             retryable: HAProxy could re-send this request (it fits its buffer,
                 `serve_rft.explorer.ingress_mode.fits_a_retry`). One it could not is never
                 refused for a drain: held while weights load, served during an operator's drain.
-            request_id: the request's ``x-request-id`` header, if any.
+            request_id: the id HAProxy gave the request (`ingress_mode.haproxy_request_id`), if any.
         """
         if self.broken is not None:
             return "refuse"

@@ -26,7 +26,7 @@ from __future__ import annotations
 import os
 
 from serve_rft.buffer.redis_server import free_port
-from serve_rft.explorer.ingress_mode import HAPROXY_FLAG
+from serve_rft.explorer.ingress_mode import HAPROXY_FLAG, REQUEST_ID_HEADER
 
 # HAProxy re-sends a request (L7 retry) only if the whole request was in its buffer before it
 # connected to the server; clients that write the body after the headers (httpx, the openai
@@ -38,7 +38,12 @@ from serve_rft.explorer.ingress_mode import HAPROXY_FLAG
 # closes with nothing answered; the request is re-sent to another replica instead of failing
 # (tests/integration/test_stack_faults.py). A replica that died after logging the experience and
 # before answering leaves that experience unrewarded: it expires (buffer.reward_timeout_s).
-RETRY_ON = "conn-failure empty-response 503\n    option http-buffer-request"
+# ``unique-id-header``: HAProxy adds one id per request, the same on each re-send, so a replica
+# refuses a request at most once (`WeightSwap.admission`): a refusal re-sent to a dead or refusing
+# peer comes back and is held. Ray's template sets x-request-id only with its ingress request
+# router, which serve_rft does not use (Serve then makes a new id per attempt).
+RETRY_ON = ("conn-failure empty-response 503\n    option http-buffer-request\n"
+            f"    unique-id-format %[uuid]\n    unique-id-header {REQUEST_ID_HEADER}")
 
 
 # Ray Serve keeps a stopping ingress replica (direct ingress) and a draining proxy open for at

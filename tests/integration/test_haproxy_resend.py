@@ -1,10 +1,12 @@
 """HAProxy's re-send, as the draining replica counts on it (`WeightSwap.admission`): Ray's HAProxy
-binary with the retry lines of Ray Serve's config template and serve_rft's `RETRY_ON`, in front of
-a replica that is loading weights (a real `WeightSwap` deciding each request) and a peer that was
-just killed (nothing listens on its port). HAProxy re-sends the refusal to the dead peer, then
-brings it back with the same ``x-request-id``; the replica holds it instead of refusing it again,
-so the client gets an answer, not HAProxy's 503 after its retries ran out (CI once saw 274 such
-failures when a replica was killed while its peer synced)."""
+binary with the retry line of Ray Serve's config template (``option redispatch 1``) and
+serve_rft's `RETRY_ON` in its ``defaults`` (as Ray writes it), in front of a replica that is
+loading weights (a real `WeightSwap` deciding each request) and a peer that was just killed
+(nothing listens on its port). HAProxy re-sends the refusal to the dead peer, then brings it back
+with the same `REQUEST_ID_HEADER`; the replica holds it instead of refusing it again, so the
+client gets an answer, not HAProxy's 503 after its retries ran out (CI once saw 274 such failures
+when a replica was killed while its peer synced). A client that sends the header itself does not
+change the id HAProxy's re-sends carry."""
 
 from __future__ import annotations
 
@@ -19,14 +21,13 @@ import pytest
 
 from serve_rft.buffer.redis_server import free_port
 from serve_rft.explorer import ingress_mode
-from serve_rft.explorer.ingress_mode import fits_a_retry
+from serve_rft.explorer.ingress_mode import REQUEST_ID_HEADER, fits_a_retry, haproxy_request_id
 from serve_rft.explorer.weight_swap import WeightSwap
 from serve_rft.service.ingress import RETRY_ON
 
 pytestmark = pytest.mark.integration
 
-RAY_LINES = ["option redispatch 1", "unique-id-format %[uuid]",
-             "http-request set-header x-request-id %[unique-id] if !{ req.hdr(x-request-id) -m found }"]
+RAY_LINES = ["option redispatch 1", "retry-on {{ config.retry_on }}"]
 
 
 def _ray_template() -> str:
@@ -51,7 +52,7 @@ def test_a_refusal_re_sent_to_a_dead_peer_comes_back_and_is_held(tmp_path, monke
     class Replica(http.server.BaseHTTPRequestHandler):
         def do_POST(self):
             body = self.rfile.read(int(self.headers.get("content-length", 0)))
-            rid = self.headers.get("x-request-id")
+            rid = haproxy_request_id(self.headers.get_all(REQUEST_ID_HEADER) or [])
             head = len(str(self.requestline)) + sum(len(k) + len(v) + 4 for k, v in self.headers.items())
             decision = swap.admission(fits_a_retry(str(len(body)), head), rid)
             seen.append((rid, decision))
@@ -71,8 +72,7 @@ def test_a_refusal_re_sent_to_a_dead_peer_comes_back_and_is_held(tmp_path, monke
         "global", "    maxconn 100",
         "defaults", "    mode http", "    timeout connect 5s", "    timeout client 30s", "    timeout server 30s",
         f"    {RAY_LINES[0]}", f"    retry-on {RETRY_ON}", "    balance leastconn",
-        "frontend fe", f"    bind 127.0.0.1:{front}", f"    {RAY_LINES[1]}", f"    {RAY_LINES[2]}",
-        "    default_backend be",
+        "frontend fe", f"    bind 127.0.0.1:{front}", "    default_backend be",
         "backend be", f"    server replica 127.0.0.1:{replica_port}", f"    server killed 127.0.0.1:{dead_port}", ""]))
     proc = subprocess.Popen([get_haproxy_binary(), "-db", "-f", str(cfg)], stdout=subprocess.DEVNULL,
                             stderr=subprocess.STDOUT)
@@ -87,11 +87,13 @@ def test_a_refusal_re_sent_to_a_dead_peer_comes_back_and_is_held(tmp_path, monke
                 time.sleep(0.1)
         seen.clear()
         codes = [httpx.post(f"http://127.0.0.1:{front}/v1/chat/completions", json={"messages": []},
-                            timeout=30).status_code for _ in range(10)]
+                            headers={REQUEST_ID_HEADER: "same-for-all"} if i % 2 else {},
+                            timeout=30).status_code for i in range(10)]
         assert codes == [200] * 10, (codes, seen)
         refused = {rid for rid, d in seen if d == "refuse"}
         held = {rid for rid, d in seen if d == "hold"}
         assert refused and refused == held, seen  # each refused once, then held on its return
+        assert "same-for-all" not in refused, seen  # HAProxy's id, not the client's
         assert swap.refused == len(refused)
     finally:
         proc.terminate()

@@ -1,0 +1,116 @@
+"""Load and bookkeeping shared by the fault tests that kill parts of a running service
+(test_chaos.py, test_multinode.py): closed-loop users that chat and reward, a bounded wait, and
+the end-of-run check that every accepted reward was kept and none trained twice."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+FINAL = {"trained", "ready", "stale-dropped", "backlog-dropped", "dead-letter"}
+
+
+class Users:
+    """Closed-loop users: chat (n=2), then both rewards, re-sent on 504 / 507 (Retry-After) a bounded
+    number of times. Keeps every chat outcome and every reward answered 2xx."""
+
+    def __init__(self, url: str, users: int = 3):
+        self.url, self.users = url, users
+        self.chats: list[dict] = []
+        self.accepted: dict[tuple[str, int], float] = {}
+        self.reward_errors: list[str] = []
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._user, args=(i,), daemon=True) for i in range(users)]
+
+    def __enter__(self) -> "Users":
+        for t in self._threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(timeout=180)
+
+    def _user(self, i: int) -> None:
+        client = openai.OpenAI(base_url=f"{self.url}/v1", api_key="x", max_retries=0, timeout=120)
+        k = 0
+        while not self._stop.is_set():
+            k += 1
+            t0 = time.time()
+            try:
+                comp = client.chat.completions.create(
+                    model="serve-rft", messages=[{"role": "user", "content": f"user {i} turn {k}"}],
+                    max_tokens=8, n=2, temperature=1.0)
+            except openai.APIError as e:
+                self.chats.append({"ok": False, "t": t0, "end": time.time(), "error": repr(e)})
+                continue
+            self.chats.append({"ok": True, "t": t0, "end": time.time()})
+            rewards = [float(k % 3 == j) for j in range(len(comp.choices))]
+            for _try in range(30):
+                try:
+                    r = httpx.post(f"{self.url}/v1/rewards", timeout=60,
+                                   json={"completion_id": comp.id, "rewards": rewards})
+                except httpx.HTTPError as e:
+                    self.reward_errors.append(repr(e))
+                    time.sleep(1)
+                    continue
+                if r.status_code == 200:
+                    for d in r.json()["data"]:
+                        if d["status"] in ("recorded", "duplicate"):
+                            self.accepted[(d["completion_id"], d["choice_index"])] = d["reward"]
+                    break
+                if r.status_code == 404:  # served while the store was away: never logged
+                    break
+                self.reward_errors.append(f"{r.status_code} {r.text[:120]}")
+                time.sleep(float(r.headers.get("retry-after", "1")))
+
+    def failed(self, since: float, until: float) -> list[dict]:
+        return [c for c in self.chats if not c["ok"] and since <= c["t"] <= until]
+
+    def answered_after(self, t: float) -> bool:
+        return any(c["ok"] and c["t"] > t for c in self.chats)
+
+
+def wait_for(pred, timeout_s: float, what: str, period_s: float = 0.5):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            got = pred()
+        except httpx.HTTPError:
+            got = None
+        if got:
+            return got
+        time.sleep(period_s)
+    pytest.fail(f"timed out after {timeout_s} s waiting for {what() if callable(what) else what}")
+
+
+def every_accepted_reward_is_kept(url: str, users: Users, before: dict, settle_s: float = 300) -> dict:
+    """Wait until nothing is ready or held, then check each reward answered 2xx: in the store with
+    its value, in a final state; the store's trained counter moved by exactly the choices in state
+    ``trained`` (none twice). ``before``: ``/v1/status``'s ``experiences`` at the start.
+
+    Returns:
+        ``experiences`` at the end.
+    """
+    seen: dict = {}
+
+    def settled():
+        st = httpx.get(f"{url}/v1/status", timeout=60).json()
+        seen.update(experiences=st.get("experiences"), trainer=st.get("trainer"))
+        c = st["experiences"]
+        return c if c and c["ready"] == 0 and c["held"] == 0 else None
+    after = wait_for(settled, settle_s, lambda: f"every rewarded experience to be trained or dropped (last seen: {seen})",
+                     period_s=2.0)
+    assert users.accepted, "no reward was accepted"
+    trained = 0
+    for (cid, i), reward in users.accepted.items():
+        choice = httpx.get(f"{url}/v1/experiences/{cid}", timeout=30).json()["choices"][i]
+        assert choice["reward"] == reward and choice["state"] in FINAL, (cid, i, choice)
+        trained += choice["state"] == "trained"
+    assert after["trained"] - before["trained"] == trained, (before, after, trained)  # none twice
+    return after

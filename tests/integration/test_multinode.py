@@ -1,0 +1,194 @@
+"""The service on a real multi-node Ray cluster, deployed as an operator would (deployments/README.md).
+
+Three Ray nodes on this machine, each its own ``ray start`` (raylet, object store, ports;
+`tests.integration.ray_cluster`): the head (label ``serve-rft.io/role=trainer``, one CPU: the
+trainer, the Serve controller) and two explorer nodes (``serve-rft.io/role=explorer``; B with one
+CPU, C with two). Redis first (the ``redis_server`` fixture), then ``serve deploy`` of
+deployments/serve_config.yaml with a ``runtime_env`` whose ``working_dir`` is a zip of this
+repository served over HTTP (``serve deploy`` takes remote URIs only): every node downloads the
+code, and the run config path is relative to it. HAProxy runs on every node with replicas.
+
+What it shows: a replica on each explorer node and the trainer on the head (by process trees);
+MEMORY sync (the trainer's buckets in the head's object store, pulled by replicas on other
+nodes) rolls versions onto both; then, under load with rewards, the whole of node B is killed
+(kill -9 of its process tree: raylet, object store, workers, HAProxy): Serve starts its replica
+again on C, which loads the latest version before serving; versions keep rolling onto it; only
+requests in flight through B fail; every reward answered 2xx is kept and none trained twice.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import http.server
+import subprocess
+import sys
+import threading
+import time
+import zipfile
+from collections import Counter
+from functools import partial
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from tests.integration.load import Users, every_accepted_reward_is_kept, wait_for
+from tests.integration.ray_cluster import RayCluster, RayNode
+
+pytestmark = pytest.mark.integration
+
+ROOT = Path(__file__).resolve().parents[2]
+ROLE = "serve-rft.io/role"
+
+
+def _code_zip(dest: Path) -> Path:
+    """The repository's files (tracked and untracked, not ignored) in one top-level folder, the
+    layout Ray's ``working_dir`` zip URIs need."""
+    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT, check=True,
+                           capture_output=True, text=True).stdout.split()
+    with zipfile.ZipFile(dest, "w", zipfile.ZIP_DEFLATED) as z:
+        for f in files:
+            if (ROOT / f).is_file():
+                z.write(ROOT / f, f"serve_rft_src/{f}")
+    return dest
+
+
+def _serve_files(folder: Path) -> tuple[http.server.ThreadingHTTPServer, str]:
+    from serve_rft.buffer.redis_server import free_port
+
+    port = free_port()
+    server = http.server.ThreadingHTTPServer(
+        ("127.0.0.1", port), partial(http.server.SimpleHTTPRequestHandler, directory=str(folder)))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server, f"http://127.0.0.1:{port}"
+
+
+def _serve_config(path: Path, port: int, code_uri: str, overrides: list[str]) -> Path:
+    cfg = yaml.safe_load((ROOT / "deployments" / "serve_config.yaml").read_text())
+    cfg["http_options"]["port"] = port
+    app = cfg["applications"][0]
+    app["runtime_env"] = {"working_dir": code_uri}
+    app["args"]["overrides"] = overrides  # args.config stays relative: it resolves in working_dir
+    app["deployments"][0]["ray_actor_options"]["label_selector"] = {ROLE: "explorer"}
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def _on(node: RayNode, pid: int | None) -> bool:
+    return pid is not None and pid in node.pids()
+
+
+def _status(url: str) -> dict:
+    return httpx.get(f"{url}/v1/status", timeout=60).json()
+
+
+def _live(st: dict) -> list[dict]:
+    return [r for r in st["replicas"] if r["alive"] and r["state"] != "STOPPED"]
+
+
+def _all_on(st: dict, version: int) -> bool:
+    live = _live(st)
+    return len(live) >= 2 and all(r["policy_version"] >= version for r in live)
+
+
+@contextlib.contextmanager
+def deployed(tmp_path: Path, redis_url: str, model: Path, sync_method: str, c_cpus: int):
+    """Three Ray nodes (head: trainer; B: one CPU; C: ``c_cpus``), the code zip served over HTTP,
+    ``serve deploy`` of the shipped config with ``sync_method``; yields (cluster, url) once two
+    replicas serve. Ends every node by its process id."""
+    from serve_rft.buffer.redis_server import free_port
+
+    cluster = RayCluster(tmp_path)
+    files, server = tmp_path / "files", None
+    files.mkdir()
+    try:
+        cluster.add_node("head", num_cpus=1, labels={ROLE: "trainer"})
+        cluster.add_node("b", num_cpus=1, labels={ROLE: "explorer"})
+        cluster.add_node("c", num_cpus=c_cpus, labels={ROLE: "explorer"})
+        _code_zip(files / "serve_rft_src.zip")
+        server, files_url = _serve_files(files)
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        config = _serve_config(tmp_path / "serve_config.yaml", port, f"{files_url}/serve_rft_src.zip", [
+            f"buffer.redis_url={redis_url}", f"buffer.key_prefix=multinode-{sync_method}",
+            f"service.run_dir={tmp_path / 'run'}", f"model.path={model}",
+            f"synchronizer.sync_method={sync_method}", f"trainer.label_selector={{{ROLE}: trainer}}",
+            "trainer.min_batch_size=4", "trainer.batch_size=16", "trainer.batch_wait_s=0.5",
+            "trainer.max_batch_wait_s=10", "synchronizer.max_version_lag_s=10"])
+        serve = str(Path(sys.executable).parent / "serve")
+        out = subprocess.run([serve, "deploy", str(config), "--address", cluster.dashboard_url],
+                             env=cluster.env, capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stdout + out.stderr
+
+        def healthy():
+            return httpx.get(f"{url}/health", timeout=10).status_code == 200 and len(_live(_status(url))) >= 2
+        wait_for(healthy, 600, lambda: "the deployed service to be healthy with two replicas\n"
+                 + "\n".join(f"--- {n.name}\n{n.log_tail(1500)}" for n in cluster.nodes))
+        yield cluster, url
+    finally:
+        if server is not None:
+            server.shutdown()
+        cluster.stop(keep_logs=tmp_path / "serve-logs")
+
+
+def _placed(cluster: RayCluster, url: str) -> dict:
+    """Asserts one replica on each explorer node and the trainer on the head; returns the status."""
+    head, b, c = cluster.nodes
+    st = _status(url)
+    live = _live(st)
+    assert sorted([_on(b, r["pid"]), _on(c, r["pid"])] for r in live) == [[False, True], [True, False]], \
+        ("one replica on each explorer node", live)
+    assert len({r["node_id"] for r in live}) == 2, live
+    assert _on(head, st["trainer"]["pid"]), ("the trainer on the head (trainer.label_selector)", st["trainer"])
+    return st
+
+
+def test_checkpoint_sync_reaches_replicas_on_other_nodes_through_the_shared_run_dir(
+        redis_server, embedded_model, tmp_path):
+    """CHECKPOINT: the trainer on the head writes version folders under ``run_dir`` (the path every
+    node mounts: here the same disk), the replicas on B and C load them and verify the probe."""
+    with deployed(tmp_path, redis_server.url, embedded_model, "checkpoint", c_cpus=1) as (cluster, url):
+        _placed(cluster, url)
+        with Users(url) as users:
+            wait_for(lambda: (s := _status(url))["policy_version"] >= 2 and _all_on(s, 2), 400,
+                     lambda: f"version 2 on both replicas: {_status(url)['replicas']}")
+        assert not [c for c in users.chats if not c["ok"]], users.chats
+        folders = sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir())
+        assert folders, "no version folder under run_dir"
+        assert all(r["last_sync"] and r["last_sync"]["bytes"] > 0 for r in _live(_status(url))), _status(url)
+
+
+def test_serve_deploy_on_three_ray_nodes_syncs_across_them_and_survives_losing_one(
+        redis_server, embedded_model, tmp_path):
+    with deployed(tmp_path, redis_server.url, embedded_model, "memory", c_cpus=2) as (cluster, url):
+        head, b, c = cluster.nodes
+        st = _placed(cluster, url)
+        before = st["experiences"]
+        with Users(url) as users:
+            # MEMORY across nodes: the trainer's buckets live in the head's object store
+            wait_for(lambda: (s := _status(url))["policy_version"] >= 1 and _all_on(s, 1), 400,
+                     lambda: f"version 1 on both replicas: {_status(url)['replicas']}")
+            on_b = next(r for r in _live(_status(url)) if _on(b, r["pid"]))
+            t_kill = time.time()
+            b.kill()
+            wait_for(lambda: users.answered_after(t_kill), 60, "an answer after losing node B", period_s=0.2)
+
+            def replaced():
+                s = _status(url)
+                live = _live(s)
+                new = [r for r in live if r["id"] != on_b["id"]]
+                return (on_b["id"] not in {r["id"] for r in live} and len(new) >= 2
+                        and all(_on(c, r["pid"]) for r in new) and s) or None
+            st = wait_for(replaced, 400, lambda: f"Serve's replacement on node C: {_status(url)['replicas']}")
+            latest = st["policy_version"]
+            # the replacement loaded the latest version before serving, and versions keep rolling
+            wait_for(lambda: (s := _status(url))["policy_version"] > latest and _all_on(s, latest + 1), 400,
+                     lambda: f"a version after the loss on both replicas: {_status(url)['replicas']}")
+            failed = users.failed(t_kill - 1, t_kill + 60)
+        summary = Counter((round(f["t"] - t_kill, 1), f["error"][:90]) for f in failed)
+        print("multinode:", {"chat_requests": len(users.chats), "rewards_accepted": len(users.accepted),
+                             "failed_at_the_kill": sorted(summary.items())})
+        assert len(failed) <= users.users, sorted(summary.items())  # at most those in flight through B
+        assert not users.failed(0, t_kill - 1) and not users.failed(t_kill + 60, time.time()), users.chats
+        every_accepted_reward_is_kept(url, users, before)

@@ -18,9 +18,17 @@ class PolicyTrainer:
     """The torch side, synchronous: the policy model, its optimizer and LR schedule, and (with
     ``kl_coef > 0``) a frozen reference copy of the initial weights."""
 
-    def __init__(self, cfg: Config, model_path: str, resume: Path | None = None):
+    def __init__(self, cfg: Config, model_path: str, resume: Path | None = None, rank: int = 0, world: int = 1):
         """Load the policy from ``model_path``, or from the trainer state folder ``resume``
-        (weights, optimizer, LR schedule, RNG, running baseline; `serve_rft.trainer.state`)."""
+        (weights, optimizer, LR schedule, RNG, running baseline; `serve_rft.trainer.state`).
+
+        ``world > 1``: this is rank ``rank`` of a data-parallel group already joined
+        (`serve_rft.trainer.sharding.init_process_group`); the policy (and the KL reference) are
+        sharded with FSDP2 before the optimizer is built, so AdamW's state is sharded too.
+
+        Raises:
+            NotImplementedError: ``world > 1`` with LoRA or a resume (not built yet).
+        """
         import torch
         from transformers import AutoModelForCausalLM
 
@@ -30,6 +38,10 @@ class PolicyTrainer:
         torch.set_num_threads(cfg.trainer.num_threads)
         torch.manual_seed(cfg.trainer.seed)
         self.cfg = cfg.trainer
+        self.rank, self.world = rank, world
+        if world > 1 and (cfg.trainer.lora is not None or resume is not None):
+            raise NotImplementedError("sharded training (world > 1) supports full fine-tuning from the "
+                                      "model directory only, so far")
         self.device = torch.device(cfg.trainer.device)
         self.bf16 = cfg.trainer.precision == "bf16" or (cfg.trainer.precision == "auto" and self.device.type == "cuda")
         def load(path):
@@ -50,6 +62,12 @@ class PolicyTrainer:
             if self.cfg.kl_coef > 0:  # LoRA's reference is the base: the adapter disabled
                 self.ref_model = load(model_path)
                 self.ref_model.eval().requires_grad_(False)
+        if world > 1:
+            from serve_rft.trainer.sharding import shard
+
+            shard(self.model)
+            if self.ref_model is not None:
+                shard(self.ref_model)
         self.model.train()
         self.pad_id = self.model.config.pad_token_id or 0
         self.vocab_size = int(self.model.get_input_embeddings().weight.shape[0])
@@ -182,6 +200,7 @@ class PolicyTrainer:
         from serve_rft.trainer.algorithm import compute_advantages
         from serve_rft.trainer.losses import group_tau_log_z
         from serve_rft.trainer.micro_batches import accumulate, partition
+        from serve_rft.trainer.sharding import all_ranks_partials, merge_ranks, my_parts
 
         t0 = time.perf_counter()
         c = self.cfg
@@ -197,14 +216,20 @@ class PolicyTrainer:
                           c.micro_batch_size, c.micro_batch_tokens)
         self.optimizer.zero_grad(set_to_none=True)
         totals: dict[str, float] = {}
-        for part in parts:
+        for part, counts in my_parts(parts, self.rank, self.world):  # all parts when world == 1
             idx = torch.tensor(part, dtype=torch.long, device=self.device)
             loss, stats, tokens = self._micro_step([exps[i] for i in part], adv[idx], [rewards[i] for i in part],
                                                    tlz[idx] if tlz is not None else None, n_tokens, n_seqs)
-            loss.backward()
+            if not counts:  # a filler: the same collectives as the other ranks, no gradient
+                (loss * 0.0).backward()
+                continue
+            (loss * self.world if self.world > 1 else loss).backward()  # FSDP averages: the sum
             totals["loss"] = totals.get("loss", 0.0) + float(loss.detach())
             accumulate(totals, stats, tokens, len(part), n_tokens, n_seqs)
+        totals = merge_ranks(all_ranks_partials(totals))
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), c.grad_clip)
+        if hasattr(grad_norm, "full_tensor"):  # sharded: the norm over every rank's shards
+            grad_norm = grad_norm.full_tensor()
         lr = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step()
         self.scheduler.step()

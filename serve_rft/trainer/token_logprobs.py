@@ -57,7 +57,13 @@ def lm_parts(model) -> tuple[torch.nn.Module, torch.Tensor] | None:
     that plain structure (another architecture, a head with a bias or an adapter of its own, a
     peft prompt-learning model whose forward adds virtual tokens): the caller takes the full
     path then. Tied embeddings need nothing special: the head's weight is the embedding
-    parameter itself, and autograd adds both gradients into it."""
+    parameter itself, and autograd adds both gradients into it. An FSDP2-sharded model
+    (`serve_rft.trainer.sharding`) takes the full path too: its root parameters (embeddings, head)
+    are gathered only by the model's own forward."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if isinstance(model, FSDPModule):
+        return None
     base = model
     if hasattr(model, "peft_config") and hasattr(model, "get_base_model"):
         cfg = getattr(model, "active_peft_config", None)

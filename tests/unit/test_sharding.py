@@ -1,0 +1,35 @@
+"""How the sharded step deals micro-batches to ranks and merges their figures
+(`serve_rft.trainer.sharding`); the step itself against the single process is
+tests/integration/test_sharded_trainer.py."""
+
+from __future__ import annotations
+
+import pytest
+
+from serve_rft.trainer.micro_batches import accumulate
+from serve_rft.trainer.sharding import merge_ranks, my_parts
+
+
+def test_parts_are_dealt_round_robin_and_padded_with_zero_loss_fillers():
+    parts = [[0], [1, 2], [3], [4], [5]]
+    assert my_parts(parts, 0, 1) == [(p, True) for p in parts]
+    assert my_parts(parts, 0, 2) == [([0], True), ([3], True), ([5], True)]
+    assert my_parts(parts, 1, 2) == [([1, 2], True), ([4], True), ([4], False)]
+    assert my_parts([[0]], 1, 2) == [([0], False)]  # nothing of its own: a filler still runs
+    dealt = [i for r in range(3) for p, counts in my_parts(parts, r, 3) if counts for i in p]
+    assert sorted(dealt) == [0, 1, 2, 3, 4, 5]  # every experience counted once
+    assert {len(my_parts(parts, r, 3)) for r in range(3)} == {2}  # the same collectives everywhere
+
+
+def test_merging_ranks_gives_the_single_process_figures():
+    parts = [({"entropy": 2.0, "ratio_max": 1.5, "opmd_residual_abs": 1.0}, 3, 1),
+             ({"entropy": 6.0, "ratio_max": 1.2, "opmd_residual_abs": 5.0}, 1, 3),
+             ({"entropy": 1.0, "ratio_max": 1.9, "opmd_residual_abs": 2.0}, 4, 2)]
+    whole: dict = {}
+    for stats, tokens, answers in parts:
+        accumulate(whole, stats, tokens, answers, n_tokens=8, n_seqs=6)
+    ranks = [{}, {}]
+    for i, (stats, tokens, answers) in enumerate(parts):
+        accumulate(ranks[i % 2], stats, tokens, answers, n_tokens=8, n_seqs=6)
+    assert merge_ranks(ranks) == pytest.approx(whole)
+    assert merge_ranks([{}, ranks[1]]) == pytest.approx(ranks[1])  # a rank with fillers only

@@ -81,8 +81,22 @@ def committed_versions(root: str | Path) -> list[int]:
     return sorted(out)
 
 
+PRUNED = ".pruned-"
+"""Prefix of a version folder taken out of the committed set and not yet deleted (`prune`)."""
+
+
 def prune(root: str | Path, keep: int, in_use_floor: int | None = None) -> None:
-    """Delete committed versions older than the newest ``keep`` and below ``in_use_floor``."""
+    """Delete committed versions older than the newest ``keep`` and below ``in_use_floor``.
+
+    Each goes in two steps: one atomic rename out of the committed set (to a hidden folder), then
+    the deletion. A kill during a deletion thus leaves a hidden folder, which the next prune
+    removes, never a committed version with files missing (a trainer killed mid-prune once left
+    one, and its restart failed to resume: CI, test_chaos.py)."""
+    root = Path(root)
     for v in committed_versions(root)[:-keep]:
         if in_use_floor is None or v < in_use_floor:
-            shutil.rmtree(version_dir(root, v), ignore_errors=True)
+            gone = root / f"{PRUNED}{version_dir(root, v).name}"
+            shutil.rmtree(gone, ignore_errors=True)  # an earlier prune's leftover of the same name
+            os.rename(version_dir(root, v), gone)
+    for leftover in root.glob(f"{PRUNED}*"):
+        shutil.rmtree(leftover, ignore_errors=True)

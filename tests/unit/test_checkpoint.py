@@ -73,3 +73,38 @@ def test_replicas_refuse_an_uncommitted_folder(tmp_path):
     with pytest.raises(FileNotFoundError, match="not a committed version"):
         asyncio.run(CheckpointMethod(tmp_path).receive(None, {"method": "checkpoint",
                                                               "path": str(tmp_path / "v000003")}, 3))
+
+
+def test_a_kill_during_a_prune_leaves_no_committed_version_with_files_missing(tmp_path, monkeypatch):
+    """The prune renames a version out of the committed set before deleting it: a deletion cut
+    short (a kill) leaves a hidden folder the next prune removes. Deleting in place once left a
+    `COMMITTED` folder without its state, and a restarted trainer failed to resume from it."""
+    import shutil
+    from pathlib import Path
+
+    import pytest
+
+    from serve_rft.weights import folders
+
+    m = _Tiny()
+    for v in range(1, 4):
+        save_version(m, tmp_path, v, keep=3)
+    real_rmtree = shutil.rmtree
+
+    def killed(path, *a, **kw):  # the first deletion of a version folder stops half way
+        if (Path(path) / "model.safetensors").exists():
+            (Path(path) / "model.safetensors").unlink()
+            raise KeyboardInterrupt("killed")  # as a kill -9 looks from here: nothing more runs
+        return real_rmtree(path, *a, **kw)
+
+    monkeypatch.setattr(folders.shutil, "rmtree", killed)
+    with pytest.raises(KeyboardInterrupt):
+        save_version(m, tmp_path, 4, keep=3)
+    monkeypatch.setattr(folders.shutil, "rmtree", real_rmtree)
+    assert committed_versions(tmp_path) == [2, 3, 4]  # version 1 is out of the committed set
+    for v in committed_versions(tmp_path):
+        assert (version_dir(tmp_path, v) / "model.safetensors").exists()
+    assert [d.name for d in tmp_path.iterdir() if d.name.startswith(".")] == [".pruned-v000001"]
+    save_version(m, tmp_path, 5, keep=3)
+    assert committed_versions(tmp_path) == [3, 4, 5]
+    assert not [d for d in tmp_path.iterdir() if d.name.startswith(".")]

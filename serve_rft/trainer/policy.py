@@ -226,7 +226,7 @@ class PolicyTrainer:
             (loss * self.world if self.world > 1 else loss).backward()  # FSDP averages: the sum
             totals["loss"] = totals.get("loss", 0.0) + float(loss.detach())
             accumulate(totals, stats, tokens, len(part), n_tokens, n_seqs)
-        totals = merge_ranks(all_ranks_partials(totals))
+        totals = merge_ranks(all_ranks_partials(totals, self.world))
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), c.grad_clip)
         if hasattr(grad_norm, "full_tensor"):  # sharded: the norm over every rank's shards
             grad_norm = grad_norm.full_tensor()

@@ -74,11 +74,12 @@ def merge_ranks(partials: list[dict[str, float]]) -> dict[str, float]:
     return out
 
 
-def all_ranks_partials(partial: dict[str, float]) -> list[dict[str, float]]:
-    """Every rank's ``partial`` (a collective: every rank calls it); [partial] when not distributed."""
+def all_ranks_partials(partial: dict[str, float], world: int) -> list[dict[str, float]]:
+    """Every rank's ``partial`` over the default process group (a collective: every rank calls
+    it); ``[partial]`` when ``world`` is 1, whatever process group this process may belong to."""
     import torch.distributed as dist
 
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+    if world == 1:
         return [partial]
     out: list = [None] * dist.get_world_size()
     dist.all_gather_object(out, partial)

@@ -48,6 +48,12 @@ def retry_capacity_bytes() -> int:
     return int(os.environ.get(BUFSIZE_ENV, DEFAULT_BUFSIZE)) // 2
 
 
+def head_bytes(method: str, target: str, headers) -> int:
+    """About what HAProxy holds of a request besides its body: the request line (``method``, the
+    path and query ``target``) and each ``(name, value)`` of ``headers`` with its separators."""
+    return len(method) + len(target) + 16 + sum(len(k) + len(v) + 4 for k, v in headers)
+
+
 def fits_a_retry(content_length: str | None, header_bytes: int) -> bool:
     """Whether HAProxy could re-send this request if a draining replica refused it.
 

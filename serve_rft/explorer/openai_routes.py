@@ -25,7 +25,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from serve_rft.explorer.body import parse_json, read_body
 from serve_rft.explorer.engine_tap import CURRENT, RequestContext
 from serve_rft.explorer.http import AUTHORIZED, app
-from serve_rft.explorer.ingress_mode import REQUEST_ID_HEADER, fits_a_retry, haproxy_request_id
+from serve_rft.explorer.ingress_mode import REQUEST_ID_HEADER, fits_a_retry, haproxy_request_id, head_bytes
 from serve_rft.explorer.openai_request import parse_request
 from serve_rft.explorer.protocol import ApiError
 
@@ -125,8 +125,7 @@ class OpenAIRoutes:
         Raises:
             ApiError: 503 + Retry-After while this replica is out of rotation.
         """
-        head = len(request.method) + len(request.url.path) + len(request.url.query) + 16  # request line
-        head += sum(len(k) + len(v) + 4 for k, v in request.headers.raw)
+        head = head_bytes(request.method, request.url.path + request.url.query, request.headers.raw)
         admission = self.swap.admission(fits_a_retry(request.headers.get("content-length"), head),
                                         haproxy_request_id(request.headers.getlist(REQUEST_ID_HEADER)))
         if admission == "hold":

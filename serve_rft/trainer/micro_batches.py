@@ -67,6 +67,11 @@ PER_ANSWER_STATS = frozenset({"opmd_residual_abs"})
 """Statistics a micro-step reports as a mean over its answers (the rest: over its tokens)."""
 
 
+def is_max_stat(key: str) -> bool:
+    """A statistic merged by maximum over parts and ranks (``*_max``, ``max_*``), not by weighted sum."""
+    return key.endswith("_max") or key.startswith("max_")
+
+
 def accumulate(totals: dict[str, float], stats: dict[str, float], tokens: float, answers: int,
                n_tokens: float, n_seqs: float) -> None:
     """Add one micro-batch's ``stats`` into ``totals`` (in place) so that, after the last part,
@@ -79,7 +84,7 @@ def accumulate(totals: dict[str, float], stats: dict[str, float], tokens: float,
     tokens and answers.
     """
     for k, v in stats.items():
-        if k.endswith("_max") or k.startswith("max_"):
+        if is_max_stat(k):
             totals[k] = max(totals.get(k, v), v)
         elif k in PER_ANSWER_STATS:
             totals[k] = totals.get(k, 0.0) + v * answers / max(n_seqs, 1.0)

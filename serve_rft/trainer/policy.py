@@ -223,7 +223,7 @@ class PolicyTrainer:
             if not counts:  # a filler: the same collectives as the other ranks, no gradient
                 (loss * 0.0).backward()
                 continue
-            (loss * self.world if self.world > 1 else loss).backward()  # FSDP averages: the sum
+            (loss * self.world).backward()  # FSDP averages the ranks' gradients: x world gives their sum
             totals["loss"] = totals.get("loss", 0.0) + float(loss.detach())
             accumulate(totals, stats, tokens, len(part), n_tokens, n_seqs)
         totals = merge_ranks(all_ranks_partials(totals, self.world))

@@ -6,8 +6,8 @@ micro-batches as before and the parts are dealt round-robin to the ranks. Every 
 loss is already normalised by the *whole* batch's response tokens / answers, so the batch
 gradient is the **sum** of the ranks' gradients, while FSDP's reduce-scatter averages them:
 each rank multiplies its loss by the world size before the backward (exact for powers of two;
-gloo has no pre-multiplied sum to give FSDP a divide factor of 1). A rank with fewer parts runs the last part again
-with its loss multiplied by 0, so every rank makes the same collective calls. The ranks' partial
+gloo has no pre-multiplied sum to give FSDP a divide factor of 1). A rank with fewer parts runs
+its last part again with its loss multiplied by 0, so every rank makes the same collective calls. The ranks' partial
 statistics are exchanged and merged with the single-process rule (`merge_ranks`), so a step's
 figures do not depend on the number of ranks; gradient clipping uses the norm over all shards.
 """
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from datetime import timedelta
 
+from serve_rft.trainer.micro_batches import is_max_stat
 
 
 def init_process_group(rank: int, world: int, address: str, port: int, backend: str,
@@ -67,7 +68,7 @@ def merge_ranks(partials: list[dict[str, float]]) -> dict[str, float]:
     out: dict[str, float] = {}
     for t in partials:
         for k, v in t.items():
-            if k.endswith("_max") or k.startswith("max_"):
+            if is_max_stat(k):
                 out[k] = max(out.get(k, v), v)
             else:
                 out[k] = out.get(k, 0.0) + v

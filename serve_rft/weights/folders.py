@@ -93,10 +93,10 @@ def prune(root: str | Path, keep: int, in_use_floor: int | None = None) -> None:
     removes, never a committed version with files missing (a trainer killed mid-prune once left
     one, and its restart failed to resume: CI, test_chaos.py)."""
     root = Path(root)
+    for leftover in root.glob(f"{PRUNED}*"):  # what an earlier prune did not finish
+        shutil.rmtree(leftover, ignore_errors=True)
     for v in committed_versions(root)[:-keep]:
         if in_use_floor is None or v < in_use_floor:
             gone = root / f"{PRUNED}{version_dir(root, v).name}"
-            shutil.rmtree(gone, ignore_errors=True)  # an earlier prune's leftover of the same name
             os.rename(version_dir(root, v), gone)
-    for leftover in root.glob(f"{PRUNED}*"):
-        shutil.rmtree(leftover, ignore_errors=True)
+            shutil.rmtree(gone, ignore_errors=True)

@@ -76,6 +76,11 @@ class Users:
         return any(c["ok"] and c["t"] > t for c in self.chats)
 
 
+def live_replicas(status: dict) -> list[dict]:
+    """The replicas of a ``/v1/status`` answer that are alive and not STOPPED."""
+    return [r for r in status["replicas"] if r["alive"] and r["state"] != "STOPPED"]
+
+
 def wait_for(pred, timeout_s: float, what: str, period_s: float = 0.5):
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

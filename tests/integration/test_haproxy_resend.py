@@ -21,7 +21,7 @@ import pytest
 
 from serve_rft.buffer.redis_server import free_port
 from serve_rft.explorer import ingress_mode
-from serve_rft.explorer.ingress_mode import REQUEST_ID_HEADER, fits_a_retry, haproxy_request_id
+from serve_rft.explorer.ingress_mode import REQUEST_ID_HEADER, fits_a_retry, haproxy_request_id, head_bytes
 from serve_rft.explorer.weight_swap import WeightSwap
 from serve_rft.service.ingress import RETRY_ON
 
@@ -53,7 +53,7 @@ def test_a_refusal_re_sent_to_a_dead_peer_comes_back_and_is_held(tmp_path, monke
         def do_POST(self):
             body = self.rfile.read(int(self.headers.get("content-length", 0)))
             rid = haproxy_request_id(self.headers.get_all(REQUEST_ID_HEADER) or [])
-            head = len(str(self.requestline)) + sum(len(k) + len(v) + 4 for k, v in self.headers.items())
+            head = head_bytes(self.command, self.path, self.headers.items())
             decision = swap.admission(fits_a_retry(str(len(body)), head), rid)
             seen.append((rid, decision))
             code = 503 if decision == "refuse" else 200  # held: answered once the weights are loaded

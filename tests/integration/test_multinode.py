@@ -33,7 +33,7 @@ import httpx
 import pytest
 import yaml
 
-from tests.integration.load import Users, every_accepted_reward_is_kept, wait_for
+from tests.integration.load import Users, every_accepted_reward_is_kept, live_replicas, wait_for
 from tests.integration.ray_cluster import RayCluster, RayNode
 
 pytestmark = pytest.mark.integration
@@ -83,12 +83,8 @@ def _status(url: str) -> dict:
     return httpx.get(f"{url}/v1/status", timeout=60).json()
 
 
-def _live(st: dict) -> list[dict]:
-    return [r for r in st["replicas"] if r["alive"] and r["state"] != "STOPPED"]
-
-
 def _all_on(st: dict, version: int) -> bool:
-    live = _live(st)
+    live = live_replicas(st)
     return len(live) >= 2 and all(r["policy_version"] >= version for r in live)
 
 
@@ -122,7 +118,7 @@ def deployed(tmp_path: Path, redis_url: str, model: Path, sync_method: str, c_cp
         assert out.returncode == 0, out.stdout + out.stderr
 
         def healthy():
-            return httpx.get(f"{url}/health", timeout=10).status_code == 200 and len(_live(_status(url))) >= 2
+            return httpx.get(f"{url}/health", timeout=10).status_code == 200 and len(live_replicas(_status(url))) >= 2
         wait_for(healthy, 600, lambda: "the deployed service to be healthy with two replicas\n"
                  + "\n".join(f"--- {n.name}\n{n.log_tail(1500)}" for n in cluster.nodes))
         yield cluster, url
@@ -136,7 +132,7 @@ def _placed(cluster: RayCluster, url: str) -> dict:
     """Asserts one replica on each explorer node and the trainer on the head; returns the status."""
     head, b, c = cluster.nodes
     st = _status(url)
-    live = _live(st)
+    live = live_replicas(st)
     assert sorted([_on(b, r["pid"]), _on(c, r["pid"])] for r in live) == [[False, True], [True, False]], \
         ("one replica on each explorer node", live)
     assert len({r["node_id"] for r in live}) == 2, live
@@ -156,7 +152,7 @@ def test_checkpoint_sync_reaches_replicas_on_other_nodes_through_the_shared_run_
         assert not [c for c in users.chats if not c["ok"]], users.chats
         folders = sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir())
         assert folders, "no version folder under run_dir"
-        assert all(r["last_sync"] and r["last_sync"]["bytes"] > 0 for r in _live(_status(url))), _status(url)
+        assert all(r["last_sync"] and r["last_sync"]["bytes"] > 0 for r in live_replicas(_status(url))), _status(url)
 
 
 def test_serve_deploy_on_three_ray_nodes_syncs_across_them_and_survives_losing_one(
@@ -169,14 +165,14 @@ def test_serve_deploy_on_three_ray_nodes_syncs_across_them_and_survives_losing_o
             # MEMORY across nodes: the trainer's buckets live in the head's object store
             wait_for(lambda: (s := _status(url))["policy_version"] >= 1 and _all_on(s, 1), 400,
                      lambda: f"version 1 on both replicas: {_status(url)['replicas']}")
-            on_b = next(r for r in _live(_status(url)) if _on(b, r["pid"]))
+            on_b = next(r for r in live_replicas(_status(url)) if _on(b, r["pid"]))
             t_kill = time.time()
             b.kill()
             wait_for(lambda: users.answered_after(t_kill), 60, "an answer after losing node B", period_s=0.2)
 
             def replaced():
                 s = _status(url)
-                live = _live(s)
+                live = live_replicas(s)
                 new = [r for r in live if r["id"] != on_b["id"]]
                 return (on_b["id"] not in {r["id"] for r in live} and len(new) >= 2
                         and all(_on(c, r["pid"]) for r in new) and s) or None

@@ -28,6 +28,7 @@ import openai
 import pytest
 
 from tests.integration.conftest import start_stack
+from tests.integration.load import live_replicas
 
 pytestmark = pytest.mark.integration
 
@@ -52,10 +53,6 @@ def _status(stack) -> dict:
 def _events(stack, since: float = 0.0) -> list[dict]:
     return httpx.get(f"{stack.url}/v1/sync/events", params={"since": since}, headers=ADMIN,
                      timeout=30).json()["events"]
-
-
-def _live(st: dict) -> list[dict]:
-    return [r for r in st["replicas"] if r["alive"] and r["state"] != "STOPPED"]
 
 
 def _alive(pid: int) -> bool:
@@ -155,12 +152,12 @@ def test_every_version_reaches_every_replica_within_the_bound_after_traffic_stop
     st = _trainer_idle(stack)
     last = max(e["policy_version"] for e in _publishes(stack, t0))
     published_at = max(e["t"] for e in _publishes(stack, t0))
-    st = _wait(lambda: (lambda s: s if all(r["policy_version"] == last for r in _live(s)) else None)(_status(stack)),
+    st = _wait(lambda: (lambda s: s if all(r["policy_version"] == last for r in live_replicas(s)) else None)(_status(stack)),
                LAG_S + 5, f"v{last} on every replica")
     assert time.time() - published_at <= LAG_S + 5
     lag = st["version_lag_s"].get(str(last))
     assert lag is not None and lag <= LAG_S, st["version_lag_s"]
-    assert len(_live(st)) >= 2
+    assert len(live_replicas(st)) >= 2
 
 
 def _corrupt(folder: Path) -> None:
@@ -175,7 +172,7 @@ def test_a_corrupted_version_is_quarantined_while_traffic_continues_and_the_next
 
     st = _trainer_idle(stack)
     current = st["policy_version"]
-    _wait(lambda: all(r["policy_version"] == current for r in _live(_status(stack))), LAG_S + 5, "settled")
+    _wait(lambda: all(r["policy_version"] == current for r in live_replicas(_status(stack))), LAG_S + 5, "settled")
     assert httpx.post(f"{stack.url}/v1/sync/pin", json={"version": current}, headers=ADMIN).status_code == 200
     t0 = time.time()
     client = openai.OpenAI(base_url=f"{stack.url}/v1", api_key="x", max_retries=0)
@@ -196,13 +193,13 @@ def test_a_corrupted_version_is_quarantined_while_traffic_continues_and_the_next
         _wait(lambda: {e["policy_version"] for e in _events(stack, t_unpin) if e["kind"] == "quarantined"} >= set(bad),
               120, f"versions {bad} quarantined")
         st = _status(stack)
-        assert all(r["policy_version"] == current for r in _live(st)), (current, bad, st["replicas"])
+        assert all(r["policy_version"] == current for r in live_replicas(st)), (current, bad, st["replicas"])
     # ... then with rewards: the trainer publishes a good version, which rolls everywhere
     with Load(stack, users=2) as load2:
         t_good = time.time()
         _wait(lambda: _publishes(stack, t_good), 120, "a version after the quarantine")
         good = max(e["policy_version"] for e in _publishes(stack, t_good))
-        _wait(lambda: all(r["policy_version"] >= good for r in _live(_status(stack))), LAG_S + 30,
+        _wait(lambda: all(r["policy_version"] >= good for r in live_replicas(_status(stack))), LAG_S + 30,
               f"v{good} on every replica")
     assert not load.failures() and not load2.failures(), (load.failures()[:5], load2.failures()[:5])
     events = _events(stack, t_unpin)
@@ -241,8 +238,8 @@ def _descendants(pid: int) -> list[int]:
 
 def test_kill_9_of_a_replica_while_it_syncs_fails_only_its_own_requests(stack):
     st = _trainer_idle(stack)
-    a = sorted(r["id"] for r in _live(st))[0]
-    pid = next(r["pid"] for r in _live(st) if r["id"] == a)
+    a = sorted(r["id"] for r in live_replicas(st))[0]
+    pid = next(r["pid"] for r in live_replicas(st) if r["id"] == a)
     port = _replica_ports(stack)[a]
     leftovers = _descendants(pid)  # its vLLM engine processes (ended here after the test)
 
@@ -320,7 +317,7 @@ def test_kill_9_of_a_replica_while_it_syncs_fails_only_its_own_requests(stack):
             _wait(lambda: not [c for c in leftovers if _alive(c)], 10, "the killed replica's engine to exit")
             httpx.post(f"{stack.url}/v1/sync/pin", json={"version": None}, headers=ADMIN)
             # Serve replaces the replica; the replacement loads the latest version before serving
-            st = _wait(lambda: (lambda s: s if len(_live(s)) >= 2 and a not in {r["id"] for r in _live(s)}
+            st = _wait(lambda: (lambda s: s if len(live_replicas(s)) >= 2 and a not in {r["id"] for r in live_replicas(s)}
                                 else None)(_status(stack)), 300, "a replacement replica", period_s=2.0)
             time.sleep(5)
         fails = load.failures(t_load)
@@ -329,7 +326,7 @@ def test_kill_9_of_a_replica_while_it_syncs_fails_only_its_own_requests(stack):
         assert all(o["replica"] != a for o in load.outcomes if o["ok"] and o["t"] > t_kill + 2)
         joined = [e for e in _events(stack, t_kill) if e["kind"] == "joined"]
         assert joined, "the replacement registered"
-        _wait(lambda: (lambda s: all(r["policy_version"] == s["incumbent_version"] for r in _live(s)))(_status(stack)),
+        _wait(lambda: (lambda s: all(r["policy_version"] == s["incumbent_version"] for r in live_replicas(s)))(_status(stack)),
               LAG_S + 10, "every replica, the replacement too, on the incumbent version")
     finally:
         httpx.post(f"{stack.url}/v1/sync/pin", json={"version": None}, headers=ADMIN)
@@ -345,20 +342,20 @@ def test_kill_9_of_a_replica_while_it_syncs_fails_only_its_own_requests(stack):
 def test_scale_2_to_3_to_2_under_load_keeps_rolling_without_failures(stack):
     t0 = time.time()
     with Load(stack, users=16, max_tokens=32) as heavy:  # ~10 requests in flight: > 3 per replica
-        st = _wait(lambda: (lambda s: s if len(_live(s)) >= 3 else None)(_status(stack)), 420,
+        st = _wait(lambda: (lambda s: s if len(live_replicas(s)) >= 3 else None)(_status(stack)), 420,
                    "a third replica (autoscaling up)", period_s=2.0)
         t_up = time.time()
         new = [e for e in _events(stack, t0) if e["kind"] == "joined"]
         assert new
         _wait(lambda: _publishes(stack, t_up), 180, "a version with three replicas")
     with Load(stack, users=1) as light:
-        _wait(lambda: (lambda s: s if len(_live(s)) == 2 else None)(_status(stack)), 360,
+        _wait(lambda: (lambda s: s if len(live_replicas(s)) == 2 else None)(_status(stack)), 360,
               "back to two replicas (autoscaling down)", period_s=2.0)
         t_down = time.time()
         _wait(lambda: _publishes(stack, t_down), 240, "a version after scaling down")
     st = _trainer_idle(stack)
     latest = st["policy_version"]
-    _wait(lambda: all(r["policy_version"] == latest for r in _live(_status(stack))), LAG_S + 5,
+    _wait(lambda: all(r["policy_version"] == latest for r in live_replicas(_status(stack))), LAG_S + 5,
           "every replica on the latest version")
     assert not heavy.failures() and not light.failures(), (heavy.failures()[:3], light.failures()[:3])
     events = _events(stack, t0)

@@ -42,8 +42,11 @@ class ReplicaEvents:
         r.pid = pid if pid is not None else r.pid
         r.node_id = node_id if node_id is not None else r.node_id
         r.clear_sync()
+        undraining = False
+        if kind == "state":  # known from a lease renewal: an operator's drain or undrain since then is newer
+            drained, undraining = r.drained, drained and not r.drained  # put back: it refuses until it says not
         self._update(r, now, kind, state=ComponentState.RUNNING, policy_version=version, drained=drained,
-                     warming=warming, undraining=False)
+                     warming=warming, undraining=undraining)
         self._observe(r, r.schedule.explorer_step, now)
 
     def known(self, replica_id: str) -> bool:

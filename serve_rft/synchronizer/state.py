@@ -18,6 +18,8 @@ Rolling rule (`grant`): at most ``max_unavailable`` live replicas out of rotatio
 drained by an operator) at once, and a grant never leaves no live replica serving: with two or
 more live replicas another one must be RUNNING, undrained and heard from within
 ``replica_timeout_s``. A lone live replica may sync (it pauses: its requests wait, none fail).
+A drained replica syncs without taking a slot only while its drain holds (another replica in
+rotation); otherwise it serves anyway (`drain_holds`) and a sync takes a slot like any other.
 
 Which version a replica gets (`target`): the pinned version if an operator pinned one; in the
 canary rollout the candidate for up to ``canary.replicas`` replicas (never the last one on the
@@ -188,8 +190,11 @@ class SyncState(ReplicaEvents):
             return None
         if not self.due(r, target, now):
             return None
-        if not r.drained:  # a drained replica is out of rotation already: syncing it costs nothing
-            if self.members.n_out >= self.cfg.max_unavailable:
+        if not self.drain_holds(replica_id):  # a held drain is out of rotation already: syncing costs nothing
+            # a drained replica whose drain does not hold (no other replica serves) serves anyway,
+            # yet counts in n_out: not against itself
+            others_out = self.members.n_out - (r.live and not r.in_rotation and not r.warming)
+            if others_out >= self.cfg.max_unavailable:
                 return None
             if self.members.n_ready >= 2 and self.members.serving_besides(r) == 0:
                 return None

@@ -299,3 +299,43 @@ def test_a_replica_put_back_counts_once_it_stopped_refusing():
     f.advance(3.0)
     assert f.replicas[b].version == 1 and not f.violations, f.violations
     assert not f.state.members.get(a).undraining
+
+
+def test_a_drained_replica_that_serves_anyway_takes_a_sync_slot():
+    """Found by the fleet search: a replica drained while warming turns ready while its only peer
+    syncs; its drain does not hold (nobody else serves), so it serves, and a sync of it is a second
+    replica out of rotation (max_unavailable 1). It was granted as if drained (costless)."""
+    f = Fleet(SynchronizerConfig(sync_style="trainer_driven", max_unavailable=1, max_version_lag_s=None),
+              lambda rng: 20.0, seed=1)
+    a, b = f.add_replica(), f.add_replica()
+    assert f.drain(b, True)  # both warming: allowed
+    f.publish()
+    f.advance(5.0)
+    syncing = [r.rid for r in f.replicas.values() if r.syncing is not None]
+    assert syncing == [a] and not f.violations, (syncing, f.violations)
+    assert not f.state.drain_holds(b)  # it serves while a syncs
+    f.advance(60.0)
+    assert f.converged() and not f.violations
+
+
+def test_an_undrain_after_a_synchronizer_restart_is_kept_when_the_replica_reintroduces_itself():
+    """Found by the fleet search: the synchronizer restarts while a drained replica syncs (it
+    learns of it from the lease renewal), an operator puts it back, and the replica's registration
+    after the sync (from its stale drained flag) must not drain it again: with max_unavailable 1
+    a held drain blocks every other replica's sync."""
+    f = Fleet(SynchronizerConfig(sync_style="trainer_driven", max_unavailable=1, max_version_lag_s=None,
+                                 lease_s=10.0), lambda rng: 6.0, seed=0)
+    a, b, c = f.add_replica(), f.add_replica(), f.add_replica()
+    f.advance(5.0)
+    assert f.drain(a, True)
+    f.advance(2.0)  # a learns of its drain
+    f.publish()
+    f.advance(1.5)
+    assert f.replicas[a].syncing is not None  # a held drain syncs without a slot
+    f.restart_synchronizer()
+    f.advance(3.0)  # a's renewal re-introduces it (drained)
+    assert f.state.members.get(a).drained
+    assert f.drain(a, False)
+    f.advance(40.0)
+    assert not f.state.members.get(a).drained and f.converged(), f.state.status(f.now)
+    assert all(r.version == 1 for r in f.replicas.values())

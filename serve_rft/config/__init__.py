@@ -52,6 +52,17 @@ class Config(StrictSection):
                              "synchronizer.sync_method=checkpoint or memory (NCCL broadcasts full weights)")
         return self
 
+    @model_validator(mode="after")
+    def _sharded_trainer_support(self) -> "Config":
+        if self.trainer.num_workers > 1:
+            if self.synchronizer.sync_method is SyncMethod.NCCL:
+                raise ValueError("trainer.num_workers > 1 publishes through checkpoint or memory so far "
+                                 "(NCCL broadcasts from one trainer process)")
+            if self.synchronizer.rollout == "canary" and self.synchronizer.canary.on_reject == "reset":
+                raise ValueError("synchronizer.canary.on_reject=reset needs trainer.num_workers=1 so far "
+                                 "(a sharded reset is not built)")
+        return self
+
     @property
     def adapter_sync(self) -> bool:
         """True when replicas serve LoRA adapters over the base (``trainer.lora.merge_and_sync``

@@ -113,6 +113,13 @@ class TrainerConfig(StrictSection):
     num_gpus: float = Field(
         1.0, gt=0, le=1, description="Ray GPUs the trainer actor takes with device=cuda (a fraction "
         "shares one GPU with replicas: configs/single_gpu.yaml).")
+    num_workers: int = Field(
+        1, ge=1, description="Trainer ranks. 1: the trainer actor trains in its own process. N > 1: "
+        "N rank actors (one CPU each; with device=cuda one GPU each) train data-parallel with the "
+        "parameters, gradients and AdamW state sharded by FSDP2 (gloo on cpu, NCCL on cuda), and the "
+        "trainer actor coordinates them: published versions are gathered bucket by bucket, trainer "
+        "states saved with torch.distributed.checkpoint (serve_rft/trainer/sharded_policy.py). "
+        "Full fine-tuning, CHECKPOINT or MEMORY sync, no canary reset, so far.")
     label_selector: dict[str, str] | None = Field(
         None, description="Ray node labels the trainer actor must run on (Ray's label_selector, "
         "e.g. {serve-rft.io/role: trainer}: the node group started with that label; "
@@ -141,6 +148,13 @@ class TrainerConfig(StrictSection):
     def _kimi_needs_tau(self) -> "TrainerConfig":
         if self.algorithm == "opmd_kimi" and self.opmd_tau <= 0:
             raise ValueError("trainer.algorithm=opmd_kimi needs trainer.opmd_tau > 0 (it divides by tau)")
+        return self
+
+    @model_validator(mode="after")
+    def _sharded_is_full_fine_tuning(self) -> "TrainerConfig":
+        if self.num_workers > 1 and self.lora is not None:
+            raise ValueError("trainer.num_workers > 1 trains full weights only so far: drop trainer.lora "
+                             "or use one worker")
         return self
 
     @property

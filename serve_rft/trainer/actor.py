@@ -78,6 +78,7 @@ class Trainer(Publishing):
         self.method = None  # the sync method, once the loop built it
         self.feed = ExperienceFeed(self.cfg.trainer, ExperienceStore.from_config(self.cfg.buffer), self.metrics)
         self.started = False
+        self.rank_pids: list[int] = []  # trainer.num_workers > 1: the rank actors' processes
         self._task = asyncio.get_running_loop().create_task(self._run())
 
     async def start(self) -> None:
@@ -123,7 +124,8 @@ class Trainer(Publishing):
         cfg = self.cfg
         store, feed = self.feed.store, self.feed
         resume = latest_state(self.state_root)
-        policy = await asyncio.to_thread(PolicyTrainer, cfg, self.model_path, resume)
+        policy = await asyncio.to_thread(make_policy, cfg, self.model_path, resume)
+        self.rank_pids = list(getattr(policy, "pids", []))
         method = make_method(cfg)
         method.prepare()
         self.method = method
@@ -216,6 +218,7 @@ class Trainer(Publishing):
             "phase": self.phase,
             "steps_done": self.steps_done,
             "pid": os.getpid(),
+            "rank_pids": self.rank_pids,
             "resumed_from": self.resumed_from,
             "unacked": len(self.unpublished) + len(self.unsaved),
             "redelivered": self.redelivered,
@@ -240,6 +243,16 @@ class Trainer(Publishing):
     def latest_published(self) -> PublishedVersion | None:
         """The last version this trainer published (a restarted synchronizer rebuilds from it)."""
         return self.published
+
+
+def make_policy(cfg: Config, model_path: str, resume: Path | None):
+    """The trainer's policy: `PolicyTrainer` in this process, or with ``trainer.num_workers > 1``
+    a `serve_rft.trainer.sharded_policy.ShardedPolicy` over that many rank actors."""
+    if cfg.trainer.num_workers > 1:
+        from serve_rft.trainer.sharded_policy import ShardedPolicy
+
+        return ShardedPolicy(cfg, model_path, resume)
+    return PolicyTrainer(cfg, model_path, resume)
 
 
 def trainer_options(cfg: Config) -> dict:

@@ -27,7 +27,7 @@ class PolicyTrainer:
         sharded with FSDP2 before the optimizer is built, so AdamW's state is sharded too.
 
         Raises:
-            NotImplementedError: ``world > 1`` with LoRA or a resume (not built yet).
+            NotImplementedError: ``world > 1`` with LoRA (not built yet).
         """
         import torch
         from transformers import AutoModelForCausalLM
@@ -39,9 +39,8 @@ class PolicyTrainer:
         torch.manual_seed(cfg.trainer.seed)
         self.cfg = cfg.trainer
         self.rank, self.world = rank, world
-        if world > 1 and (cfg.trainer.lora is not None or resume is not None):
-            raise NotImplementedError("sharded training (world > 1) supports full fine-tuning from the "
-                                      "model directory only, so far")
+        if world > 1 and cfg.trainer.lora is not None:
+            raise NotImplementedError("sharded training (world > 1) supports full fine-tuning only, so far")
         self.device = torch.device(cfg.trainer.device)
         self.bf16 = cfg.trainer.precision == "bf16" or (cfg.trainer.precision == "auto" and self.device.type == "cuda")
         def load(path):
@@ -75,16 +74,16 @@ class PolicyTrainer:
                                            lr=self.cfg.lr, weight_decay=self.cfg.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
         self.baseline = RunningBaseline(self.cfg.baseline_momentum)
-        self.resumed = load_state(resume, self.optimizer, self.scheduler) if resume is not None else None
+        self.resumed = None
+        if resume is not None:
+            self.resumed = load_state(resume, self.optimizer, self.scheduler, self.model, rank, world)
         if self.resumed is not None:
             self.baseline.value = self.resumed.baseline
         # version 0's probe (the replicas register the initial weights without one): what a reset
         # to the initial weights is checked against; unknown to a trainer that resumed
         self.initial_probe = None
         if resume is None:
-            from serve_rft.trainer.algorithm import trainer_probe
-
-            self.initial_probe = trainer_probe(self.publish_model(), 0)
+            self.initial_probe = self.probe(self.publish_model(), 0)
 
     def full_model(self):
         """The policy as a plain transformers model: the model itself, or with LoRA the base
@@ -170,6 +169,40 @@ class PolicyTrainer:
             return self.model
         return self.full_model()
 
+    def probe(self, model, version: int) -> dict[str, list]:
+        """The probe a published handle carries (`serve_rft.trainer.algorithm.trainer_probe`) of
+        ``model``, what `publish_model` returned for this publish."""
+        from serve_rft.trainer.algorithm import trainer_probe
+        from serve_rft.trainer.sharding import reshard
+
+        try:
+            return trainer_probe(model, version)
+        finally:
+            reshard(self.model)
+
+    def save(self, root: Path, model, version: int, step: int, trained: list[tuple[str, str, int]],
+             tokenizer_dir: str, keep: int, published: list[int]) -> Path:
+        """Save the trainer state of ``version`` under ``root`` (`serve_rft.trainer.state.save_state`):
+        ``model`` is what was just published (adapter-only LoRA published the adapter: the state
+        holds the merged weights and the adapter)."""
+        from serve_rft.trainer.state import save_state
+        from serve_rft.weights.adapters import is_adapter_model
+
+        full = self.full_model() if is_adapter_model(model) else model
+        return save_state(root, full, self.optimizer, version, step, self.baseline.value, trained, tokenizer_dir,
+                          keep, self.scheduler, self.model if self.export is not None else None, published)
+
+    def save_shards(self, folder: Path) -> None:
+        """A sharded rank's part of a trainer state (a collective): its AdamW shards and RNG;
+        rank 0 also the LR schedule (the same on every rank)."""
+        import torch
+
+        from serve_rft.trainer.state import save_optimizer_shards
+
+        save_optimizer_shards(folder, self.model, self.optimizer)
+        if self.rank == 0:
+            torch.save(self.scheduler.state_dict(), Path(folder) / "scheduler.pt")
+
     def _lr_factor(self, step: int) -> float:
         """Multiplier of ``lr`` at optimizer step ``step``: linear warm-up, then constant or
         cosine decay to ``lr_min_ratio``."""
@@ -251,6 +284,7 @@ class PolicyTrainer:
 
         from serve_rft.trainer.algorithm import response_logprobs
         from serve_rft.trainer.losses import aggregate, kl_k3, opmd_kimi_loss, opmd_loss, ppo_clip_loss
+        from serve_rft.trainer.sharding import reshard
 
         c = self.cfg
         agg = c.aggregation
@@ -279,6 +313,7 @@ class PolicyTrainer:
                 if self.ref_model is not None:
                     ref, _ = response_logprobs(self.ref_model, prompts, responses, temps, self.pad_id,
                                                top_ps=top_ps, **how)
+                    reshard(self.ref_model)  # sharded: no backward will free the gathered root
                 else:
                     with self.model.disable_adapter():
                         ref, _ = response_logprobs(self.model, prompts, responses, temps, self.pad_id,

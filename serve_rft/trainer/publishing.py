@@ -19,7 +19,6 @@ import time
 
 from serve_rft.buffer.store import ExperienceStore
 from serve_rft.trainer.feed import PUBLISHED_KEPT
-from serve_rft.trainer.policy import PolicyTrainer
 from serve_rft.types import ComponentState, PublishedVersion
 
 log = logging.getLogger("serve_rft.trainer")
@@ -28,7 +27,7 @@ log = logging.getLogger("serve_rft.trainer")
 class Publishing:
     """`Trainer`'s publishing, resume and NCCL sides (module docstring)."""
 
-    async def _resume(self, policy: PolicyTrainer, method, sync, store: ExperienceStore) -> None:
+    async def _resume(self, policy, method, sync, store: ExperienceStore) -> None:
         """Continue after a restart: acknowledge what the kept states cover, number new versions
         after every version that may exist (the durable `published_floor`, the synchronizer's
         latest, committed checkpoint folders), and publish the resumed weights if nobody can
@@ -63,8 +62,7 @@ class Publishing:
         Returns:
             Seconds the method's ``send`` took.
         """
-        from serve_rft.weights.adapters import is_adapter_model
-        from serve_rft.trainer.state import record_published, save_state
+        from serve_rft.trainer.state import record_published
 
         version = self.step_num if version is None else version
         self.step_num = version
@@ -75,9 +73,7 @@ class Publishing:
         model = await asyncio.to_thread(policy.publish_model)
         handle = await asyncio.to_thread(method.send, model, version, floor)
         if self.cfg.synchronizer.verify:  # replicas check the weights in effect against this
-            from serve_rft.trainer.algorithm import trainer_probe
-
-            handle["probe"] = await asyncio.to_thread(trainer_probe, model, version)
+            handle["probe"] = await asyncio.to_thread(policy.probe, model, version)
         seconds = time.perf_counter() - t0
         await sync.publish.remote(version, handle)
         self.published = PublishedVersion(version=version, handle=handle)
@@ -88,12 +84,8 @@ class Publishing:
         self.publishes_since_save += 1
         if self.publishes_since_save >= self.cfg.trainer.save_interval:
             self.phase = "saving"
-            # adapter-only sync published the adapter; the state holds full (merged) weights
-            full = await asyncio.to_thread(policy.full_model) if is_adapter_model(model) else model
-            await asyncio.to_thread(
-                save_state, self.state_root, full, policy.optimizer, version, self.step_num,
-                policy.baseline.value, self.unsaved, self.model_path, self.cfg.trainer.keep_states,
-                policy.scheduler, policy.model if policy.export is not None else None, self.feed.published_versions)
+            await asyncio.to_thread(policy.save, self.state_root, model, version, self.step_num, self.unsaved,
+                                    self.model_path, self.cfg.trainer.keep_states, self.feed.published_versions)
             self.feed.ledger.add(self.unsaved)
             await store.ack_entries(self.unsaved)
             self.unsaved = []

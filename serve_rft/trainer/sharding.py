@@ -51,6 +51,17 @@ def shard(model) -> None:
     fully_shard(model)
 
 
+def reshard(model) -> None:
+    """Free the gathered parameters a no-grad forward left on a sharded model: FSDP2 keeps the
+    root module's parameters unsharded after a forward (for the backward that usually follows),
+    and while they are, the model's registered parameters are not the optimizer's sharded ones
+    (torch.distributed.checkpoint then cannot name them). A no-op for an unsharded model."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if isinstance(model, FSDPModule):
+        model.reshard()
+
+
 def my_parts(parts: list[list[int]], rank: int, world: int) -> list[tuple[list[int], bool]]:
     """The micro-batches rank ``rank`` runs: ``parts[rank::world]``, padded to ``ceil(len(parts) /
     world)`` with a repeat of its last part (or of part 0) flagged ``False`` (run with a zero loss,

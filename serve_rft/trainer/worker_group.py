@@ -33,8 +33,10 @@ class TrainRank:
         ip = ray.util.get_node_ip_address()
         return ip, free_port(ip)
 
-    def start(self, address: str, port: int) -> int:
-        """Join the group (blocks until every rank joined) and load this rank's shard.
+    def start(self, address: str, port: int, resume: str | None = None) -> int:
+        """Join the group (blocks until every rank joined) and load this rank's shard: from
+        the model directory, or from the trainer state folder ``resume`` (weights, then this
+        rank's AdamW shards, LR schedule and RNG; `serve_rft.trainer.state.load_state`).
 
         Returns:
             This process's id.
@@ -50,8 +52,42 @@ class TrainRank:
         if backend == "nccl":
             torch.cuda.set_device(0)  # Ray gives each rank its own GPU as device 0
         init_process_group(self.rank, self.world, address, port, backend)
-        self.policy = PolicyTrainer(self.cfg, self.model_path, rank=self.rank, world=self.world)
+        self.policy = PolicyTrainer(self.cfg, self.model_path, resume, rank=self.rank, world=self.world)
         return os.getpid()
+
+    def info(self) -> dict:
+        """``specs``: ``(name, full shape, dtype name)`` per parameter in the model's order,
+        ``config``: the model's transformers config, ``vocab_size``."""
+        specs = [(n, list(p.shape), str(p.dtype)) for n, p in self.policy.model.named_parameters()]
+        return {"specs": specs, "config": self.policy.model.config, "vocab_size": self.policy.vocab_size}
+
+    def gather(self, names: list[str]) -> dict | None:
+        """The full tensors of the parameters ``names`` (a collective: every rank gathers the same
+        names in the same order); rank 0 returns them on CPU, the others None."""
+        import torch
+
+        params = dict(self.policy.model.named_parameters())  # FSDP2 may re-register them: never cached
+        out = {}
+        with torch.no_grad():
+            for name in names:
+                p = params[name]
+                full = p.full_tensor() if hasattr(p, "full_tensor") else p
+                if self.rank == 0:
+                    out[name] = full.detach().to("cpu", copy=True).contiguous()
+                del full
+        return out if self.rank == 0 else None
+
+    def probe(self, version: int) -> dict:
+        """`PolicyTrainer.probe` of the sharded model (a collective forward)."""
+        return self.policy.probe(self.policy.model, version)
+
+    def save_shards(self, folder: str) -> None:
+        """`PolicyTrainer.save_shards` into ``folder`` (a collective)."""
+        self.policy.save_shards(folder)
+
+    def baseline(self) -> float | None:
+        """The running reward baseline (the same on every rank: each sees the whole batch)."""
+        return self.policy.baseline.value
 
     def step(self, batch: list[RewardedExperience]) -> dict[str, float]:
         """`PolicyTrainer.step` on this rank's micro-batches; every rank returns the merged figures."""
@@ -79,11 +115,12 @@ class WorkerGroup:
         cfg: the run config (``trainer.device`` picks gloo or NCCL).
         model_path: the initial weights, read by every rank.
         world: the number of ranks (each takes one CPU; with ``device=cuda`` one GPU).
+        resume: a trainer state folder to start from (`TrainRank.start`).
     Raises:
         ray.exceptions.RayActorError: a rank died while starting.
     """
 
-    def __init__(self, cfg: Config, model_path: str, world: int):
+    def __init__(self, cfg: Config, model_path: str, world: int, resume: str | None = None):
         gpus = cfg.trainer.num_gpus if cfg.trainer.device == "cuda" else 0
         opts = {"num_gpus": gpus}
         if cfg.trainer.label_selector:
@@ -91,15 +128,25 @@ class WorkerGroup:
         cfg_json = cfg.model_dump_json()
         self.ranks = [TrainRank.options(**opts).remote(cfg_json, model_path, r, world) for r in range(world)]
         address, port = ray.get(self.ranks[0].rendezvous_address.remote())
-        self.pids = ray.get([r.start.remote(address, port) for r in self.ranks])
+        self.pids = ray.get([r.start.remote(address, port, resume) for r in self.ranks])
+
+    def call(self, method: str, *args):
+        """``method(*args)`` on every rank at once (a collective); rank 0's answer.
+
+        Raises:
+            ray.exceptions.RayActorError: a rank died (the caller's process ends; Ray restarts
+                the trainer, which rebuilds the group from its last state).
+        """
+        return ray.get([getattr(r, method).remote(*args) for r in self.ranks])[0]
 
     def step(self, batch: list[RewardedExperience]) -> dict[str, float]:
         """One optimizer step over the group (`PolicyTrainer.step`'s figures, the same on every rank)."""
-        return ray.get([r.step.remote(batch) for r in self.ranks])[0]
+        batch_ref = ray.put(batch)  # once into the object store, not once per rank
+        return ray.get([r.step.remote(batch_ref) for r in self.ranks])[0]
 
     def full_tensors(self, which: str) -> dict:
         """Parameters or gradients gathered whole (`TrainRank.full_tensors`)."""
-        return ray.get([r.full_tensors.remote(which) for r in self.ranks])[0]
+        return self.call("full_tensors", which)
 
     def stop(self) -> None:
         """End every rank (by its actor handle)."""

@@ -52,3 +52,65 @@ def test_two_ranks_take_the_single_process_step(ray_local, embedded_model, sets)
     # summed gradient moves the update by a visible fraction of lr (5e-6 and 3e-5 at lr 1e-3 here)
     assert max(worst.values()) <= 0.1 * cfg.trainer.lr, worst
     assert any(not torch.equal(before[n], p.detach()) for n, p in single.model.named_parameters())
+
+
+def test_two_ranks_publish_save_and_resume(ray_local, embedded_model, tmp_path):
+    """The sharded trainer's publish (gathered bucket by bucket) is the whole model: the CHECKPOINT
+    folder loads with transformers and equals the ranks' parameters, the MEMORY buckets hold the
+    same tensors, and the probe equals a forward of the loaded model. A trainer state saved by
+    the ranks (weights gathered, AdamW shards via torch.distributed.checkpoint) resumes a new group
+    whose next step equals the step the old group takes on the same batch."""
+    import ray
+    from transformers import AutoModelForCausalLM
+
+    from serve_rft.config import load_config
+    from serve_rft.trainer.algorithm import trainer_probe
+    from serve_rft.trainer.sharded_policy import ShardedPolicy
+    from serve_rft.trainer.state import latest_state
+    from serve_rft.weights import make_method
+    from serve_rft.weights.memory import checkpoint_tensors
+
+    sets = ["trainer.algorithm=grpo", "trainer.micro_batch_size=3", "trainer.lr=1e-3", "trainer.num_threads=1",
+            "trainer.num_workers=2", f"service.run_dir={tmp_path}", "synchronizer.bucket_bytes=300000"]
+    cfg = load_config(None, sets + ["synchronizer.sync_method=checkpoint"])
+    policy = ShardedPolicy(cfg, str(embedded_model))
+    try:
+        policy.step(_batch())
+        params = policy.group.full_tensors("params")
+        model = policy.publish_model()
+        assert len(model.buckets) > 3  # several buckets at this bucket size
+        method = make_method(cfg)
+        method.prepare()
+        handle = method.send(model, 1)
+        loaded = AutoModelForCausalLM.from_pretrained(handle["path"], dtype=torch.float32)
+        for name, p in loaded.named_parameters():
+            assert torch.equal(p.detach(), params[name]), name
+        mem = make_method(load_config(None, sets + ["synchronizer.sync_method=memory"]))
+        buckets = mem.send(model, 1)["buckets"]
+        got = {k: v for ref in buckets for k, v in ray.get(ref)}
+        assert got.keys() == dict(checkpoint_tensors(loaded)).keys()
+        assert all(torch.equal(got[k], params[k]) for k in got)
+        probe = policy.probe(model, 1)
+        want = trainer_probe(loaded, 1)
+        assert probe["token_ids"] == want["token_ids"]
+        assert probe["logprobs"] == pytest.approx(want["logprobs"], abs=1e-5)
+
+        policy.save(tmp_path / "trainer_state", model, 1, 1, [("0-1", "g:0", 1)], str(embedded_model), 2, [0, 1])
+        state = latest_state(tmp_path / "trainer_state")
+        assert (state / "optimizer").is_dir() and (state / "rng-rank1.pt").is_file()
+        next_batch = list(reversed(_batch()))
+        want_stats = policy.step(next_batch)
+        want_params = policy.group.full_tensors("params")
+    finally:
+        policy.stop()
+    resumed = ShardedPolicy(cfg, str(embedded_model), state)
+    try:
+        assert resumed.resumed.version == 1 and resumed.resumed.trained == [("0-1", "g:0", 1)]
+        got_stats = resumed.step(next_batch)
+        got_params = resumed.group.full_tensors("params")
+    finally:
+        resumed.stop()
+    for k in want_stats.keys() - {"step_seconds"}:
+        assert got_stats[k] == pytest.approx(want_stats[k], rel=1e-6, abs=1e-7), k
+    for name, p in want_params.items():  # AdamW's moments were restored: the same second step
+        assert torch.allclose(got_params[name], p, rtol=0, atol=1e-7), name

@@ -33,3 +33,25 @@ def test_merging_ranks_gives_the_single_process_figures():
         accumulate(ranks[i % 2], stats, tokens, answers, n_tokens=8, n_seqs=6)
     assert merge_ranks(ranks) == pytest.approx(whole)
     assert merge_ranks([{}, ranks[1]]) == pytest.approx(ranks[1])  # a rank with fillers only
+
+
+def test_buckets_hold_at_most_bucket_bytes_of_full_tensors_in_order():
+    from serve_rft.trainer.gathered import plan_buckets
+
+    specs = [("a", [10, 10], "torch.float32"), ("b", [50], "torch.float32"), ("c", [300], "torch.float32"),
+             ("d", [20], "torch.bfloat16"), ("e", [10], "torch.float32")]
+    # 400 B, 200 B, 1200 B (alone: larger than a bucket), 40 B, 40 B
+    assert plan_buckets(specs, 600) == [["a", "b"], ["c"], ["d", "e"]]
+    assert [n for b in plan_buckets(specs, 1) for n in b] == list("abcde")
+
+
+@pytest.mark.parametrize("sets,match", [
+    (["trainer.lora.rank=8"], "full weights only"),
+    (["synchronizer.rollout=canary", "synchronizer.canary.on_reject=reset"], "on_reject=reset"),
+])
+def test_config_refuses_what_the_sharded_trainer_does_not_do(sets, match):
+    from serve_rft.config import load_config
+
+    with pytest.raises(ValueError, match=match):
+        load_config(None, ["trainer.num_workers=2", *sets])
+    load_config(None, sets)  # one worker: fine

@@ -1,0 +1,92 @@
+"""The trainer actor's policy when it trains on N ranks (``trainer.num_workers > 1``).
+
+`ShardedPolicy` gives the trainer actor (`serve_rft.trainer.actor.Trainer`) what
+`serve_rft.trainer.policy.PolicyTrainer` gives it: ``step``, ``publish_model``, ``probe``,
+``save``, ``resumed``, ``vocab_size``. Behind it a `serve_rft.trainer.worker_group.WorkerGroup`
+of FSDP2 ranks trains (`serve_rft.trainer.sharding`); the actor itself holds no weights:
+
+- a publish is a `serve_rft.trainer.gathered.GatheredModel`: the sync method (CHECKPOINT
+  writes a folder, MEMORY puts buckets) pulls the full weights one bucket at a time;
+- the probe replicas verify against is a collective forward of the sharded model;
+- a trainer state is the gathered weights (a Hugging Face directory, as one process saves it),
+  the AdamW shards of every rank (torch.distributed.checkpoint), the ranks' RNG and the LR
+  schedule, committed atomically with the bookkeeping (`serve_rft.trainer.state`).
+
+Faults: if a rank dies, the group's next call raises; the trainer process exits, its ranks
+(actors it owns) end with it, and Ray restarts the trainer, which builds a new group from the
+newest state: exactly-once acknowledgement is the single-process rule unchanged (entries are
+acknowledged only once a saved state covers them).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from serve_rft.config import Config
+from serve_rft.types import RewardedExperience
+
+
+class ShardedPolicy:
+    """N FSDP2 ranks behind `PolicyTrainer`'s interface (module docstring).
+
+    Args:
+        cfg: the run config (``trainer.num_workers`` ranks).
+        model_path: the initial model directory.
+        resume: the newest trainer state folder, or None.
+    Raises:
+        ray.exceptions.RayActorError: a rank died while starting.
+    """
+
+    def __init__(self, cfg: Config, model_path: str, resume: Path | None = None):
+        from serve_rft.trainer.state import read_state
+        from serve_rft.trainer.worker_group import WorkerGroup
+
+        self.cfg = cfg
+        self.model_path = model_path
+        self.group = WorkerGroup(cfg, model_path, cfg.trainer.num_workers, str(resume) if resume else None)
+        info = self.group.call("info")
+        self.specs, self.config, self.vocab_size = info["specs"], info["config"], info["vocab_size"]
+        self.resumed = read_state(resume) if resume is not None else None
+
+    @property
+    def pids(self) -> list[int]:
+        """The ranks' process ids, rank 0 first."""
+        return list(self.group.pids)
+
+    def step(self, batch: list[RewardedExperience]) -> dict[str, float]:
+        """`PolicyTrainer.step` over the ranks (the same figures as one process's step)."""
+        return self.group.step(batch)
+
+    def publish_model(self):
+        """The full weights as a `GatheredModel` (gathered bucket by bucket when read)."""
+        from serve_rft.trainer.gathered import GatheredModel
+
+        return GatheredModel(lambda names: self.group.call("gather", names), self.specs, self.config,
+                             self.cfg.synchronizer.bucket_bytes, self.model_path)
+
+    full_model = publish_model
+
+    def probe(self, model, version: int) -> dict[str, list]:
+        """The probe of the weights just published (a forward on the ranks; ``model`` unused)."""
+        return self.group.call("probe", version)
+
+    def save(self, root: Path, model, version: int, step: int, trained: list[tuple[str, str, int]],
+             tokenizer_dir: str, keep: int, published: list[int]) -> Path:
+        """Save the trainer state of ``version`` (module docstring); ``model``: the
+        `GatheredModel` just published (it gathers again as it writes)."""
+        from serve_rft.trainer.state import save_state
+
+        return save_state(root, model, None, version, step, self.group.call("baseline"), trained, tokenizer_dir,
+                          keep, published=published, shards=lambda folder: self.group.call("save_shards", str(folder)))
+
+    def reset_to(self, handle: dict, version: int) -> float | None:
+        """Not built for N ranks (the config refuses ``canary.on_reject=reset`` with them).
+
+        Raises:
+            NotImplementedError: always.
+        """
+        raise NotImplementedError("a canary reset of a sharded trainer is not built")
+
+    def stop(self) -> None:
+        """End the ranks."""
+        self.group.stop()

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
+from functools import partial
 from typing import Literal
 
 import torch
 
-from serve_rft.trainer.token_logprobs import chunked_token_logprobs, lm_parts, top_p_keep
+from serve_rft.trainer.token_logprobs import SHARDED_HEAD, decoder_head_logprobs, lm_parts, top_p_keep
 from serve_rft.weights.verify import probe_ids
 
 
@@ -112,11 +113,13 @@ def response_logprobs(model, prompts: list[list[int]], responses: list[list[int]
     """
     if any(r and not p for p, r in zip(prompts, responses)):
         raise ValueError("a response needs at least one prompt token before it")
-    parts = lm_parts(model) if impl == "chunked" else None
-    if parts is None:
-        return _response_logprobs_full(model, prompts, responses, temperatures, pad_id, with_entropy, top_ps)
-    decoder, weight = parts
-    device = weight.device
+    run = getattr(model, SHARDED_HEAD, None) if impl == "chunked" else None  # FSDP2: gathers the root
+    if run is None:
+        parts = lm_parts(model) if impl == "chunked" else None
+        if parts is None:
+            return _response_logprobs_full(model, prompts, responses, temperatures, pad_id, with_entropy, top_ps)
+        run = partial(decoder_head_logprobs, *parts)
+    device = next(model.parameters()).device
     ids, attn, T = _padded_batch(prompts, responses, pad_id, device)
     rows, pos, cols, toks, temps, tps = [], [], [], [], [], []
     for i, (p, r) in enumerate(zip(prompts, responses)):
@@ -132,9 +135,7 @@ def response_logprobs(model, prompts: list[list[int]], responses: list[list[int]
         return (out, mask, ent) if with_entropy else (out, mask)
     index = torch.tensor([rows, pos, cols, toks], dtype=torch.long).to(device)
     scalars = torch.tensor([temps, tps], dtype=torch.float32).to(device)
-    hidden = decoder(input_ids=ids, attention_mask=attn, use_cache=False).last_hidden_state
-    lp, e = chunked_token_logprobs(hidden[index[0], index[1]], weight, index[3], scalars[0],
-                                                  scalars[1], chunk_tokens, with_entropy)
+    lp, e = run(ids, attn, index, scalars, chunk_tokens, with_entropy)
     where = (index[0], index[2])
     out = out.index_put(where, lp)
     mask = mask.index_put_(where, torch.ones_like(lp))

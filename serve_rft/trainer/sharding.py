@@ -34,7 +34,8 @@ def init_process_group(rank: int, world: int, address: str, port: int, backend: 
 
 def shard(model) -> None:
     """``fully_shard`` each decoder layer, then the whole model (embeddings, final norm, LM head:
-    a tied head stays with its embedding).
+    a tied head stays with its embedding), and install the chunked logprob path on it
+    (`serve_rft.trainer.token_logprobs.install_sharded_head`).
 
     Args:
         model: a transformers causal LM with ``model.model.layers`` (Qwen2 / Llama family).
@@ -46,9 +47,12 @@ def shard(model) -> None:
     layers = getattr(getattr(model, "model", None), "layers", None)
     if layers is None:
         raise ValueError(f"cannot shard {type(model).__name__}: no model.layers")
+    from serve_rft.trainer.token_logprobs import install_sharded_head
+
     for layer in layers:
         fully_shard(layer)
     fully_shard(model)
+    install_sharded_head(model)  # the chunked logprob path, run as one of the root's forwards
 
 
 def reshard(model) -> None:

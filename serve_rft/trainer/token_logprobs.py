@@ -51,6 +51,11 @@ def top_p_keep(logits: torch.Tensor, top_p: float | torch.Tensor) -> torch.Tenso
     return ~drop
 
 
+SHARDED_HEAD = "serve_rft_head_logprobs"
+"""The method `install_sharded_head` puts on an FSDP2-sharded model: `decoder_head_logprobs` run
+as one of the root's forwards, so its parameters (embeddings, final norm, head) are gathered."""
+
+
 def lm_parts(model) -> tuple[torch.nn.Module, torch.Tensor] | None:
     """``(decoder, head weight [V, H])`` of a transformers causal LM, or of the model a peft
     adapter (LoRA and the like, injected in place) wraps; None when the model does not have
@@ -58,12 +63,17 @@ def lm_parts(model) -> tuple[torch.nn.Module, torch.Tensor] | None:
     peft prompt-learning model whose forward adds virtual tokens): the caller takes the full
     path then. Tied embeddings need nothing special: the head's weight is the embedding
     parameter itself, and autograd adds both gradients into it. An FSDP2-sharded model
-    (`serve_rft.trainer.sharding`) takes the full path too: its root parameters (embeddings, head)
-    are gathered only by the model's own forward."""
+    (`serve_rft.trainer.sharding`) gives None too: its root parameters are gathered only inside
+    one of its forwards; it runs the chunked path through its `SHARDED_HEAD` method."""
     from torch.distributed.fsdp import FSDPModule
 
     if isinstance(model, FSDPModule):
         return None
+    return _plain_parts(model)
+
+
+def _plain_parts(model) -> tuple[torch.nn.Module, torch.Tensor] | None:
+    """`lm_parts` without the sharding check (inside a sharded model's forward)."""
     base = model
     if hasattr(model, "peft_config") and hasattr(model, "get_base_model"):
         cfg = getattr(model, "active_peft_config", None)
@@ -220,3 +230,39 @@ def chunked_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, tokens: t
         raise ValueError(f"chunk_tokens={chunk_tokens} must be >= 1")
     return _ChunkedLogprobs.apply(hidden, weight, tokens, temperatures.float(), top_ps.float(),
                                   int(chunk_tokens), _head_dtype(weight), bool(with_entropy))
+
+
+def decoder_head_logprobs(decoder: torch.nn.Module, weight: torch.Tensor, ids: torch.Tensor, attn: torch.Tensor,
+                          index: torch.Tensor, scalars: torch.Tensor, chunk_tokens: int, with_entropy: bool):
+    """The decoder over ``[B, L]`` ``ids`` / ``attn``, then `chunked_token_logprobs` of the ``N``
+    response positions ``index`` (``[4, N]``: row, position, column, token) with ``scalars``
+    (``[2, N]``: temperature, top_p). Returns ``([N] logprobs, [N] entropy or None)``."""
+    hidden = decoder(input_ids=ids, attention_mask=attn, use_cache=False).last_hidden_state
+    return chunked_token_logprobs(hidden[index[0], index[1]], weight, index[3], scalars[0], scalars[1],
+                                  chunk_tokens, with_entropy)
+
+
+def install_sharded_head(model) -> bool:
+    """Give an FSDP2-sharded causal LM the chunked logprob path: a `SHARDED_HEAD` method running
+    `decoder_head_logprobs` on the model's own decoder and head, registered as a forward of the
+    root (``register_fsdp_forward_method``), so the root's parameters are all-gathered for it
+    and their gradients reduce-scattered after its backward, as for ``forward``.
+
+    Returns:
+        False when the model lacks the plain decoder + head structure (`lm_parts`): it keeps the
+        full path.
+    """
+    import types
+
+    from torch.distributed.fsdp import register_fsdp_forward_method
+
+    if _plain_parts(model) is None:
+        return False
+
+    def head_logprobs(self, ids, attn, index, scalars, chunk_tokens, with_entropy):
+        decoder, weight = _plain_parts(self)  # gathered now
+        return decoder_head_logprobs(decoder, weight, ids, attn, index, scalars, chunk_tokens, with_entropy)
+
+    setattr(model, SHARDED_HEAD, types.MethodType(head_logprobs, model))
+    register_fsdp_forward_method(model, SHARDED_HEAD)
+    return True

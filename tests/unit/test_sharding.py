@@ -55,3 +55,39 @@ def test_config_refuses_what_the_sharded_trainer_does_not_do(sets, match):
     with pytest.raises(ValueError, match=match):
         load_config(None, ["trainer.num_workers=2", *sets])
     load_config(None, sets)  # one worker: fine
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "llama_tied"])
+def test_a_sharded_model_takes_the_chunked_path_with_the_full_paths_values_and_gradients(kind):
+    """FSDP2 on one gloo rank: `shard` installs the chunked logprob path as a forward of the root
+    (its embeddings and head gathered for it); logprobs, entropy and every gradient equal the
+    unsharded model's full-logits path."""
+    import copy
+
+    import torch
+    import torch.distributed as dist
+
+    from serve_rft.buffer.redis_server import free_port
+    from serve_rft.trainer.algorithm import response_logprobs
+    from serve_rft.trainer.sharding import init_process_group, shard
+    from serve_rft.trainer.token_logprobs import SHARDED_HEAD
+    from tests.unit.test_algorithm import PROMPTS, RESPONSES, TEMPS, TOP_PS, _tiny
+
+    plain = _tiny(kind)
+    sharded = copy.deepcopy(plain)
+    init_process_group(0, 1, "127.0.0.1", free_port("127.0.0.1"), "gloo")
+    try:
+        shard(sharded)
+        assert hasattr(sharded, SHARDED_HEAD)
+        got = response_logprobs(sharded, PROMPTS, RESPONSES, TEMPS, with_entropy=True, top_ps=TOP_PS,
+                                chunk_tokens=3)
+        want = response_logprobs(plain, PROMPTS, RESPONSES, TEMPS, with_entropy=True, top_ps=TOP_PS, impl="full")
+        for g, w in zip(got, want):
+            assert torch.allclose(g, w, atol=1e-5), (g - w).abs().max()
+        (got[0] * got[1]).sum().backward()
+        (want[0] * want[1]).sum().backward()
+        grads = {n: p.grad.full_tensor() for n, p in sharded.named_parameters()}
+        for n, p in plain.named_parameters():
+            assert torch.allclose(grads[n], p.grad, atol=1e-5), n
+    finally:
+        dist.destroy_process_group()

@@ -14,7 +14,7 @@ from typing import Literal
 
 import torch
 
-from serve_rft.trainer.token_logprobs import SHARDED_HEAD, decoder_head_logprobs, lm_parts, top_p_keep
+from serve_rft.trainer.token_logprobs import SHARDED_HEAD, decoder_head_logprobs, lm_parts, nucleus_keep, top_p_keep
 from serve_rft.weights.verify import probe_ids
 
 
@@ -93,7 +93,7 @@ def response_logprobs(model, prompts: list[list[int]], responses: list[list[int]
     Runs ``[B, L]`` right-padded prompt+response ids through the model, and per response token
     takes ``log_softmax`` of the position before it after vLLM's sampler processing, in vLLM's
     order: logits / T (T = the request's temperature; greedy requests use 1), then the top-p
-    mask (`top_p_keep`) renormalised. The sampled token is always kept: at the weights that
+    mask (`top_p_keep`, computed by `nucleus_keep`) renormalised. The sampled token is always kept: at the weights that
     sampled it, it was in the nucleus, so this changes nothing there, and on later weights it
     keeps its logprob finite (its exact truncated value would be -inf).
 
@@ -164,7 +164,7 @@ def _response_logprobs_full(model, prompts, responses, temperatures, pad_id=0, w
         top_p = top_ps[i] if top_ps is not None else 1.0
         if top_p < 1.0:
             with torch.no_grad():
-                keep = top_p_keep(step_logits.detach(), top_p)
+                keep = nucleus_keep(step_logits.detach(), top_p)
                 keep[torch.arange(len(r), device=device), tok] = True
             step_logits = step_logits.masked_fill(~keep, float("-inf"))
         lp = torch.log_softmax(step_logits, dim=-1)

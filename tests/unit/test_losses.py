@@ -152,6 +152,24 @@ def test_top_p_keeps_exactly_what_vllms_sampler_keeps(top_p):
     assert torch.equal(top_p_keep(logits, top_p), theirs > float("-inf"))
 
 
+@pytest.mark.parametrize("top_p", [0.3, 0.7, 0.9, 0.99])
+@pytest.mark.parametrize("k", [8, 64, 5000])
+def test_nucleus_without_a_full_sort_keeps_what_vllms_sampler_keeps(top_p, k):
+    """`nucleus_keep` (a top-k, the full sort only for rows whose nucleus reaches past k): the
+    same masks as vLLM's sort on peaked and flat rows (its cumulative sums are rounded
+    differently; on these 3 x 64 rows x 5,000 words no word falls on the other side)."""
+    from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p_pytorch
+
+    from serve_rft.trainer.token_logprobs import nucleus_keep
+
+    g = torch.Generator().manual_seed(int(top_p * 100) + k)
+    logits = torch.randn(64, 5000, generator=g) * torch.tensor([1.0, 3.0, 8.0, 12.0]).repeat(16).unsqueeze(1)
+    ps = torch.full((64,), top_p)
+    theirs = apply_top_k_top_p_pytorch(logits.clone(), None, ps, allow_cpu_sync=True) > float("-inf")
+    assert torch.equal(nucleus_keep(logits, ps, k), theirs)
+    assert torch.equal(nucleus_keep(logits, top_p, k), theirs)
+
+
 def test_only_response_tokens_are_in_the_mask(embedded_model):
     """Each experience's prompt (for a multi-turn conversation: every earlier turn, user and
     assistant) is context only; the mask covers exactly its own response tokens."""

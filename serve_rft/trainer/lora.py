@@ -2,10 +2,13 @@
 ``merge_and_sync=True``: "the LoRA is merged into the base model and then synchronized") or as
 the adapter alone (``merge_and_sync=False``: replicas serve it with vLLM's LoRA support).
 
-The trainer trains a `peft.PeftModel`; before each publish `merge_into` writes
-``W + delta_W`` (delta from peft's own ``get_delta_weight``: ``B @ A * alpha / r``) into a plain
-copy of the base architecture, which the sync methods publish like any full model. The adapted
-model itself is never merged in place, so repeated publishes add no rounding drift.
+The trainer trains a `peft.PeftModel` whose frozen base is held in the compute dtype (bf16
+with ``trainer.precision`` bf16, fp32 otherwise) and whose adapter is fp32 (peft's
+``autocast_adapter_dtype``). A publish streams the effective weights ``W + delta_W`` (delta from
+peft's own ``get_delta_weight``: ``B @ A * alpha / r``) in fp32, one bucket of parameters at a
+time (`MergedWeights` behind a `serve_rft.trainer.gathered.GatheredModel`): no second full copy
+of the model is ever made, and the adapted model is never merged in place, so repeated
+publishes add no rounding drift.
 """
 
 from __future__ import annotations
@@ -34,6 +37,46 @@ def _plain_name(peft_name: str) -> str:
     """``base_model.model.model.layers.0.q_proj.base_layer.weight`` -> ``model.layers.0.q_proj.weight``."""
     name = peft_name.removeprefix("base_model.model.")
     return name.replace(".base_layer.", ".")
+
+
+class MergedWeights:
+    """The effective weights of a `peft.PeftModel` under the base model's parameter names,
+    computed on demand (a `serve_rft.trainer.gathered.GatheredModel`'s ``gather``).
+
+    Args:
+        peft_model: the trained LoRA model (its active adapters count).
+        dtype: of the tensors returned (fp32: a bf16 base plus the fp32 delta, unrounded).
+    """
+
+    def __init__(self, peft_model, dtype: torch.dtype = torch.float32):
+        from peft.tuners.lora import LoraLayer
+
+        self.dtype = dtype
+        self.base = {_plain_name(n): p for n, p in peft_model.named_parameters() if ".lora_" not in n}
+        self.layers = {_plain_name(name + ".base_layer.weight"): m for name, m in peft_model.named_modules()
+                       if isinstance(m, LoraLayer)}
+
+    def specs(self) -> list[tuple[str, list[int], str]]:
+        """``(name, shape, dtype name)`` of every weight, in the base model's order."""
+        return [(n, list(p.shape), str(self.dtype)) for n, p in self.base.items()]
+
+    @torch.no_grad()
+    def gather(self, names: list[str]) -> dict[str, torch.Tensor]:
+        """``{name: base weight + LoRA delta}`` (CPU, ``dtype``) for ``names``.
+
+        Raises:
+            KeyError: a name that is no weight of the base model.
+        """
+        out = {}
+        for name in names:
+            w = self.base[name].detach().to("cpu", self.dtype, copy=True)
+            module = self.layers.get(name)
+            if module is not None:
+                for a in module.active_adapters:
+                    if a in module.lora_A:
+                        w += module.get_delta_weight(a).to("cpu", self.dtype)
+            out[name] = w
+        return out
 
 
 @torch.no_grad()

@@ -14,6 +14,10 @@ from serve_rft.config import Config
 from serve_rft.types import RewardedExperience
 
 
+LORA_MERGE_BUCKET_BYTES = 256 * 2**20
+"""Full-tensor bytes of merged LoRA weights computed at once for a publish or a saved state."""
+
+
 class PolicyTrainer:
     """The torch side, synchronous: the policy model, its optimizer and LR schedule, and (with
     ``kl_coef > 0``) a frozen reference copy of the initial weights."""
@@ -43,19 +47,22 @@ class PolicyTrainer:
             raise NotImplementedError("sharded training (world > 1) supports full fine-tuning only, so far")
         self.device = torch.device(cfg.trainer.device)
         self.bf16 = cfg.trainer.precision == "bf16" or (cfg.trainer.precision == "auto" and self.device.type == "cuda")
-        def load(path):
-            return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(self.device)
+        def load(path, dtype=torch.float32):
+            return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(self.device)
 
-        self.export = None  # LoRA: the plain model that publishes carry (base + adapter merged)
+        self.merged = None  # LoRA: the effective weights (base + adapter), streamed when published
         self.ref_model = None
         if self.cfg.lora is not None:
             from serve_rft.trainer import lora
 
-            self.model = lora.wrap(load(model_path), self.cfg.lora)  # the base never changes
+            # the base never changes: held in the compute dtype (bf16 under bf16 precision); the
+            # adapter is fp32 (peft casts adapter weights up), so is its AdamW state
+            base = load(model_path, torch.bfloat16 if self.bf16 else torch.float32)
+            self.model = lora.wrap(base, self.cfg.lora)
             if resume is not None:
                 lora.load_adapter(self.model, resume)
-            self.export = load(model_path)
-            self.export.requires_grad_(False)
+            self.merged = lora.MergedWeights(self.model)
+            self.model_path = model_path
         else:
             self.model = load(resume if resume is not None else model_path)
             if self.cfg.kl_coef > 0:  # LoRA's reference is the base: the adapter disabled
@@ -86,14 +93,21 @@ class PolicyTrainer:
             self.initial_probe = self.probe(self.publish_model(), 0)
 
     def full_model(self):
-        """The policy as a plain transformers model: the model itself, or with LoRA the base
-        with the adapter merged in (`serve_rft.trainer.lora.merge_into`). Trainer states hold it."""
-        if self.export is None:
+        """The policy as the full model the sync methods and trainer states take: the model
+        itself, or with LoRA a `serve_rft.trainer.gathered.GatheredModel` streaming base +
+        adapter (fp32, `serve_rft.trainer.lora.MergedWeights`) a bucket at a time."""
+        if self.merged is None:
             return self.model
-        from serve_rft.trainer import lora
+        import copy
 
-        lora.merge_into(self.model, self.export)
-        return self.export
+        import torch
+
+        from serve_rft.trainer.gathered import GatheredModel
+
+        config = copy.deepcopy(self.model.get_base_model().config)
+        config.dtype = torch.float32  # what the merged tensors are
+        return GatheredModel(self.merged.gather, self.merged.specs(), config, LORA_MERGE_BUCKET_BYTES,
+                             self.model_path)
 
     def reset_to(self, handle: dict, version: int) -> float | None:
         """Take the weights behind version ``version``'s published ``handle``
@@ -173,8 +187,11 @@ class PolicyTrainer:
         """The probe a published handle carries (`serve_rft.trainer.algorithm.trainer_probe`) of
         ``model``, what `publish_model` returned for this publish."""
         from serve_rft.trainer.algorithm import trainer_probe
+        from serve_rft.trainer.gathered import GatheredModel
         from serve_rft.trainer.sharding import reshard
 
+        if isinstance(model, GatheredModel):  # streamed LoRA merge: the adapted model computes the same policy
+            model = self.model
         try:
             return trainer_probe(model, version)
         finally:
@@ -190,7 +207,7 @@ class PolicyTrainer:
 
         full = self.full_model() if is_adapter_model(model) else model
         return save_state(root, full, self.optimizer, version, step, self.baseline.value, trained, tokenizer_dir,
-                          keep, self.scheduler, self.model if self.export is not None else None, published)
+                          keep, self.scheduler, self.model if self.merged is not None else None, published)
 
     def save_shards(self, folder: Path) -> None:
         """A sharded rank's part of a trainer state (a collective): its AdamW shards and RNG;

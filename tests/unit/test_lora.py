@@ -18,7 +18,13 @@ def _logits(model, ids):
         return model(input_ids=torch.tensor([ids])).logits
 
 
-def test_the_published_model_is_base_plus_adapter_and_only_the_adapter_trains(embedded_model):
+def test_the_published_model_is_base_plus_adapter_and_only_the_adapter_trains(embedded_model, tmp_path):
+    """...streamed: the merged weights are computed a bucket at a time (no second full copy of
+    the model is kept); the folder they write loads as a plain transformers model."""
+    from transformers import AutoModelForCausalLM
+
+    from serve_rft.trainer.gathered import GatheredModel
+
     p = PolicyTrainer(load_config(None, LORA), str(embedded_model))
     base_before = {n: t.detach().clone() for n, t in p.model.named_parameters() if ".lora_" not in n}
     for k in range(3):
@@ -26,7 +32,11 @@ def test_the_published_model_is_base_plus_adapter_and_only_the_adapter_trains(em
     for n, t in p.model.named_parameters():
         if ".lora_" not in n:
             assert torch.equal(t, base_before[n]), n  # the base is frozen
-    exported = p.publish_model()
+    published = p.publish_model()
+    assert isinstance(published, GatheredModel)
+    published.save_pretrained(tmp_path / "merged")
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32)
+    assert not hasattr(p, "export")  # no second full copy
     ids = [1, 5, 9, 33, 70, 2]
     assert torch.allclose(_logits(exported, ids), _logits(p.model, ids), atol=1e-5)
     plain = PolicyTrainer(load_config(None, []), str(embedded_model))
@@ -79,6 +89,8 @@ def test_adapter_only_sync_publishes_the_adapter_alone(embedded_model, tmp_path)
     holds full merged weights."""
     import asyncio
 
+    from transformers import AutoModelForCausalLM
+
     import ray
 
     from serve_rft.weights import CheckpointMethod, MemoryMethod
@@ -114,8 +126,11 @@ def test_adapter_only_sync_publishes_the_adapter_alone(embedded_model, tmp_path)
     finally:
         ray.shutdown()
     assert torch.allclose(_logits(_rebuilt(embedded_model, engine.adapters[3]), ids), want, atol=1e-5)
-    full = p.full_model()
-    assert not hasattr(full, "peft_config") and torch.allclose(_logits(full, ids), want, atol=1e-5)
+    full = p.full_model()  # what a trainer state holds: the merged weights, streamed
+    assert not hasattr(full, "peft_config")
+    full.save_pretrained(tmp_path / "full")
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "full", dtype=torch.float32)
+    assert torch.allclose(_logits(merged, ids), want, atol=1e-5)
 
 
 def test_adapter_only_sync_config_errors():
@@ -124,3 +139,32 @@ def test_adapter_only_sync_config_errors():
                            "trainer.device=cuda", "explorer.num_gpus_per_replica=1"])
     with pytest.raises(Exception, match="up to rank 512"):
         load_config(None, ["trainer.lora={merge_and_sync: false, rank: 600}"])
+
+
+def test_a_bf16_lora_base_trains_the_fp32_adapter_and_publishes_fp32_merged_weights(embedded_model, tmp_path):
+    """trainer.precision=bf16: the frozen base is held in bf16 (half of fp32's memory), the
+    adapter and its AdamW state in fp32; the published merged weights are fp32 base + delta and
+    compute the policy the adapted model computes (within bf16 rounding)."""
+    from transformers import AutoModelForCausalLM
+
+    p = PolicyTrainer(load_config(None, LORA + ["trainer.precision=bf16"]), str(embedded_model))
+    dtypes = {n: t.dtype for n, t in p.model.named_parameters()}
+    assert {d for n, d in dtypes.items() if ".lora_" in n} == {torch.float32}
+    assert {d for n, d in dtypes.items() if ".lora_" not in n} == {torch.bfloat16}
+    for k in range(2):
+        stats = p.step(_batch(k))
+    assert stats["grad_norm"] > 0
+    p.publish_model().save_pretrained(tmp_path / "merged")
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32)
+    assert {t.dtype for t in merged.parameters()} == {torch.float32}
+    base = {n.removeprefix("base_model.model.").replace(".base_layer.", "."): t
+            for n, t in p.model.named_parameters() if ".lora_" not in n}
+    moved = 0
+    for n, t in merged.named_parameters():
+        moved += not torch.equal(t, base[n].float())
+    assert moved > 0  # the adapter's delta is in the merged weights
+    ids = [1, 5, 9, 33, 70, 2]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = _logits(p.model, ids).float().log_softmax(-1)
+    got = _logits(merged, ids).log_softmax(-1)
+    assert (got - want).abs().max() < 0.1  # bf16 activations against fp32 ones

@@ -53,6 +53,15 @@ class Config(StrictSection):
         return self
 
     @model_validator(mode="after")
+    def _merged_lora_sync_method(self) -> "Config":
+        if (self.trainer.lora is not None and self.trainer.lora.merge_and_sync
+                and self.synchronizer.sync_method is SyncMethod.NCCL):
+            raise ValueError("trainer.lora with merge_and_sync streams the merged weights from CPU a bucket "
+                             "at a time: use synchronizer.sync_method=checkpoint or memory (NCCL broadcasts "
+                             "from GPU tensors of one whole model)")
+        return self
+
+    @model_validator(mode="after")
     def _sharded_trainer_support(self) -> "Config":
         if self.trainer.num_workers > 1:
             if self.synchronizer.sync_method is SyncMethod.NCCL:

@@ -105,7 +105,8 @@ class SynchronizerConfig(StrictSection):
         "before the drain, logprobs of a probe sequence against the trainer's after the load.")
     verify_tolerance: float = Field(
         0.01, gt=0, description="Largest |logprob difference| of the probe sequence accepted (fp32 "
-        "on CPU agrees to ~1e-5; a bf16 engine against the fp32 trainer needs ~0.25).")
+        "on CPU agrees to ~1e-5; a bf16 engine against the fp32 trainer needs ~0.25, and so does "
+        "LoRA under trainer.precision=bf16, whose probe is a forward of the bf16 base + fp32 adapter).")
     rollout: Literal["rolling", "canary"] = Field(
         "rolling", description="rolling: every new version rolls to every replica; canary: it goes to "
         "canary.replicas first and is promoted or rolled back by its rewards (serve_rft/synchronizer/canary.py).")

@@ -115,7 +115,8 @@ class TrainerConfig(StrictSection):
         "shares one GPU with replicas: configs/single_gpu.yaml).")
     num_workers: int = Field(
         1, ge=1, description="Trainer ranks. 1: the trainer actor trains in its own process. N > 1: "
-        "N rank actors (one CPU each; with device=cuda one GPU each) train data-parallel with the "
+        "N rank actors (one CPU each; with device=cuda one whole GPU each, and the trainer actor none) "
+        "train data-parallel with the "
         "parameters, gradients and AdamW state sharded by FSDP2 (gloo on cpu, NCCL on cuda), and the "
         "trainer actor coordinates them: published versions are gathered bucket by bucket, trainer "
         "states saved with torch.distributed.checkpoint (serve_rft/trainer/sharded_policy.py). "

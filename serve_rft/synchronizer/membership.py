@@ -48,6 +48,7 @@ class ReplicaInfo:
     node_id: str | None = None  # the Ray node it runs on (hex), for operators and placement checks
     refused: int = 0  # requests it refused while out of rotation (re-sent elsewhere by HAProxy)
     introduced: bool = True  # False: known from a lease renewal only; it registers (with handles) next
+    drain_known: bool = False  # not introduced, yet its drain is known (its renewal, or an operator since)
     failures: int = 0
     consecutive_failures: int = 0
     backoff_version: int | None = None

@@ -23,7 +23,9 @@ class ReplicaEvents:
                  warming: bool = False, node_id: str | None = None) -> None:
         """A replica came up (or re-introduced itself to a restarted synchronizer) serving
         ``version``; ``base_handle`` loads its initial weights (version 0), ``handle`` the version
-        it serves, ``drained`` whether an operator had drained it, ``warming``: no request reached
+        it serves, ``drained`` whether it holds an operator's drain (a replica this state knows
+        from a lease renewal keeps the drain the renewal or an operator gave it since: the
+        replica's own flag is older), ``warming``: no request reached
         it yet (it is not counted in rotation until one does); ``pid`` / ``node_id``: its process and
         Ray node, kept for operators."""
         self._now = now
@@ -43,8 +45,9 @@ class ReplicaEvents:
         r.node_id = node_id if node_id is not None else r.node_id
         r.clear_sync()
         undraining = False
-        if kind == "state":  # known from a lease renewal: an operator's drain or undrain since then is newer
+        if kind == "state" and r.drain_known:  # its renewal told the drain: an operator's word since is newer
             drained, undraining = r.drained, drained and not r.drained  # put back: it refuses until it says not
+        r.drain_known = False
         self._update(r, now, kind, state=ComponentState.RUNNING, policy_version=version, drained=drained,
                      warming=warming, undraining=undraining)
         self._observe(r, r.schedule.explorer_step, now)
@@ -104,7 +107,7 @@ class ReplicaEvents:
         r = self.members.get(replica_id)
         if r is None:  # a restarted synchronizer: the sync in flight keeps its slot
             r = self.members.add(replica_id, version, now)
-            r.introduced = False
+            r.introduced, r.drain_known = False, True
             self._update(r, now, drained=drained)
         elif r.state is ComponentState.RUNNING and r.granted != granted:
             r.last_seen = now  # a renewal that arrived after its sync ended (synced / failed)
@@ -126,6 +129,8 @@ class ReplicaEvents:
             ValueError: draining it would leave no live replica in rotation.
         """
         r = self.members.replicas[replica_id]
+        if not r.introduced:  # known from a renewal or a report: this word outlives its re-registration
+            r.drain_known = True
         if r.drained == drained:
             return
         if drained and r.in_rotation and self.members.n_live >= 2 and self.members.serving_besides(r) == 0:

@@ -256,10 +256,12 @@ def make_policy(cfg: Config, model_path: str, resume: Path | None):
 
 
 def trainer_options(cfg: Config) -> dict:
-    """Ray actor options of the trainer: its name, one Ray GPU share with ``device=cuda``, the
+    """Ray actor options of the trainer: its name, one Ray GPU share with ``device=cuda`` (none
+    with ``num_workers > 1``: its ranks take one GPU each, `serve_rft.trainer.worker_group`), the
     ``trainer.label_selector`` placement if set, detached, restarted without bound (a restarted
     trainer resumes from its saved state)."""
-    gpus = cfg.trainer.num_gpus if cfg.trainer.device == "cuda" else 0
+    # N ranks: the actor only coordinates (the ranks hold the weights, one GPU each)
+    gpus = cfg.trainer.num_gpus if cfg.trainer.device == "cuda" and cfg.trainer.num_workers == 1 else 0
     opts = dict(name=TRAINER_NAME, namespace=NAMESPACE, get_if_exists=True, num_gpus=gpus,
                 lifetime="detached", max_restarts=-1, max_task_retries=-1)
     if cfg.trainer.label_selector:

@@ -131,7 +131,11 @@ def response_logprobs(model, prompts: list[list[int]], responses: list[list[int]
         tps += [top_ps[i] if top_ps is not None else 1.0] * len(r)
     out = torch.zeros((len(prompts), T), dtype=torch.float32, device=device)
     mask, ent = torch.zeros_like(out), torch.zeros_like(out)
-    if not toks:
+    if not toks:  # no response token: one position at weight 0, so the forward and backward still run
+        # (a sharded rank must make the collectives its peers make; one process needs a loss with a graph)
+        lp, _ = run(ids, attn, torch.zeros((4, 1), dtype=torch.long, device=device),
+                    torch.ones((2, 1), dtype=torch.float32, device=device), chunk_tokens, False)
+        out = out + 0.0 * lp.sum()
         return (out, mask, ent) if with_entropy else (out, mask)
     index = torch.tensor([rows, pos, cols, toks], dtype=torch.long).to(device)
     scalars = torch.tensor([temps, tps], dtype=torch.float32).to(device)
@@ -152,6 +156,8 @@ def _response_logprobs_full(model, prompts, responses, temperatures, pad_id=0, w
     ids, attn, T = _padded_batch(prompts, responses, pad_id, device)
     logits = model(input_ids=ids, attention_mask=attn).logits.float()
     out = torch.zeros((len(prompts), T), dtype=torch.float32, device=device)
+    if not any(responses):  # keep the graph (`response_logprobs`, the chunked path's empty case)
+        out = out + 0.0 * logits[:, :1, :1].sum()
     mask = torch.zeros((len(prompts), T), dtype=torch.float32, device=device)
     ent = torch.zeros((len(prompts), T), dtype=torch.float32, device=device)
     for i, (p, r) in enumerate(zip(prompts, responses)):

@@ -70,13 +70,17 @@ class GatheredModel:
         """One ``{name: full CPU tensor}`` dict per bucket; the previous one may be freed."""
         for names in self.buckets:
             got = self.gather(names)
-            yield {n: got[n] for n in names}
+            bucket = {n: got.pop(n) for n in names}
+            del got
+            yield bucket
+            del bucket  # the caller's reference is its own: none is kept here while the next gathers
 
     def named_parameters(self) -> Iterator[tuple[str, Any]]:
         """``(name, full tensor)`` of every parameter, a bucket gathered at a time (tied weights
         once, as the sharded model names them)."""
         for bucket in self.iter_buckets():
-            yield from bucket.items()
+            for name in list(bucket):
+                yield name, bucket.pop(name)  # held by the caller alone from here
 
     def parameters(self) -> Iterator[Any]:
         for _, t in self.named_parameters():
@@ -107,5 +111,6 @@ class GatheredModel:
             for k, v in bucket.items():
                 weight_map[k] = name
                 total += v.numel() * v.element_size()
+            del bucket
         (folder / "model.safetensors.index.json").write_text(
             json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))

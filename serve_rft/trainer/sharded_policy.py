@@ -44,7 +44,11 @@ class ShardedPolicy:
         self.cfg = cfg
         self.model_path = model_path
         self.group = WorkerGroup(cfg, model_path, cfg.trainer.num_workers, str(resume) if resume else None)
-        info = self.group.call("info")
+        try:
+            info = self.group.call("info")
+        except BaseException:
+            self.group.stop()
+            raise
         self.specs, self.config, self.vocab_size = info["specs"], info["config"], info["vocab_size"]
         self.resumed = read_state(resume) if resume is not None else None
 
@@ -77,7 +81,27 @@ class ShardedPolicy:
         from serve_rft.trainer.state import save_state
 
         return save_state(root, model, None, version, step, self.group.call("baseline"), trained, tokenizer_dir,
-                          keep, published=published, shards=lambda folder: self.group.call("save_shards", str(folder)))
+                          keep, published=published, shards=self._save_shards)
+
+    def _save_shards(self, folder: Path) -> None:
+        """Every rank writes its part into ``folder`` (an absolute path: the ranks' working
+        directories are Ray's); then check here that all of it is visible before the folder is
+        committed.
+
+        Raises:
+            RuntimeError: a rank's files are not in ``folder`` as this process sees it (ranks on
+                another node need ``service.run_dir`` on a filesystem every trainer node mounts).
+        """
+        from serve_rft.trainer.state import OPTIMIZER_DCP
+
+        folder = Path(folder).resolve()
+        self.group.call("save_shards", str(folder))
+        want = [f"{OPTIMIZER_DCP}/.metadata", "scheduler.pt",
+                *(f"rng-rank{r}.pt" for r in range(self.cfg.trainer.num_workers))]
+        missing = [f for f in want if not (folder / f).is_file()]
+        if missing:
+            raise RuntimeError(f"trainer state {folder}: {missing} written by the ranks are not visible to the "
+                               "trainer; service.run_dir must be a filesystem every trainer node mounts")
 
     def reset_to(self, handle: dict, version: int) -> float | None:
         """Not built for N ranks (the config refuses ``canary.on_reject=reset`` with them).

@@ -5,8 +5,10 @@ written like a published version (`serve_rft.weights.folders`: temp folder, fsyn
 ``COMMITTED`` marker), the newest ``keep`` kept:
 
 ====================  ==========================================================================
-``v{version:06d}/``   ``config.json`` + ``model.safetensors`` (``transformers.from_pretrained``
-                      loads it) and the tokenizer files of the model it started from
+``v{version:06d}/``   ``config.json`` + ``model.safetensors`` (a sharded trainer or a LoRA merge:
+                      one ``model-*.safetensors`` per bucket + ``model.safetensors.index.json``;
+                      ``transformers.from_pretrained`` loads either) and the tokenizer files of
+                      the model it started from
 ``optimizer.pt``      ``torch.optim`` state dict (``scheduler.pt``: the LR schedule's;
                       ``adapter/``: the LoRA adapter, when training one). A sharded trainer
                       (``trainer.num_workers > 1``) writes ``optimizer/`` instead: AdamW's state
@@ -174,11 +176,13 @@ def load_state(path: str | Path, optimizer, scheduler=None, model=None, rank: in
     if scheduler is not None and (path / "scheduler.pt").is_file():
         scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=True))
     rng_file = path / f"rng-rank{rank}.pt" if sharded_state else path / "rng.pt"
-    if rng_file.is_file():  # a rank beyond the saved world starts its own stream
+    if rng_file.is_file():
         rng = torch.load(rng_file, weights_only=False)
         torch.set_rng_state(rng["cpu"])
         if "cuda" in rng and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(rng["cuda"])
+    else:  # a rank beyond the world that saved the state
+        log.warning("%s has no %s: rank %d starts its own random stream", path, rng_file.name, rank)
     return read_state(path)
 
 

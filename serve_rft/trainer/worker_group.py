@@ -17,6 +17,10 @@ from serve_rft.config import Config
 from serve_rft.types import RewardedExperience
 
 
+START_TIMEOUT_S = 900.0
+"""Seconds a group may take to be placed and to load (then the trainer reports the failure)."""
+
+
 @ray.remote(num_cpus=1, max_restarts=0)
 class TrainRank:
     """One rank: joins the group, then builds its `PolicyTrainer` shard."""
@@ -72,8 +76,8 @@ class TrainRank:
             for name in names:
                 p = params[name]
                 full = p.full_tensor() if hasattr(p, "full_tensor") else p
-                if self.rank == 0:
-                    out[name] = full.detach().to("cpu", copy=True).contiguous()
+                if self.rank == 0:  # gathered on CPU (gloo) it is a fresh tensor already: no second copy
+                    out[name] = full.detach().to("cpu").contiguous()
                 del full
         return out if self.rank == 0 else None
 
@@ -116,19 +120,25 @@ class WorkerGroup:
         model_path: the initial weights, read by every rank.
         world: the number of ranks (each takes one CPU; with ``device=cuda`` one GPU).
         resume: a trainer state folder to start from (`TrainRank.start`).
+        start_timeout_s: for placing the ranks (CPUs / GPUs with the trainer's labels) and loading.
     Raises:
         ray.exceptions.RayActorError: a rank died while starting.
+        ray.exceptions.GetTimeoutError: not started within ``start_timeout_s`` (no room for N ranks).
     """
 
-    def __init__(self, cfg: Config, model_path: str, world: int, resume: str | None = None):
-        gpus = cfg.trainer.num_gpus if cfg.trainer.device == "cuda" else 0
-        opts = {"num_gpus": gpus}
+    def __init__(self, cfg: Config, model_path: str, world: int, resume: str | None = None,
+                 start_timeout_s: float = START_TIMEOUT_S):
+        opts = {"num_gpus": 1 if cfg.trainer.device == "cuda" else 0}  # NCCL: one whole GPU per rank
         if cfg.trainer.label_selector:
             opts["label_selector"] = dict(cfg.trainer.label_selector)
         cfg_json = cfg.model_dump_json()
         self.ranks = [TrainRank.options(**opts).remote(cfg_json, model_path, r, world) for r in range(world)]
-        address, port = ray.get(self.ranks[0].rendezvous_address.remote())
-        self.pids = ray.get([r.start.remote(address, port, resume) for r in self.ranks])
+        try:
+            address, port = ray.get(self.ranks[0].rendezvous_address.remote(), timeout=start_timeout_s)
+            self.pids = ray.get([r.start.remote(address, port, resume) for r in self.ranks], timeout=start_timeout_s)
+        except BaseException:
+            self.stop()
+            raise
 
     def call(self, method: str, *args):
         """``method(*args)`` on every rank at once (a collective); rank 0's answer.

@@ -23,8 +23,12 @@ def version_dir(root: str | Path, version: int) -> Path:
 
 
 def _fsync_dir(path: Path) -> None:
+    """fsync every file under ``path`` (subfolders too: a trainer state's ``optimizer/`` and
+    ``adapter/``), then each folder's entries."""
     for f in path.iterdir():
-        if f.is_file():
+        if f.is_dir():
+            _fsync_dir(f)
+        elif f.is_file():
             with open(f, "rb") as fh:
                 os.fsync(fh.fileno())
     fd = os.open(str(path), os.O_RDONLY)

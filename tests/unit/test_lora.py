@@ -41,7 +41,7 @@ def test_the_published_model_is_base_plus_adapter_and_only_the_adapter_trains(em
     assert torch.allclose(_logits(exported, ids), _logits(p.model, ids), atol=1e-5)
     plain = PolicyTrainer(load_config(None, []), str(embedded_model))
     assert not torch.allclose(_logits(exported, ids), _logits(plain.model, ids), atol=1e-3)  # it moved
-    assert exported.__class__.__name__ == "Qwen2ForCausalLM"  # a plain model: any sync method takes it
+    assert exported.__class__.__name__ == "Qwen2ForCausalLM"  # the folder is a plain transformers model
 
 
 def test_a_lora_state_resumes_exactly_and_loads_as_a_merged_hf_model(embedded_model, tmp_path):
@@ -155,8 +155,12 @@ def test_a_bf16_lora_base_trains_the_fp32_adapter_and_publishes_fp32_merged_weig
         stats = p.step(_batch(k))
     assert stats["grad_norm"] > 0
     p.publish_model().save_pretrained(tmp_path / "merged")
+    from safetensors import safe_open
+
+    for f in (tmp_path / "merged").glob("*.safetensors"):  # as stored, not as loaded
+        with safe_open(str(f), "pt") as fh:
+            assert {fh.get_tensor(k).dtype for k in fh.keys()} == {torch.float32}, f
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32)
-    assert {t.dtype for t in merged.parameters()} == {torch.float32}
     base = {n.removeprefix("base_model.model.").replace(".base_layer.", "."): t
             for n, t in p.model.named_parameters() if ".lora_" not in n}
     moved = 0
@@ -168,3 +172,9 @@ def test_a_bf16_lora_base_trains_the_fp32_adapter_and_publishes_fp32_merged_weig
         want = _logits(p.model, ids).float().log_softmax(-1)
     got = _logits(merged, ids).log_softmax(-1)
     assert (got - want).abs().max() < 0.1  # bf16 activations against fp32 ones
+
+
+def test_merged_lora_refuses_nccl():
+    with pytest.raises(Exception, match="checkpoint or memory"):
+        load_config(None, ["trainer.lora={rank: 4}", "synchronizer.sync_method=nccl", "trainer.device=cuda",
+                           "explorer.num_gpus_per_replica=1"])

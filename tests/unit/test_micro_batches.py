@@ -133,3 +133,22 @@ def test_both_limits_apply_in_a_step(embedded_model):
     sets = ["trainer.lr=0", "trainer.micro_batch_size=2", "trainer.micro_batch_tokens=100"]
     stats = PolicyTrainer(load_config(None, sets), str(embedded_model)).step(_batch())
     assert stats["micro_batches"] == len(partition(lengths, 2, 100)) == 4
+
+
+@pytest.mark.parametrize("impl", ["chunked", "full"])
+def test_a_micro_batch_of_empty_responses_steps(embedded_model, impl):
+    """One experience per micro-batch: the one with an empty response is a part with no response
+    token. It still runs the forward and backward (a sharded rank must make its peers'
+    collectives; one process needs a loss with a graph) and adds nothing to the gradient."""
+    from serve_rft.config import load_config
+    from serve_rft.trainer.policy import PolicyTrainer
+
+    assert 0 in RESPONSE_LENS
+    sets = ["trainer.lr=0", f"trainer.logprob_impl={impl}"]
+    whole = PolicyTrainer(load_config(None, sets), str(embedded_model))
+    split = PolicyTrainer(load_config(None, sets + ["trainer.micro_batch_size=1"]), str(embedded_model))
+    a, b = whole.step(_batch()), split.step(_batch())
+    assert b["micro_batches"] == len(RESPONSE_LENS)
+    assert b["loss"] == pytest.approx(a["loss"], rel=1e-5, abs=1e-6)
+    for x, y in zip(whole.model.parameters(), split.model.parameters()):
+        assert torch.allclose(x.grad, y.grad, rtol=1e-5, atol=1e-6)

@@ -339,3 +339,26 @@ def test_an_undrain_after_a_synchronizer_restart_is_kept_when_the_replica_reintr
     f.advance(40.0)
     assert not f.state.members.get(a).drained and f.converged(), f.state.status(f.now)
     assert all(r.version == 1 for r in f.replicas.values())
+
+
+def test_a_drain_is_kept_when_a_restarted_synchronizer_first_hears_the_replica_report_its_sync():
+    """Review finding: the synchronizer restarts, the drained replica's sync ends before its first
+    renewal, so the restarted state first learns of it from ``synced`` (nothing about its drain);
+    its registration after that carries the drain and must keep it."""
+    from serve_rft.synchronizer.state import SyncState
+    from serve_rft.types import PublishedVersion
+
+    st = SyncState(SynchronizerConfig(sync_style="trainer_driven"))
+    st.restarted(0.0)
+    st.publish(PublishedVersion(1, {"method": "checkpoint", "path": "/v1"}, 0.0), 0.0)
+    st.synced("a", 1, 0.5, handle={"method": "checkpoint", "path": "/v1"})
+    st.register("a", 1, 1.0, base_handle={"method": "checkpoint", "path": "/base"}, drained=True)
+    r = st.members.get("a")
+    assert r.drained and not r.undraining
+    # and an operator's undrain between the report and the registration is kept
+    st2 = SyncState(SynchronizerConfig(sync_style="trainer_driven"))
+    st2.restarted(0.0)
+    st2.synced("b", 0, 0.5)
+    st2.set_drained("b", False, 0.7)
+    st2.register("b", 0, 1.0, drained=True)
+    assert not st2.members.get("b").drained and st2.members.get("b").undraining

@@ -213,3 +213,30 @@ def test_operator_doc_gives_the_launchers_retry_line():
 
     quoted = "$'" + RETRY_ON.replace("\n", "\\n") + "'"
     assert f"RAY_SERVE_HAPROXY_RETRY_ON={quoted}" in (ROOT / "deployments" / "README.md").read_text()
+
+
+def test_the_autoscaling_config_is_serve_config_with_the_builders_autoscaling(monkeypatch):
+    """deployments/serve_config_autoscaling.yaml: serve_config.yaml plus an ``explorer.autoscaling``
+    override, and a deployments block equal to what the builder makes of it (autoscaling_config
+    in place of num_replicas); min_replicas above max_unavailable, so a sync keeps one serving."""
+    from ray.serve._private.build_app import build_app as serve_build
+    from ray.serve.deployment import deployment_to_schema
+
+    from serve_rft.config import load_config
+    from serve_rft.service.app import build_app
+
+    plain = yaml.safe_load((ROOT / "deployments" / "serve_config.yaml").read_text())
+    scaled = yaml.safe_load((ROOT / "deployments" / "serve_config_autoscaling.yaml").read_text())
+    assert {k: v for k, v in scaled.items() if k != "applications"} == \
+        {k: v for k, v in plain.items() if k != "applications"}
+    app, base = scaled["applications"][0], plain["applications"][0]
+    assert {k: v for k, v in app.items() if k not in ("args", "deployments")} == \
+        {k: v for k, v in base.items() if k not in ("args", "deployments")}
+    extra = [o for o in app["args"]["overrides"] if o not in base["args"]["overrides"]]
+    assert len(extra) == 1 and extra[0].startswith("explorer.autoscaling=")
+    cfg = load_config(ROOT / app["args"]["config"], list(app["args"]["overrides"]))
+    assert cfg.explorer.autoscaling.min_replicas > cfg.synchronizer.max_unavailable
+    monkeypatch.setenv("RAY_SERVE_ENABLE_HA_PROXY", "1")
+    built = [deployment_to_schema(d).model_dump(exclude_unset=True)
+             for d in serve_build(build_app(cfg), name="serve_rft").deployments]
+    assert app["deployments"] == built

@@ -82,22 +82,14 @@ class MergedWeights:
 @torch.no_grad()
 def merge_into(peft_model, export_model) -> None:
     """Set ``export_model``'s weights to the adapted model's effective weights
-    (base + LoRA delta per adapted layer, base elsewhere).
+    (`MergedWeights`: base + LoRA delta per adapted layer, base elsewhere), one tensor at a time.
 
     Raises:
         KeyError: a weight of ``export_model`` has no counterpart (different architecture).
     """
-    from peft.tuners.lora import LoraLayer
-
-    deltas = {}
-    for name, module in peft_model.named_modules():
-        if isinstance(module, LoraLayer) and module.active_adapters:
-            delta = sum(module.get_delta_weight(a) for a in module.active_adapters if a in module.lora_A)
-            deltas[_plain_name(name + ".base_layer.weight")] = delta
-    base = {_plain_name(n): p for n, p in peft_model.named_parameters() if ".lora_" not in n}
+    merged = MergedWeights(peft_model)
     for name, p in export_model.named_parameters():
-        src = base[name]
-        p.copy_(src + deltas[name] if name in deltas else src)
+        p.copy_(merged.gather([name])[name])
 
 
 def random_adapter(base_dir: str | Path, rank: int, seed: int, std: float = 0.05):

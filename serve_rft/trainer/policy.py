@@ -132,10 +132,9 @@ class PolicyTrainer:
         expected = handle.get("probe") or (self.initial_probe if version == 0 else None)
         if not expected:
             return None
-        from serve_rft.trainer.algorithm import trainer_probe
         from serve_rft.weights.verify import check_probe
 
-        got = trainer_probe(self.publish_model(), version)["logprobs"]
+        got = self.probe(self.publish_model(), version)["logprobs"]
         return check_probe(expected, got, tolerance=1e-5)
 
     def _load_handle(self, handle: dict) -> None:

@@ -157,8 +157,7 @@ def load_state(path: str | Path, optimizer, scheduler=None, model=None, rank: in
     import torch
 
     path = Path(path)
-    if not (path / MARKER).exists():
-        raise FileNotFoundError(f"{path} is not a committed trainer state")
+    state = read_state(path)  # raises FileNotFoundError before anything is restored
     sharded_state = (path / OPTIMIZER_DCP).is_dir()
     if world > 1 and sharded_state:
         import torch.distributed.checkpoint as dcp
@@ -183,7 +182,7 @@ def load_state(path: str | Path, optimizer, scheduler=None, model=None, rank: in
             torch.cuda.set_rng_state_all(rng["cuda"])
     else:  # a rank beyond the world that saved the state
         log.warning("%s has no %s: rank %d starts its own random stream", path, rng_file.name, rank)
-    return read_state(path)
+    return state
 
 
 def read_state(path: str | Path) -> TrainerState:

@@ -51,25 +51,40 @@ def reserved_ranges() -> list[tuple[int, int]]:
             for lo, lo_default, hi, hi_default in SERVE_INGRESS_PORTS]
 
 
+_HANDED_OUT: set[int] = set()
+"""Every port `free_port` returned in this process. A port chosen here is often bound much later
+by another process (the service port by Serve's proxy, the HAProxy stats port by HAProxy, tens of
+seconds after `serve-rft up` chose them), so a second choice that only checks whether the port
+binds *now* can return the same number. A stack in CI once failed to start with HAProxy's stats
+listener refused ("Address already in use") while the other listeners of the same HAProxy bound."""
+
+
 def free_port(host: str = "127.0.0.1", tries: int = 200) -> int:
-    """A TCP port that was free a moment ago, outside the ephemeral range (`PORT_BAND`) and outside
-    Ray Serve's replica port ranges (`reserved_ranges`): a random candidate that binds is returned
-    (closed again). Falls back to ``bind(0)`` if ``tries`` candidates were all taken."""
+    """A TCP port that was free a moment ago, outside the ephemeral range (`PORT_BAND`), outside
+    Ray Serve's replica port ranges (`reserved_ranges`) and never one this process returned before
+    (`_HANDED_OUT`): a random candidate that binds is returned (closed again). Falls back to
+    ``bind(0)`` if ``tries`` candidates were all taken."""
     low, high = PORT_BAND[0], min(PORT_BAND[1], _ephemeral_low() - 1)
     reserved = reserved_ranges()
     for _ in range(tries if high > low else 0):
         port = random.randint(low, high)
-        if any(lo <= port <= hi for lo, hi in reserved):
+        if port in _HANDED_OUT or any(lo <= port <= hi for lo, hi in reserved):
             continue
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             try:
                 s.bind((host, port))
             except OSError:
                 continue
+        _HANDED_OUT.add(port)
+        return port
+    for _ in range(tries):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((host, 0))
+            port = s.getsockname()[1]
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
             return port
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    raise OSError(f"no free port on {host} after {tries} tries")
 
 
 @dataclass

@@ -55,6 +55,7 @@ def test_free_ports_come_from_outside_the_ephemeral_range_and_skip_taken_ones(mo
 
     from serve_rft.buffer import redis_server
 
+    monkeypatch.setattr(redis_server, "_HANDED_OUT", set())
     low, high = redis_server.PORT_BAND
     ports = {redis_server.free_port() for _ in range(20)}
     assert all(low <= p <= high for p in ports)
@@ -68,3 +69,18 @@ def test_free_ports_come_from_outside_the_ephemeral_range_and_skip_taken_ones(mo
     monkeypatch.setenv("RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT", str(low + 100))
     monkeypatch.setenv("RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT", str(low + 200))
     assert redis_server.reserved_ranges()[0] == (low + 100, low + 200)
+
+
+def test_free_port_never_hands_out_the_same_port_twice(monkeypatch):
+    """The service port and HAProxy's stats port are chosen one after the other and bound tens of
+    seconds later by other processes; the second choice must not repeat the first even though the
+    first still binds."""
+    import random
+
+    from serve_rft.buffer import redis_server
+
+    monkeypatch.setattr(redis_server, "_HANDED_OUT", set())
+    low = redis_server.PORT_BAND[0]
+    picks = iter([low + 3, low + 3, low + 3, low + 4])
+    monkeypatch.setattr(random, "randint", lambda a, b: next(picks))
+    assert [redis_server.free_port(), redis_server.free_port()] == [low + 3, low + 4]

@@ -67,9 +67,6 @@ class Config(StrictSection):
             if self.synchronizer.sync_method is SyncMethod.NCCL:
                 raise ValueError("trainer.num_workers > 1 publishes through checkpoint or memory so far "
                                  "(NCCL broadcasts from one trainer process)")
-            if self.synchronizer.rollout == "canary" and self.synchronizer.canary.on_reject == "reset":
-                raise ValueError("synchronizer.canary.on_reject=reset needs trainer.num_workers=1 so far "
-                                 "(a sharded reset is not built)")
         return self
 
     @property

@@ -120,7 +120,7 @@ class TrainerConfig(StrictSection):
         "parameters, gradients and AdamW state sharded by FSDP2 (gloo on cpu, NCCL on cuda), and the "
         "trainer actor coordinates them: published versions are gathered bucket by bucket, trainer "
         "states saved with torch.distributed.checkpoint (serve_rft/trainer/sharded_policy.py). "
-        "Full fine-tuning, CHECKPOINT or MEMORY sync, no canary reset, so far.")
+        "Full fine-tuning and CHECKPOINT or MEMORY sync, so far.")
     label_selector: dict[str, str] | None = Field(
         None, description="Ray node labels the trainer actor must run on (Ray's label_selector, "
         "e.g. {serve-rft.io/role: trainer}: the node group started with that label; "

@@ -28,7 +28,8 @@ class PolicyTrainer:
 
         ``world > 1``: this is rank ``rank`` of a data-parallel group already joined
         (`serve_rft.trainer.sharding.init_process_group`); the policy (and the KL reference) are
-        sharded with FSDP2 before the optimizer is built, so AdamW's state is sharded too.
+        built sharded with FSDP2 (`serve_rft.trainer.sharding.load_sharded`: only rank 0 reads the
+        whole model, on the CPU) before the optimizer is built, so AdamW's state is sharded too.
 
         Raises:
             NotImplementedError: ``world > 1`` with LoRA (not built yet).
@@ -63,17 +64,18 @@ class PolicyTrainer:
                 lora.load_adapter(self.model, resume)
             self.merged = lora.MergedWeights(self.model)
             self.model_path = model_path
+        elif world > 1:  # built sharded: no rank but 0 ever holds a whole copy
+            from serve_rft.trainer.sharding import load_sharded
+
+            self.model = load_sharded(str(resume if resume is not None else model_path), self.device, rank)
+            if self.cfg.kl_coef > 0:
+                self.ref_model = load_sharded(str(model_path), self.device, rank)
+                self.ref_model.eval().requires_grad_(False)
         else:
             self.model = load(resume if resume is not None else model_path)
             if self.cfg.kl_coef > 0:  # LoRA's reference is the base: the adapter disabled
                 self.ref_model = load(model_path)
                 self.ref_model.eval().requires_grad_(False)
-        if world > 1:
-            from serve_rft.trainer.sharding import shard
-
-            shard(self.model)
-            if self.ref_model is not None:
-                shard(self.ref_model)
         self.model.train()
         self.pad_id = self.model.config.pad_token_id or 0
         self.vocab_size = int(self.model.get_input_embeddings().weight.shape[0])
@@ -138,10 +140,9 @@ class PolicyTrainer:
         return check_probe(expected, got, tolerance=1e-5)
 
     def _load_handle(self, handle: dict) -> None:
-        """Load the tensors behind ``handle`` into the model (see `reset_to`)."""
-        import ray
+        """Load the tensors behind ``handle`` into the model (see `reset_to`); on N ranks rank 0
+        reads them and each rank keeps its shards (`serve_rft.trainer.sharding.load_full`)."""
         import torch
-        from safetensors.torch import load_file
 
         lora = self.cfg.lora is not None
         if lora and self.cfg.lora.merge_and_sync:
@@ -152,16 +153,12 @@ class PolicyTrainer:
                     if "lora_B" in name:
                         p.zero_()
             return
-        if handle.get("method") == "checkpoint":
-            files = sorted(Path(handle["path"]).glob("*.safetensors"))
-            tensors = {k: v for f in files for k, v in load_file(str(f)).items()}
-        elif handle.get("method") == "memory":
-            tensors = {}
-            for ref in handle["buckets"]:
-                got = ray.get(ref)
-                tensors.update(got[0] if handle.get("adapter") else dict(got))
-        else:
-            raise ValueError(f"cannot reset to a {handle.get('method')!r} handle")
+        if self.world > 1:
+            from serve_rft.trainer.sharding import load_full
+
+            load_full(self.model, handle_tensors(handle) if self.rank == 0 else None)
+            return
+        tensors = handle_tensors(handle)
         with torch.no_grad():
             if lora:
                 from peft import set_peft_model_state_dict
@@ -169,10 +166,7 @@ class PolicyTrainer:
                 set_peft_model_state_dict(self.model, tensors)
             else:
                 missing, unexpected = self.model.load_state_dict(tensors, strict=False)
-                tied = {k for k in missing if k.endswith("lm_head.weight")}
-                if set(missing) - tied or unexpected:
-                    raise ValueError(f"the handle's tensors do not fit the model: missing "
-                                     f"{sorted(set(missing) - tied)[:5]}, unexpected {unexpected[:5]}")
+                check_fits(missing, unexpected)
 
     def publish_model(self):
         """What a publish carries: `full_model`, or with adapter-only LoRA sync
@@ -340,3 +334,39 @@ class PolicyTrainer:
         stats["entropy"] = float((ent * mask).sum() / here)
         stats["max_abs_logprob_diff"] = float(((logp.detach() - behaviour).abs() * mask).max())
         return loss, stats, tokens
+
+
+def handle_tensors(handle: dict) -> dict:
+    """The tensors a published ``handle`` carries, by name: a CHECKPOINT folder's safetensors
+    files, or the MEMORY buckets in Ray's object store (``ray.get``; an adapter's buckets hold
+    the adapter's tensors).
+
+    Raises:
+        ValueError: a handle of another method (NCCL moves tensors, it keeps none).
+    """
+    import ray
+    from safetensors.torch import load_file
+
+    if handle.get("method") == "checkpoint":
+        files = sorted(Path(handle["path"]).glob("*.safetensors"))
+        return {k: v for f in files for k, v in load_file(str(f)).items()}
+    if handle.get("method") == "memory":
+        tensors = {}
+        for ref in handle["buckets"]:
+            got = ray.get(ref)
+            tensors.update(got[0] if handle.get("adapter") else dict(got))
+        return tensors
+    raise ValueError(f"cannot reset to a {handle.get('method')!r} handle")
+
+
+def check_fits(missing: list[str], unexpected: list[str]) -> None:
+    """Raise unless a full state dict loaded whole: keys ``missing`` from it (a tied
+    ``lm_head.weight``, which checkpoints leave out, is fine) or ``unexpected`` by the model.
+
+    Raises:
+        ValueError: the tensors do not fit the model.
+    """
+    tied = {k for k in missing if k.endswith("lm_head.weight")}
+    if set(missing) - tied or unexpected:
+        raise ValueError(f"the handle's tensors do not fit the model: missing "
+                         f"{sorted(set(missing) - tied)[:5]}, unexpected {list(unexpected)[:5]}")

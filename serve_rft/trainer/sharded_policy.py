@@ -8,6 +8,7 @@ of FSDP2 ranks trains (`serve_rft.trainer.sharding`); the actor itself holds no 
 - a publish is a `serve_rft.trainer.gathered.GatheredModel`: the sync method (CHECKPOINT
   writes a folder, MEMORY puts buckets) pulls the full weights one bucket at a time;
 - the probe replicas verify against is a collective forward of the sharded model;
+- a canary reset (``canary.on_reject=reset``) loads the version's weights into the ranks;
 - a trainer state is the gathered weights (a Hugging Face directory, as one process saves it),
   the AdamW shards of every rank (torch.distributed.checkpoint), the ranks' RNG and the LR
   schedule, committed atomically with the bookkeeping (`serve_rft.trainer.state`).
@@ -104,12 +105,17 @@ class ShardedPolicy:
                                "trainer; service.run_dir must be a filesystem every trainer node mounts")
 
     def reset_to(self, handle: dict, version: int) -> float | None:
-        """Not built for N ranks (the config refuses ``canary.on_reject=reset`` with them).
+        """`PolicyTrainer.reset_to` on the ranks: rank 0 reads the tensors behind version
+        ``version``'s ``handle`` (CHECKPOINT folder, MEMORY buckets, the initial model directory),
+        each rank keeps its shards, AdamW's moments are cleared; then the probe check.
 
+        Returns:
+            The probe's largest |difference| (None: nothing to compare with).
         Raises:
-            NotImplementedError: always.
+            ProbeMismatch: the weights now held are not the version's (beyond 1e-5).
+            ValueError: a handle the ranks cannot take.
         """
-        raise NotImplementedError("a canary reset of a sharded trainer is not built")
+        return self.group.call("reset_to", handle, version)
 
     def stop(self) -> None:
         """End the ranks."""

@@ -55,6 +55,67 @@ def shard(model) -> None:
     install_sharded_head(model)  # the chunked logprob path, run as one of the root's forwards
 
 
+def load_sharded(path: str, device, rank: int, dtype=None):
+    """The causal LM at ``path`` sharded with FSDP2 (`shard`) without a whole copy on any rank
+    but rank 0, and there only on the CPU while the shards are handed out.
+
+    Every rank builds the model on the meta device (no memory), shards it and allocates its own
+    shards on ``device`` (``to_empty``). Rank 0 alone reads the weights (``from_pretrained``, CPU)
+    and they are broadcast one tensor at a time, each rank keeping its shard
+    (``set_model_state_dict`` with ``full_state_dict`` + ``broadcast_from_rank0``: a rank holds
+    its shards plus one full tensor at most). Buffers FSDP does not shard, including the
+    non-persistent ones a state dict leaves out (rotary ``inv_freq``), are copied from rank 0's
+    model and broadcast. A collective: every rank of the group calls it.
+
+    Args:
+        path: a Hugging Face model directory (or a trainer state folder, which is one).
+        device: where the shards live (``torch.device``: CPU under gloo, the rank's GPU under NCCL).
+        rank: this process's rank in the default process group.
+        dtype: the parameters' dtype (default fp32: the master weights).
+    Raises:
+        OSError / ValueError: ``path`` is not a loadable model (from transformers).
+    """
+    import torch
+    import torch.distributed as dist
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    dtype = dtype or torch.float32
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=dtype)
+    shard(model)
+    model.to_empty(device=device)
+    full = AutoModelForCausalLM.from_pretrained(path, dtype=dtype) if rank == 0 else None
+    load_full(model, full.state_dict() if full is not None else None)
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            if full is not None:
+                buffer.copy_(full.get_buffer(name))
+            dist.broadcast(buffer, src=0)
+    del full
+    return model
+
+
+def load_full(model, tensors: dict | None) -> None:
+    """Load full tensors held by rank 0 into a sharded ``model``: broadcast one tensor at a time,
+    each rank keeping its shard (``set_model_state_dict``, ``broadcast_from_rank0``). A collective.
+
+    Args:
+        model: the FSDP2-sharded model (`shard`).
+        tensors: name -> full tensor on rank 0 (a tied ``lm_head.weight`` may be left out); None on
+            the other ranks.
+    Raises:
+        ValueError: the tensors do not fit the model (every rank raises).
+    """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    from serve_rft.trainer.policy import check_fits
+
+    keys = set_model_state_dict(model, tensors if tensors is not None else {},
+                                options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True,
+                                                         strict=False))
+    check_fits(keys.missing_keys, keys.unexpected_keys)
+
+
 def reshard(model) -> None:
     """Free the gathered parameters a no-grad forward left on a sharded model: FSDP2 keeps the
     root module's parameters unsharded after a forward (for the backward that usually follows),

@@ -85,6 +85,15 @@ class TrainRank:
         """`PolicyTrainer.probe` of the sharded model (a collective forward)."""
         return self.policy.probe(self.policy.model, version)
 
+    def reset_to(self, handle: dict, version: int) -> float | None:
+        """`PolicyTrainer.reset_to` on this rank (a collective: rank 0 reads the handle's tensors,
+        every rank keeps its shards and clears its AdamW moments)."""
+        return self.policy.reset_to(handle, version)
+
+    def optimizer_state_size(self) -> int:
+        """How many parameters have AdamW moments on this rank (0 right after a reset)."""
+        return len(self.policy.optimizer.state)
+
     def save_shards(self, folder: str) -> None:
         """`PolicyTrainer.save_shards` into ``folder`` (a collective)."""
         self.policy.save_shards(folder)

@@ -114,3 +114,50 @@ def test_two_ranks_publish_save_and_resume(ray_local, embedded_model, tmp_path):
         assert got_stats[k] == pytest.approx(want_stats[k], rel=1e-6, abs=1e-7), k
     for name, p in want_params.items():  # AdamW's moments were restored: the same second step
         assert torch.allclose(got_params[name], p, rtol=0, atol=1e-7), name
+
+
+def test_two_ranks_reset_to_a_published_version(ray_local, embedded_model, tmp_path):
+    """``canary.on_reject=reset`` on a sharded trainer: after two more steps the ranks take back
+    version 1's weights from its CHECKPOINT folder and from its MEMORY buckets (every parameter
+    equal to the published tensors, the probe check passes), AdamW's moments are gone on every
+    rank, and a reset to version 0 takes the initial model directory back, checked against the
+    probe the ranks took of it at start."""
+    import ray
+    from transformers import AutoModelForCausalLM
+
+    from serve_rft.config import load_config
+    from serve_rft.trainer.sharded_policy import ShardedPolicy
+    from serve_rft.weights import make_method
+
+    sets = ["trainer.algorithm=grpo", "trainer.micro_batch_size=3", "trainer.lr=1e-3", "trainer.num_threads=1",
+            "trainer.num_workers=2", f"service.run_dir={tmp_path}", "synchronizer.bucket_bytes=300000",
+            "synchronizer.rollout=canary", "synchronizer.canary.on_reject=reset"]
+    cfg = load_config(None, sets + ["synchronizer.sync_method=checkpoint"])
+    policy = ShardedPolicy(cfg, str(embedded_model))
+    try:
+        policy.step(_batch())
+        v1 = policy.group.full_tensors("params")
+        model = policy.publish_model()
+        handles = {}
+        for method in ("checkpoint", "memory"):
+            sender = make_method(load_config(None, sets + [f"synchronizer.sync_method={method}"]))
+            sender.prepare()
+            handles[method] = {**sender.send(model, 1), "probe": policy.probe(model, 1)}
+        for method, handle in handles.items():
+            policy.step(_batch())
+            policy.step(list(reversed(_batch())))
+            moved = policy.group.full_tensors("params")
+            assert any(not torch.equal(moved[n], v1[n]) for n in v1)
+            diff = policy.reset_to(handle, 1)
+            assert diff is not None and diff <= 1e-5, (method, diff)
+            now = policy.group.full_tensors("params")
+            assert all(torch.equal(now[n], v1[n]) for n in v1), method
+            assert ray.get([r.optimizer_state_size.remote() for r in policy.group.ranks]) == [0, 0]
+        policy.step(_batch())
+        diff = policy.reset_to({"method": "checkpoint", "path": str(embedded_model)}, 0)
+        assert diff is not None and diff <= 1e-5
+        now = policy.group.full_tensors("params")
+        initial = AutoModelForCausalLM.from_pretrained(str(embedded_model), dtype=torch.float32)
+        assert all(torch.equal(now[n], p.detach()) for n, p in initial.named_parameters())
+    finally:
+        policy.stop()

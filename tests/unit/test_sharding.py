@@ -47,7 +47,8 @@ def test_buckets_hold_at_most_bucket_bytes_of_full_tensors_in_order():
 
 @pytest.mark.parametrize("sets,match", [
     (["trainer.lora.rank=8"], "full weights only"),
-    (["synchronizer.rollout=canary", "synchronizer.canary.on_reject=reset"], "on_reject=reset"),
+    (["synchronizer.sync_method=nccl", "trainer.device=cuda", "explorer.num_gpus_per_replica=1"],
+     "checkpoint or memory"),
 ])
 def test_config_refuses_what_the_sharded_trainer_does_not_do(sets, match):
     from serve_rft.config import load_config

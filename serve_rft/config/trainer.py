@@ -120,7 +120,7 @@ class TrainerConfig(StrictSection):
         "parameters, gradients and AdamW state sharded by FSDP2 (gloo on cpu, NCCL on cuda), and the "
         "trainer actor coordinates them: published versions are gathered bucket by bucket, trainer "
         "states saved with torch.distributed.checkpoint (serve_rft/trainer/sharded_policy.py). "
-        "Full fine-tuning and CHECKPOINT or MEMORY sync, so far.")
+        "Full fine-tuning or LoRA (the adapter sharded with its layers), CHECKPOINT or MEMORY sync, so far.")
     label_selector: dict[str, str] | None = Field(
         None, description="Ray node labels the trainer actor must run on (Ray's label_selector, "
         "e.g. {serve-rft.io/role: trainer}: the node group started with that label; "
@@ -149,13 +149,6 @@ class TrainerConfig(StrictSection):
     def _kimi_needs_tau(self) -> "TrainerConfig":
         if self.algorithm == "opmd_kimi" and self.opmd_tau <= 0:
             raise ValueError("trainer.algorithm=opmd_kimi needs trainer.opmd_tau > 0 (it divides by tau)")
-        return self
-
-    @model_validator(mode="after")
-    def _sharded_is_full_fine_tuning(self) -> "TrainerConfig":
-        if self.num_workers > 1 and self.lora is not None:
-            raise ValueError("trainer.num_workers > 1 trains full weights only so far: drop trainer.lora "
-                             "or use one worker")
         return self
 
     @property

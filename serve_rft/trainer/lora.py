@@ -64,19 +64,52 @@ class MergedWeights:
     def gather(self, names: list[str]) -> dict[str, torch.Tensor]:
         """``{name: base weight + LoRA delta}`` (CPU, ``dtype``) for ``names``.
 
+        On FSDP2 ranks every rank calls it with the same ``names`` (each weight is gathered whole
+        on every rank; the caller keeps rank 0's).
+
         Raises:
             KeyError: a name that is no weight of the base model.
         """
         out = {}
         for name in names:
-            w = self.base[name].detach().to("cpu", self.dtype, copy=True)
+            w = _whole(self.base[name]).detach().to("cpu", self.dtype, copy=True)
             module = self.layers.get(name)
             if module is not None:
                 for a in module.active_adapters:
                     if a in module.lora_A:
-                        w += module.get_delta_weight(a).to("cpu", self.dtype)
+                        w += _delta_weight(module, a).to("cpu", self.dtype)
             out[name] = w
         return out
+
+
+def root_adapter_names(tensors: dict[str, torch.Tensor], adapter: str = "default") -> dict[str, torch.Tensor]:
+    """An adapter's tensors under peft's checkpoint names
+    (``base_model.model.model.layers.0.q_proj.lora_A.weight``) renamed to the state-dict names
+    of the transformers model it is injected into (``model.layers.0.q_proj.lora_A.default.weight``),
+    what a sharded trainer loads them by (`serve_rft.trainer.sharding.load_full`)."""
+    out = {}
+    for name, t in tensors.items():
+        name = name.removeprefix("base_model.model.")
+        for part in ("lora_A", "lora_B"):
+            name = name.replace(f".{part}.weight", f".{part}.{adapter}.weight")
+        out[name] = t
+    return out
+
+
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    """``t`` whole: an FSDP2 shard (DTensor) is gathered (a collective), a plain tensor is itself."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def _delta_weight(module, adapter: str) -> torch.Tensor:
+    """peft's ``get_delta_weight``: ``transpose(B @ A, fan_in_fan_out) * scaling`` (LoRA, Hu et
+    al. 2021, eq. 3), from whole ``A`` and ``B`` when they are FSDP2 shards (a collective)."""
+    a, b = module.lora_A[adapter].weight, module.lora_B[adapter].weight
+    if not hasattr(a, "full_tensor"):
+        return module.get_delta_weight(adapter)
+    from peft.utils.other import transpose
+
+    return transpose(b.full_tensor().float() @ a.full_tensor().float(), module.fan_in_fan_out) * module.scaling[adapter]
 
 
 @torch.no_grad()

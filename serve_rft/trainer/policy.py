@@ -31,11 +31,9 @@ class PolicyTrainer:
         built sharded with FSDP2 (`serve_rft.trainer.sharding.load_sharded`: only rank 0 reads the
         whole model, on the CPU) before the optimizer is built, so AdamW's state is sharded too.
 
-        Raises:
-            NotImplementedError: ``world > 1`` with LoRA (not built yet).
+        With LoRA the adapter is sharded with the layers it sits in (`serve_rft.trainer.sharding.shard`).
         """
         import torch
-        from transformers import AutoModelForCausalLM
 
         from serve_rft.trainer.algorithm import RunningBaseline
         from serve_rft.trainer.state import load_state
@@ -44,12 +42,16 @@ class PolicyTrainer:
         torch.manual_seed(cfg.trainer.seed)
         self.cfg = cfg.trainer
         self.rank, self.world = rank, world
-        if world > 1 and cfg.trainer.lora is not None:
-            raise NotImplementedError("sharded training (world > 1) supports full fine-tuning only, so far")
         self.device = torch.device(cfg.trainer.device)
         self.bf16 = cfg.trainer.precision == "bf16" or (cfg.trainer.precision == "auto" and self.device.type == "cuda")
-        def load(path, dtype=torch.float32):
-            return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(self.device)
+        from serve_rft.trainer.sharding import load_sharded, pretrained
+
+        def load(build):
+            """``build``'s model on this process's device, or its shard of it on N ranks (built
+            sharded: no rank but 0 ever holds a whole copy)."""
+            if world > 1:
+                return load_sharded(build, self.device, rank)
+            return build(True).to(self.device)
 
         self.merged = None  # LoRA: the effective weights (base + adapter), streamed when published
         self.ref_model = None
@@ -58,23 +60,20 @@ class PolicyTrainer:
 
             # the base never changes: held in the compute dtype (bf16 under bf16 precision); the
             # adapter is fp32 (peft casts adapter weights up), so is its AdamW state
-            base = load(model_path, torch.bfloat16 if self.bf16 else torch.float32)
-            self.model = lora.wrap(base, self.cfg.lora)
-            if resume is not None:
-                lora.load_adapter(self.model, resume)
+            base = pretrained(model_path, torch.bfloat16 if self.bf16 else torch.float32)
+
+            def with_adapter(real: bool):
+                model = lora.wrap(base(real), self.cfg.lora)
+                if real and resume is not None:
+                    lora.load_adapter(model, resume)
+                return model
+            self.model = load(with_adapter)
             self.merged = lora.MergedWeights(self.model)
             self.model_path = model_path
-        elif world > 1:  # built sharded: no rank but 0 ever holds a whole copy
-            from serve_rft.trainer.sharding import load_sharded
-
-            self.model = load_sharded(str(resume if resume is not None else model_path), self.device, rank)
-            if self.cfg.kl_coef > 0:
-                self.ref_model = load_sharded(str(model_path), self.device, rank)
-                self.ref_model.eval().requires_grad_(False)
         else:
-            self.model = load(resume if resume is not None else model_path)
+            self.model = load(pretrained(str(resume if resume is not None else model_path)))
             if self.cfg.kl_coef > 0:  # LoRA's reference is the base: the adapter disabled
-                self.ref_model = load(model_path)
+                self.ref_model = load(pretrained(str(model_path)))
                 self.ref_model.eval().requires_grad_(False)
         self.model.train()
         self.pad_id = self.model.config.pad_token_id or 0
@@ -100,16 +99,65 @@ class PolicyTrainer:
         adapter (fp32, `serve_rft.trainer.lora.MergedWeights`) a bucket at a time."""
         if self.merged is None:
             return self.model
+        from serve_rft.trainer.gathered import GatheredModel
+
+        return GatheredModel(self.merged.gather, self.merged.specs(), self.export_config(), LORA_MERGE_BUCKET_BYTES,
+                             self.model_path)
+
+    def export_specs(self) -> list[tuple[str, list[int], str]]:
+        """``(name, whole shape, dtype name)`` of every weight a full publish carries, in order:
+        the model's parameters, or with LoRA the merged weights under the base model's names."""
+        if self.merged is not None:
+            return self.merged.specs()
+        return [(n, list(p.shape), str(p.dtype)) for n, p in self.model.named_parameters()]
+
+    def export_config(self):
+        """The transformers config a full publish is saved with (LoRA: the base's, fp32, what the
+        merged tensors are)."""
+        if self.merged is None:
+            return self.model.config
         import copy
 
         import torch
 
-        from serve_rft.trainer.gathered import GatheredModel
-
         config = copy.deepcopy(self.model.get_base_model().config)
-        config.dtype = torch.float32  # what the merged tensors are
-        return GatheredModel(self.merged.gather, self.merged.specs(), config, LORA_MERGE_BUCKET_BYTES,
-                             self.model_path)
+        config.dtype = torch.float32
+        return config
+
+    def gather_weights(self, names: list[str]) -> dict:
+        """The whole tensors of the weights ``names`` (`export_specs`' names; LoRA: merged), on the
+        CPU. On N ranks a collective: every rank gathers the same names in the same order."""
+        import torch
+
+        from serve_rft.trainer.sharding import reshard
+
+        reshard(self.model)  # the registered parameters must be the sharded ones
+        if self.merged is not None:
+            return self.merged.gather(names)
+        params = dict(self.model.named_parameters())
+        out = {}
+        with torch.no_grad():
+            for name in names:
+                p = params[name]
+                full = p.full_tensor() if hasattr(p, "full_tensor") else p
+                out[name] = full.detach().to("cpu")  # gathered on CPU (gloo): a fresh tensor already
+                del full
+        return out
+
+    def adapter_snapshot(self):
+        """The LoRA adapter whole, as adapter-only sync publishes it
+        (`serve_rft.weights.adapters.AdapterSnapshot`). On N ranks a collective; rank 0's is the
+        snapshot, the others return None."""
+        from peft import get_peft_model_state_dict
+
+        from serve_rft.trainer.lora import _whole
+        from serve_rft.trainer.sharding import reshard
+        from serve_rft.weights.adapters import AdapterSnapshot, adapter_config_text
+
+        reshard(self.model)
+        tensors = {k: _whole(v).detach().to("cpu", copy=True).contiguous()
+                   for k, v in get_peft_model_state_dict(self.model).items()}
+        return AdapterSnapshot(tensors, adapter_config_text(self.model)) if self.rank == 0 else None
 
     def reset_to(self, handle: dict, version: int) -> float | None:
         """Take the weights behind version ``version``'s published ``handle``
@@ -156,7 +204,12 @@ class PolicyTrainer:
         if self.world > 1:
             from serve_rft.trainer.sharding import load_full
 
-            load_full(self.model, handle_tensors(handle) if self.rank == 0 else None)
+            tensors = handle_tensors(handle) if self.rank == 0 else None
+            if lora and tensors is not None:  # peft's checkpoint names -> the sharded root's
+                from serve_rft.trainer.lora import root_adapter_names
+
+                tensors = root_adapter_names(tensors)
+            load_full(self.model, tensors, partial=lora)
             return
         tensors = handle_tensors(handle)
         with torch.no_grad():
@@ -204,12 +257,18 @@ class PolicyTrainer:
 
     def save_shards(self, folder: Path) -> None:
         """A sharded rank's part of a trainer state (a collective): its AdamW shards and RNG;
-        rank 0 also the LR schedule (the same on every rank)."""
+        rank 0 also the LR schedule (the same on every rank) and, with LoRA, the adapter."""
         import torch
 
         from serve_rft.trainer.state import save_optimizer_shards
 
         save_optimizer_shards(folder, self.model, self.optimizer)
+        if self.cfg.lora is not None:  # resume loads the adapter over the base
+            from serve_rft.trainer.lora import ADAPTER_DIR
+
+            snapshot = self.adapter_snapshot()
+            if snapshot is not None:
+                snapshot.save_pretrained(Path(folder) / ADAPTER_DIR)
         if self.rank == 0:
             torch.save(self.scheduler.state_dict(), Path(folder) / "scheduler.pt")
 

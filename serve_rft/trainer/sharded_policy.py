@@ -62,14 +62,22 @@ class ShardedPolicy:
         """`PolicyTrainer.step` over the ranks (the same figures as one process's step)."""
         return self.group.step(batch)
 
-    def publish_model(self):
-        """The full weights as a `GatheredModel` (gathered bucket by bucket when read)."""
+    def full_model(self):
+        """The full weights as a `GatheredModel` (gathered bucket by bucket when read; with LoRA
+        the merged weights, `serve_rft.trainer.lora.MergedWeights`)."""
         from serve_rft.trainer.gathered import GatheredModel
 
         return GatheredModel(lambda names: self.group.call("gather", names), self.specs, self.config,
                              self.cfg.synchronizer.bucket_bytes, self.model_path)
 
-    full_model = publish_model
+    def publish_model(self):
+        """What a publish carries: `full_model`, or with adapter-only LoRA sync
+        (``lora.merge_and_sync=false``) the adapter gathered whole
+        (`serve_rft.weights.adapters.AdapterSnapshot`)."""
+        lora = self.cfg.trainer.lora
+        if lora is not None and not lora.merge_and_sync:
+            return self.group.call("adapter_snapshot")
+        return self.full_model()
 
     def probe(self, model, version: int) -> dict[str, list]:
         """The probe of the weights just published (a forward on the ranks; ``model`` unused)."""
@@ -77,11 +85,14 @@ class ShardedPolicy:
 
     def save(self, root: Path, model, version: int, step: int, trained: list[tuple[str, str, int]],
              tokenizer_dir: str, keep: int, published: list[int]) -> Path:
-        """Save the trainer state of ``version`` (module docstring); ``model``: the
-        `GatheredModel` just published (it gathers again as it writes)."""
+        """Save the trainer state of ``version`` (module docstring); ``model``: what was just
+        published (a `GatheredModel` gathers again as it writes; after an adapter-only publish the
+        state holds the merged weights, and the adapter the ranks write)."""
         from serve_rft.trainer.state import save_state
+        from serve_rft.weights.adapters import is_adapter_model
 
-        return save_state(root, model, None, version, step, self.group.call("baseline"), trained, tokenizer_dir,
+        full = self.full_model() if is_adapter_model(model) else model
+        return save_state(root, full, None, version, step, self.group.call("baseline"), trained, tokenizer_dir,
                           keep, published=published, shards=self._save_shards)
 
     def _save_shards(self, folder: Path) -> None:
@@ -99,6 +110,10 @@ class ShardedPolicy:
         self.group.call("save_shards", str(folder))
         want = [f"{OPTIMIZER_DCP}/.metadata", "scheduler.pt",
                 *(f"rng-rank{r}.pt" for r in range(self.cfg.trainer.num_workers))]
+        if self.cfg.trainer.lora is not None:
+            from serve_rft.trainer.lora import ADAPTER_DIR
+
+            want.append(f"{ADAPTER_DIR}/adapter_model.safetensors")
         missing = [f for f in want if not (folder / f).is_file()]
         if missing:
             raise RuntimeError(f"trainer state {folder}: {missing} written by the ranks are not visible to the "

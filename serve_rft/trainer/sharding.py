@@ -32,88 +32,38 @@ def init_process_group(rank: int, world: int, address: str, port: int, backend: 
                             timeout=timedelta(seconds=timeout_s))
 
 
+def fsdp_root(model):
+    """The module `shard` makes the FSDP2 root: the transformers model itself, or the one a peft
+    adapter (injected in place into its layers) wraps."""
+    return model.get_base_model() if hasattr(model, "peft_config") and hasattr(model, "get_base_model") else model
+
+
 def shard(model) -> None:
     """``fully_shard`` each decoder layer, then the whole model (embeddings, final norm, LM head:
     a tied head stays with its embedding), and install the chunked logprob path on it
-    (`serve_rft.trainer.token_logprobs.install_sharded_head`).
+    (`serve_rft.trainer.token_logprobs.install_sharded_head`). A peft model is sharded through
+    the transformers model it wraps (`fsdp_root`): its LoRA weights sit in the layers, sharded
+    with them (FSDP2 needs one dtype among a layer's *trainable* parameters only, so a bf16 frozen
+    base with fp32 adapters shards).
 
     Args:
-        model: a transformers causal LM with ``model.model.layers`` (Qwen2 / Llama family).
+        model: a transformers causal LM with ``model.model.layers`` (Qwen2 / Llama family), or a
+            `peft.PeftModel` of one.
     Raises:
         ValueError: no ``model.model.layers`` to shard by.
     """
     from torch.distributed.fsdp import fully_shard
 
-    layers = getattr(getattr(model, "model", None), "layers", None)
+    root = fsdp_root(model)
+    layers = getattr(getattr(root, "model", None), "layers", None)
     if layers is None:
-        raise ValueError(f"cannot shard {type(model).__name__}: no model.layers")
+        raise ValueError(f"cannot shard {type(root).__name__}: no model.layers")
     from serve_rft.trainer.token_logprobs import install_sharded_head
 
     for layer in layers:
         fully_shard(layer)
-    fully_shard(model)
-    install_sharded_head(model)  # the chunked logprob path, run as one of the root's forwards
-
-
-def load_sharded(path: str, device, rank: int, dtype=None):
-    """The causal LM at ``path`` sharded with FSDP2 (`shard`) without a whole copy on any rank
-    but rank 0, and there only on the CPU while the shards are handed out.
-
-    Every rank builds the model on the meta device (no memory), shards it and allocates its own
-    shards on ``device`` (``to_empty``). Rank 0 alone reads the weights (``from_pretrained``, CPU)
-    and they are broadcast one tensor at a time, each rank keeping its shard
-    (``set_model_state_dict`` with ``full_state_dict`` + ``broadcast_from_rank0``: a rank holds
-    its shards plus one full tensor at most). Buffers FSDP does not shard, including the
-    non-persistent ones a state dict leaves out (rotary ``inv_freq``), are copied from rank 0's
-    model and broadcast. A collective: every rank of the group calls it.
-
-    Args:
-        path: a Hugging Face model directory (or a trainer state folder, which is one).
-        device: where the shards live (``torch.device``: CPU under gloo, the rank's GPU under NCCL).
-        rank: this process's rank in the default process group.
-        dtype: the parameters' dtype (default fp32: the master weights).
-    Raises:
-        OSError / ValueError: ``path`` is not a loadable model (from transformers).
-    """
-    import torch
-    import torch.distributed as dist
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    dtype = dtype or torch.float32
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=dtype)
-    shard(model)
-    model.to_empty(device=device)
-    full = AutoModelForCausalLM.from_pretrained(path, dtype=dtype) if rank == 0 else None
-    load_full(model, full.state_dict() if full is not None else None)
-    with torch.no_grad():
-        for name, buffer in model.named_buffers():
-            if full is not None:
-                buffer.copy_(full.get_buffer(name))
-            dist.broadcast(buffer, src=0)
-    del full
-    return model
-
-
-def load_full(model, tensors: dict | None) -> None:
-    """Load full tensors held by rank 0 into a sharded ``model``: broadcast one tensor at a time,
-    each rank keeping its shard (``set_model_state_dict``, ``broadcast_from_rank0``). A collective.
-
-    Args:
-        model: the FSDP2-sharded model (`shard`).
-        tensors: name -> full tensor on rank 0 (a tied ``lm_head.weight`` may be left out); None on
-            the other ranks.
-    Raises:
-        ValueError: the tensors do not fit the model (every rank raises).
-    """
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
-    from serve_rft.trainer.policy import check_fits
-
-    keys = set_model_state_dict(model, tensors if tensors is not None else {},
-                                options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True,
-                                                         strict=False))
-    check_fits(keys.missing_keys, keys.unexpected_keys)
+    fully_shard(root)
+    install_sharded_head(root)  # the chunked logprob path, run as one of the root's forwards
 
 
 def reshard(model) -> None:
@@ -123,8 +73,88 @@ def reshard(model) -> None:
     (torch.distributed.checkpoint then cannot name them). A no-op for an unsharded model."""
     from torch.distributed.fsdp import FSDPModule
 
-    if isinstance(model, FSDPModule):
-        model.reshard()
+    root = fsdp_root(model)
+    if isinstance(root, FSDPModule):
+        root.reshard()
+
+
+def pretrained(path: str, dtype=None):
+    """A builder for `load_sharded`: ``build(real)`` is the causal LM at ``path`` (``real``:
+    its weights, ``from_pretrained`` on the CPU; else its architecture alone, ``from_config``,
+    for the meta device). ``dtype``: the parameters' (default fp32, the master weights)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    dtype = dtype or torch.float32
+
+    def build(real: bool):
+        if real:
+            return AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=dtype)
+    return build
+
+
+def load_sharded(build, device, rank: int):
+    """The model ``build`` makes, sharded with FSDP2 (`shard`) without a whole copy on any rank
+    but rank 0, and there only on the CPU while the shards are handed out.
+
+    Every rank builds the model on the meta device (``build(False)``: no memory), shards it and
+    allocates its own shards on ``device`` (``to_empty``). Rank 0 alone builds it for real
+    (``build(True)``: the weights read, an adapter loaded) and the tensors are broadcast one at a
+    time, each rank keeping its shard (`load_full`: a rank holds its shards plus one full
+    tensor at most). Buffers FSDP does not shard, including the non-persistent ones a state
+    dict leaves out (rotary ``inv_freq``), are copied from rank 0's model and broadcast. A
+    collective: every rank of the group calls it.
+
+    Args:
+        build: ``build(real: bool) -> model`` (`pretrained`, or a peft model of one); both
+            calls must make the same architecture (parameter names, shapes, dtypes).
+        device: where the shards live (``torch.device``: CPU under gloo, the rank's GPU under NCCL).
+        rank: this process's rank in the default process group.
+    Raises:
+        OSError / ValueError: what ``build`` raises (a path that is no loadable model).
+    """
+    import torch
+    import torch.distributed as dist
+
+    with torch.device("meta"):
+        model = build(False)
+    shard(model)
+    root = fsdp_root(model)
+    root.to_empty(device=device)
+    full = fsdp_root(build(True)) if rank == 0 else None
+    load_full(root, full.state_dict() if full is not None else None)
+    with torch.no_grad():
+        for name, buffer in root.named_buffers():
+            if full is not None:
+                buffer.copy_(full.get_buffer(name))
+            dist.broadcast(buffer, src=0)
+    del full
+    return model
+
+
+def load_full(model, tensors: dict | None, partial: bool = False) -> None:
+    """Load full tensors held by rank 0 into a sharded ``model``: broadcast one tensor at a time,
+    each rank keeping its shard (``set_model_state_dict``, ``broadcast_from_rank0``). A collective.
+
+    Args:
+        model: the FSDP2-sharded model (`shard`; a peft model loads through `fsdp_root`, under
+            its state dict's names).
+        tensors: name -> full tensor on rank 0 (a tied ``lm_head.weight`` may be left out); None on
+            the other ranks.
+        partial: ``tensors`` are some of the model's (an adapter's): only names the model
+            lacks are an error.
+    Raises:
+        ValueError: the tensors do not fit the model (every rank raises).
+    """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    from serve_rft.trainer.policy import check_fits
+
+    keys = set_model_state_dict(fsdp_root(model), tensors if tensors is not None else {},
+                                options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True,
+                                                         strict=False))
+    check_fits([] if partial else keys.missing_keys, keys.unexpected_keys)
 
 
 def my_parts(parts: list[list[int]], rank: int, world: int) -> list[tuple[list[int], bool]]:

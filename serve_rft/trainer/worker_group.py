@@ -60,26 +60,22 @@ class TrainRank:
         return os.getpid()
 
     def info(self) -> dict:
-        """``specs``: ``(name, full shape, dtype name)`` per parameter in the model's order,
-        ``config``: the model's transformers config, ``vocab_size``."""
-        specs = [(n, list(p.shape), str(p.dtype)) for n, p in self.policy.model.named_parameters()]
-        return {"specs": specs, "config": self.policy.model.config, "vocab_size": self.policy.vocab_size}
+        """``specs``: ``(name, whole shape, dtype name)`` per weight a full publish carries
+        (`PolicyTrainer.export_specs`), ``config``: the transformers config it is saved with,
+        ``vocab_size``."""
+        return {"specs": self.policy.export_specs(), "config": self.policy.export_config(),
+                "vocab_size": self.policy.vocab_size}
 
     def gather(self, names: list[str]) -> dict | None:
-        """The full tensors of the parameters ``names`` (a collective: every rank gathers the same
-        names in the same order); rank 0 returns them on CPU, the others None."""
-        import torch
-
-        params = dict(self.policy.model.named_parameters())  # FSDP2 may re-register them: never cached
-        out = {}
-        with torch.no_grad():
-            for name in names:
-                p = params[name]
-                full = p.full_tensor() if hasattr(p, "full_tensor") else p
-                if self.rank == 0:  # gathered on CPU (gloo) it is a fresh tensor already: no second copy
-                    out[name] = full.detach().to("cpu").contiguous()
-                del full
+        """The whole tensors of the weights ``names`` (`PolicyTrainer.gather_weights`: a
+        collective, every rank gathers the same names in the same order); rank 0 returns them on
+        CPU, the others None."""
+        out = self.policy.gather_weights(names)
         return out if self.rank == 0 else None
+
+    def adapter_snapshot(self):
+        """`PolicyTrainer.adapter_snapshot` (a collective): rank 0's, the others None."""
+        return self.policy.adapter_snapshot()
 
     def probe(self, version: int) -> dict:
         """`PolicyTrainer.probe` of the sharded model (a collective forward)."""

@@ -161,3 +161,104 @@ def test_two_ranks_reset_to_a_published_version(ray_local, embedded_model, tmp_p
         assert all(torch.equal(now[n], p.detach()) for n, p in initial.named_parameters())
     finally:
         policy.stop()
+
+
+LORA = ["trainer.lora.rank=4", "trainer.lora.alpha=8", "trainer.algorithm=grpo", "trainer.micro_batch_size=3",
+        "trainer.lr=1e-2", "trainer.num_threads=1", "synchronizer.bucket_bytes=300000"]
+
+
+def test_two_ranks_train_lora_publish_merged_and_resume(ray_local, embedded_model, tmp_path):
+    """LoRA on two ranks (bf16 frozen base, fp32 adapter, both sharded with their layers, a KL
+    reference through the disabled adapter): the step's figures equal one process's on the same
+    batch, the merged publish (a CHECKPOINT folder streamed bucket by bucket) equals one
+    process's merged weights, the probe equals a forward of the folder's model within the bf16
+    tolerance, and a state saved by the ranks (merged weights + adapter + AdamW shards) resumes a
+    group whose next step equals the old group's."""
+    from transformers import AutoModelForCausalLM
+
+    from serve_rft.config import load_config
+    from serve_rft.trainer.algorithm import trainer_probe
+    from serve_rft.trainer.policy import PolicyTrainer
+    from serve_rft.trainer.sharded_policy import ShardedPolicy
+    from serve_rft.trainer.state import latest_state
+    from serve_rft.weights import make_method
+
+    sets = LORA + ["trainer.precision=bf16", "trainer.kl_coef=0.1", "synchronizer.sync_method=checkpoint",
+                   f"service.run_dir={tmp_path}"]
+    single = PolicyTrainer(load_config(None, sets), str(embedded_model))
+    want = single.step(_batch())
+    policy = ShardedPolicy(load_config(None, sets + ["trainer.num_workers=2"]), str(embedded_model))
+    try:
+        got = policy.step(_batch())
+        for k in want.keys() - {"step_seconds"}:
+            assert got[k] == pytest.approx(want[k], rel=1e-5, abs=1e-6), k
+        model = policy.publish_model()
+        method = make_method(load_config(None, sets))
+        method.prepare()
+        handle = method.send(model, 1)
+        loaded = AutoModelForCausalLM.from_pretrained(handle["path"], dtype=torch.float32)
+        merged = single.merged.gather([n for n, _ in loaded.named_parameters()])
+        for name, p in loaded.named_parameters():  # AdamW's first step is lr * sign(g): summed grads agree
+            assert torch.allclose(p.detach(), merged[name], rtol=0, atol=1e-6), name
+        probe = policy.probe(model, 1)
+        assert probe["logprobs"] == pytest.approx(trainer_probe(loaded, 1)["logprobs"], abs=0.25)  # bf16 forward
+        policy.save(tmp_path / "trainer_state", model, 1, 1, [("0-1", "g:0", 1)], str(embedded_model), 2, [0, 1])
+        state = latest_state(tmp_path / "trainer_state")
+        assert (state / "adapter" / "adapter_model.safetensors").is_file()
+        next_batch = list(reversed(_batch()))
+        want_next = policy.step(next_batch)
+        want_params = policy.group.full_tensors("params")
+    finally:
+        policy.stop()
+    resumed = ShardedPolicy(load_config(None, sets + ["trainer.num_workers=2"]), str(embedded_model), state)
+    try:
+        got_next = resumed.step(next_batch)
+        got_params = resumed.group.full_tensors("params")
+    finally:
+        resumed.stop()
+    for k in want_next.keys() - {"step_seconds"}:
+        assert got_next[k] == pytest.approx(want_next[k], rel=1e-6, abs=1e-7), k
+    for name, p in want_params.items():
+        assert torch.equal(got_params[name], p), name
+
+
+def test_two_ranks_publish_the_lora_adapter_alone_and_reset_to_it(ray_local, embedded_model, tmp_path):
+    """Adapter-only LoRA sync on two ranks: the published MEMORY bucket holds the adapter whole,
+    equal to one process's after the same step; with ``canary.on_reject=reset`` the ranks take
+    version 1's adapter back after two more steps (every adapter weight equal, the probe check
+    passes) and version 0 is the zero adapter (every ``lora_B`` zero)."""
+    import ray
+
+    from serve_rft.config import load_config
+    from serve_rft.trainer.policy import PolicyTrainer
+    from serve_rft.trainer.sharded_policy import ShardedPolicy
+    from serve_rft.weights import make_method
+    from serve_rft.weights.adapters import adapter_tensors
+
+    sets = LORA + ["trainer.lora.merge_and_sync=false", "synchronizer.sync_method=memory",
+                   "synchronizer.rollout=canary", "synchronizer.canary.on_reject=reset", f"service.run_dir={tmp_path}"]
+    single = PolicyTrainer(load_config(None, sets), str(embedded_model))
+    single.step(_batch())
+    want, _ = adapter_tensors(single.model)
+    policy = ShardedPolicy(load_config(None, sets + ["trainer.num_workers=2"]), str(embedded_model))
+    try:
+        policy.step(_batch())
+        model = policy.publish_model()
+        handle = {**make_method(load_config(None, sets)).send(model, 1), "probe": policy.probe(model, 1)}
+        assert handle["adapter"]
+        tensors, _config = ray.get(handle["buckets"][0])
+        assert tensors.keys() == want.keys()
+        assert all(torch.allclose(tensors[k], want[k], rtol=0, atol=1e-6) for k in want)
+        v1 = policy.group.full_tensors("params")
+        policy.step(_batch())
+        policy.step(list(reversed(_batch())))
+        diff = policy.reset_to(handle, 1)
+        assert diff is not None and diff <= 1e-5
+        now = policy.group.full_tensors("params")
+        assert all(torch.equal(now[n], v1[n]) for n in v1)
+        diff = policy.reset_to({"method": "checkpoint", "path": str(embedded_model)}, 0)  # a replica's base handle
+        assert diff is not None and diff <= 1e-5
+        now = policy.group.full_tensors("params")
+        assert all(not p.any() for n, p in now.items() if "lora_B" in n)
+    finally:
+        policy.stop()

@@ -46,7 +46,6 @@ def test_buckets_hold_at_most_bucket_bytes_of_full_tensors_in_order():
 
 
 @pytest.mark.parametrize("sets,match", [
-    (["trainer.lora.rank=8"], "full weights only"),
     (["synchronizer.sync_method=nccl", "trainer.device=cuda", "explorer.num_gpus_per_replica=1"],
      "checkpoint or memory"),
 ])

@@ -31,6 +31,9 @@ Chowdhery et al. 2022, appendix B). Not counted: a KL reference pass (``--kl-coe
 chunked backward's recomputed head matmul, the optimizer. ``--peak-tflops`` default 989: H100
 SXM dense bf16 (for fp32 runs pass the fp32 peak).
 
+``--lora-rank r`` trains a LoRA adapter instead (trainer.lora: frozen base in the compute dtype,
+fp32 adapter); its FLOPs count 4 per frozen weight per token (forward + input gradients).
+
 Needs torch, transformers, pydantic (and pyyaml, a transformers dependency); importing
 `serve_rft.trainer.policy` imports neither Ray nor vLLM (the JSON records that), so no stub.
 
@@ -93,16 +96,18 @@ def make_batch(a, vocab: int):
     return out
 
 
-def flops_per_step(model, arch: dict, batch) -> float:
-    """The docstring's FLOPs per step."""
+def flops_per_step(model, arch: dict, batch, frozen_base: bool = False) -> float:
+    """The docstring's FLOPs per step; ``frozen_base`` (LoRA): 4 FLOPs per weight per token, not
+    6 (no weight gradients for the frozen base; the adapter's own FLOPs are not counted)."""
     head = model.get_output_embeddings().weight
     embed = model.get_input_embeddings().weight
     seen = {id(embed), id(head)}
-    body = sum(p.numel() for p in model.parameters() if id(p) not in seen)
+    body = sum(p.numel() for n, p in model.named_parameters() if id(p) not in seen and ".lora_" not in n)
     lengths = [len(b.experience.prompt_token_ids) + len(b.experience.response_token_ids) for b in batch]
     response = sum(len(b.experience.response_token_ids) for b in batch)
     d_attn = arch["hidden_size"]  # n_heads * head_dim (head_dim = hidden / heads in Qwen2)
-    return (6.0 * body * sum(lengths) + 6.0 * head.numel() * response
+    per_weight = 4.0 if frozen_base else 6.0
+    return (per_weight * body * sum(lengths) + per_weight * head.numel() * response
             + 12.0 * arch["num_hidden_layers"] * d_attn * sum(s * s for s in lengths))
 
 
@@ -128,6 +133,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--threads", type=int, default=1, help="torch threads (trainer.num_threads)")
     ap.add_argument("--peak-tflops", type=float, default=989.0)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--lora-rank", type=int, default=0,
+                    help="train a LoRA adapter of this rank (alpha 2r, the default target modules) "
+                         "over a frozen base held in the compute dtype; 0: full fine-tuning")
     ap.add_argument("--out", type=Path)
     a = ap.parse_args(argv)
 
@@ -143,6 +151,8 @@ def main(argv: list[str] | None = None) -> dict:
             f"trainer.logprob_chunk_tokens={a.chunk_tokens}", f"trainer.micro_batch_size={a.micro_batch_size}",
             f"trainer.algorithm={a.algorithm}", f"trainer.kl_coef={a.kl_coef}", f"trainer.lr={a.lr}",
             f"trainer.num_threads={a.threads}", f"trainer.seed={a.seed}"]
+    if a.lora_rank:
+        sets += [f"trainer.lora.rank={a.lora_rank}", f"trainer.lora.alpha={2.0 * a.lora_rank}"]
     cfg = load_config(None, sets)
     cuda = device == "cuda"
     with tempfile.TemporaryDirectory(prefix="trainer_throughput.") as tmp:
@@ -179,14 +189,17 @@ def main(argv: list[str] | None = None) -> dict:
     med = statistics.median(times)
     response = sum(len(e.response_token_ids) for e in exps)
     total = response + sum(len(e.prompt_token_ids) for e in exps)
-    flops = flops_per_step(trainer.model, arch, batch)
+    flops = flops_per_step(trainer.model, arch, batch, frozen_base=bool(a.lora_rank))
     out = {
         "command": shlex.join(["python", "benchmarks/trainer_throughput.py",
                                *(argv if argv is not None else sys.argv[1:])]),
         "shape": a.shape, "arch": arch, "impl": a.impl, "chunk_tokens": a.chunk_tokens,
         "device": torch.cuda.get_device_name() if cuda else f"cpu ({platform.processor() or platform.machine()}, "
                                                               f"{torch.get_num_threads()} threads)",
-        "precision": "bf16 autocast (fp32 weights)" if trainer.bf16 else "fp32",
+        "precision": ("fp32" if not trainer.bf16 else "bf16 autocast, bf16 frozen base, fp32 adapter"
+                      if a.lora_rank else "bf16 autocast (fp32 weights)"),
+        "lora_rank": a.lora_rank or None,
+        "trainable_parameters": sum(p.numel() for p in trainer.model.parameters() if p.requires_grad),
         "torch": torch.__version__, "transformers": transformers.__version__,
         "batch": a.batch, "prompt_tokens": a.prompt_tokens, "response_tokens": a.response_tokens,
         "temperature": a.temperature, "top_p": a.top_p, "micro_batch_size": a.micro_batch_size,

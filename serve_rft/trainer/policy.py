@@ -192,6 +192,8 @@ class PolicyTrainer:
         reads them and each rank keeps its shards (`serve_rft.trainer.sharding.load_full`)."""
         import torch
 
+        from serve_rft.trainer.handles import check_fits, handle_tensors
+
         lora = self.cfg.lora is not None
         if lora and self.cfg.lora.merge_and_sync:
             raise ValueError("reset needs adapter-only LoRA sync (merged publishes lose the adapter)")
@@ -394,38 +396,3 @@ class PolicyTrainer:
         stats["max_abs_logprob_diff"] = float(((logp.detach() - behaviour).abs() * mask).max())
         return loss, stats, tokens
 
-
-def handle_tensors(handle: dict) -> dict:
-    """The tensors a published ``handle`` carries, by name: a CHECKPOINT folder's safetensors
-    files, or the MEMORY buckets in Ray's object store (``ray.get``; an adapter's buckets hold
-    the adapter's tensors).
-
-    Raises:
-        ValueError: a handle of another method (NCCL moves tensors, it keeps none).
-    """
-    import ray
-    from safetensors.torch import load_file
-
-    if handle.get("method") == "checkpoint":
-        files = sorted(Path(handle["path"]).glob("*.safetensors"))
-        return {k: v for f in files for k, v in load_file(str(f)).items()}
-    if handle.get("method") == "memory":
-        tensors = {}
-        for ref in handle["buckets"]:
-            got = ray.get(ref)
-            tensors.update(got[0] if handle.get("adapter") else dict(got))
-        return tensors
-    raise ValueError(f"cannot reset to a {handle.get('method')!r} handle")
-
-
-def check_fits(missing: list[str], unexpected: list[str]) -> None:
-    """Raise unless a full state dict loaded whole: keys ``missing`` from it (a tied
-    ``lm_head.weight``, which checkpoints leave out, is fine) or ``unexpected`` by the model.
-
-    Raises:
-        ValueError: the tensors do not fit the model.
-    """
-    tied = {k for k in missing if k.endswith("lm_head.weight")}
-    if set(missing) - tied or unexpected:
-        raise ValueError(f"the handle's tensors do not fit the model: missing "
-                         f"{sorted(set(missing) - tied)[:5]}, unexpected {list(unexpected)[:5]}")

@@ -149,7 +149,7 @@ def load_full(model, tensors: dict | None, partial: bool = False) -> None:
     """
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-    from serve_rft.trainer.policy import check_fits
+    from serve_rft.trainer.handles import check_fits
 
     keys = set_model_state_dict(fsdp_root(model), tensors if tensors is not None else {},
                                 options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True,

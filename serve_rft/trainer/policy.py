@@ -50,7 +50,7 @@ class PolicyTrainer:
             """``build``'s model on this process's device, or its shard of it on N ranks (built
             sharded: no rank but 0 ever holds a whole copy)."""
             if world > 1:
-                return load_sharded(build, self.device, rank, torch.bfloat16 if self.bf16 else None)
+                return load_sharded(build, self.device, rank)
             return build(True).to(self.device)
 
         self.merged = None  # LoRA: the effective weights (base + adapter), streamed when published

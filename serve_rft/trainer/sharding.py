@@ -38,7 +38,7 @@ def fsdp_root(model):
     return model.get_base_model() if hasattr(model, "peft_config") and hasattr(model, "get_base_model") else model
 
 
-def shard(model, param_dtype=None) -> None:
+def shard(model) -> None:
     """``fully_shard`` each decoder layer, then the whole model (embeddings, final norm, LM head:
     a tied head stays with its embedding), and install the chunked logprob path on it
     (`serve_rft.trainer.token_logprobs.install_sharded_head`). A peft model is sharded through
@@ -46,21 +46,13 @@ def shard(model, param_dtype=None) -> None:
     with them (FSDP2 needs one dtype among a layer's *trainable* parameters only, so a bf16 frozen
     base with fp32 adapters shards).
 
-    ``param_dtype`` (bf16 under ``trainer.precision`` bf16): FSDP2's mixed-precision policy,
-    parameters all-gathered and computed in that dtype (half the bytes of each gathered layer and
-    of the all-gather traffic), gradients reduce-scattered and accumulated in fp32, the sharded
-    master weights and AdamW state fp32; the inputs of a forward are not cast (temperatures and
-    top-p stay fp32). None: parameters gathered in their own dtype.
-
     Args:
         model: a transformers causal LM with ``model.model.layers`` (Qwen2 / Llama family), or a
             `peft.PeftModel` of one.
-        param_dtype: see above.
     Raises:
         ValueError: no ``model.model.layers`` to shard by.
     """
-    import torch
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import fully_shard
 
     root = fsdp_root(model)
     layers = getattr(getattr(root, "model", None), "layers", None)
@@ -68,11 +60,9 @@ def shard(model, param_dtype=None) -> None:
         raise ValueError(f"cannot shard {type(root).__name__}: no model.layers")
     from serve_rft.trainer.token_logprobs import install_sharded_head
 
-    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None,
-                                  cast_forward_inputs=False)
     for layer in layers:
-        fully_shard(layer, mp_policy=policy)
-    fully_shard(root, mp_policy=policy)
+        fully_shard(layer)
+    fully_shard(root)
     install_sharded_head(root)  # the chunked logprob path, run as one of the root's forwards
 
 
@@ -104,7 +94,7 @@ def pretrained(path: str, dtype=None):
     return build
 
 
-def load_sharded(build, device, rank: int, param_dtype=None):
+def load_sharded(build, device, rank: int):
     """The model ``build`` makes, sharded with FSDP2 (`shard`) without a whole copy on any rank
     but rank 0, and there only on the CPU while the shards are handed out.
 
@@ -121,7 +111,6 @@ def load_sharded(build, device, rank: int, param_dtype=None):
             calls must make the same architecture (parameter names, shapes, dtypes).
         device: where the shards live (``torch.device``: CPU under gloo, the rank's GPU under NCCL).
         rank: this process's rank in the default process group.
-        param_dtype: `shard`'s mixed-precision compute dtype (None: the parameters' own).
     Raises:
         OSError / ValueError: what ``build`` raises (a path that is no loadable model).
     """
@@ -130,7 +119,7 @@ def load_sharded(build, device, rank: int, param_dtype=None):
 
     with torch.device("meta"):
         model = build(False)
-    shard(model, param_dtype)
+    shard(model)
     root = fsdp_root(model)
     root.to_empty(device=device)
     full = fsdp_root(build(True)) if rank == 0 else None

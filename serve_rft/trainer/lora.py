@@ -61,23 +61,25 @@ class MergedWeights:
         return [(n, list(p.shape), str(self.dtype)) for n, p in self.base.items()]
 
     @torch.no_grad()
-    def gather(self, names: list[str]) -> dict[str, torch.Tensor]:
+    def gather(self, names: list[str], keep: bool = True) -> dict[str, torch.Tensor]:
         """``{name: base weight + LoRA delta}`` (CPU, ``dtype``) for ``names``.
 
         On FSDP2 ranks every rank calls it with the same ``names`` (each weight is gathered whole
-        on every rank; the caller keeps rank 0's).
+        on every rank, a collective); ranks other than 0 pass ``keep=False``: no CPU copy, ``{}``.
 
         Raises:
             KeyError: a name that is no weight of the base model.
         """
         out = {}
         for name in names:
-            w = _whole(self.base[name]).detach().to("cpu", self.dtype, copy=True)
+            w = _whole(self.base[name])
             module = self.layers.get(name)
-            if module is not None:
-                for a in module.active_adapters:
-                    if a in module.lora_A:
-                        w += _delta_weight(module, a).to("cpu", self.dtype)
+            deltas = [_delta_weight(module, a) for a in module.active_adapters if a in module.lora_A] if module else []
+            if not keep:  # the collectives are made; nothing is copied
+                continue
+            w = w.detach().to("cpu", self.dtype, copy=True)
+            for d in deltas:
+                w += d.to("cpu", self.dtype)
             out[name] = w
         return out
 

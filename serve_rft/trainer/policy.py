@@ -126,21 +126,24 @@ class PolicyTrainer:
 
     def gather_weights(self, names: list[str]) -> dict:
         """The whole tensors of the weights ``names`` (`export_specs`' names; LoRA: merged), on the
-        CPU. On N ranks a collective: every rank gathers the same names in the same order."""
+        CPU. On N ranks a collective: every rank gathers the same names in the same order, and
+        only rank 0 copies them to the CPU and returns them (the others return ``{}``)."""
         import torch
 
         from serve_rft.trainer.sharding import reshard
 
         reshard(self.model)  # the registered parameters must be the sharded ones
+        keep = self.rank == 0
         if self.merged is not None:
-            return self.merged.gather(names)
+            return self.merged.gather(names, keep=keep)
         params = dict(self.model.named_parameters())
         out = {}
         with torch.no_grad():
             for name in names:
                 p = params[name]
                 full = p.full_tensor() if hasattr(p, "full_tensor") else p
-                out[name] = full.detach().to("cpu")  # gathered on CPU (gloo): a fresh tensor already
+                if keep:
+                    out[name] = full.detach().to("cpu")  # gathered on CPU (gloo): a fresh tensor already
                 del full
         return out
 
@@ -206,12 +209,12 @@ class PolicyTrainer:
         if self.world > 1:
             from serve_rft.trainer.sharding import load_full
 
-            tensors = handle_tensors(handle) if self.rank == 0 else None
-            if lora and tensors is not None:  # peft's checkpoint names -> the sharded root's
-                from serve_rft.trainer.lora import root_adapter_names
+            from serve_rft.trainer.lora import root_adapter_names
 
-                tensors = root_adapter_names(tensors)
-            load_full(self.model, tensors, partial=lora)
+            def read() -> dict:  # rank 0; an adapter's peft checkpoint names -> the sharded root's
+                tensors = handle_tensors(handle)
+                return root_adapter_names(tensors) if lora else tensors
+            load_full(self.model, read if self.rank == 0 else None, self.rank, partial=lora)
             return
         tensors = handle_tensors(handle)
         with torch.no_grad():
@@ -395,4 +398,3 @@ class PolicyTrainer:
         stats["entropy"] = float((ent * mask).sum() / here)
         stats["max_abs_logprob_diff"] = float(((logp.detach() - behaviour).abs() * mask).max())
         return loss, stats, tokens
-

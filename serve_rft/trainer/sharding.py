@@ -122,8 +122,8 @@ def load_sharded(build, device, rank: int):
     shard(model)
     root = fsdp_root(model)
     root.to_empty(device=device)
-    full = fsdp_root(build(True)) if rank == 0 else None
-    load_full(root, full.state_dict() if full is not None else None)
+    full = on_rank0(lambda: fsdp_root(build(True)), rank)  # every rank raises if rank 0's build failed
+    load_full(root, (lambda: unique_tensors(full.state_dict())) if full is not None else None, rank)
     with torch.no_grad():
         for name, buffer in root.named_buffers():
             if full is not None:
@@ -133,28 +133,76 @@ def load_sharded(build, device, rank: int):
     return model
 
 
-def load_full(model, tensors: dict | None, partial: bool = False) -> None:
-    """Load full tensors held by rank 0 into a sharded ``model``: broadcast one tensor at a time,
+def on_rank0(work, rank: int):
+    """``work()`` on rank 0, and its failure on every rank: rank 0's exception (its type and
+    message) is broadcast, and every rank raises, so no rank goes on into a collective the others
+    left. A collective.
+
+    Returns:
+        ``work()``'s value on rank 0, None on the others.
+    Raises:
+        What ``work`` raised (rank 0), or RuntimeError naming it (the other ranks).
+    """
+    import torch.distributed as dist
+
+    value, error = None, None
+    if rank == 0:
+        try:
+            value = work()
+        except Exception as e:  # re-raised below, on every rank
+            error = e
+    box = [None if error is None else f"{type(error).__name__}: {error}"]
+    dist.broadcast_object_list(box, src=0)
+    if error is not None:
+        raise error
+    if box[0] is not None:
+        raise RuntimeError(f"rank 0 failed: {box[0]}")
+    return value
+
+
+def unique_tensors(state: dict) -> dict:
+    """``state`` without the names of a tensor seen under an earlier name (a tied ``lm_head``
+    is the embedding): each tensor broadcast once."""
+    seen, out = set(), {}
+    for name, t in state.items():
+        if id(t) not in seen:
+            seen.add(id(t))
+            out[name] = t
+    return out
+
+
+def load_full(model, read, rank: int, partial: bool = False) -> None:
+    """Load full tensors read on rank 0 into a sharded ``model``: broadcast one tensor at a time,
     each rank keeping its shard (``set_model_state_dict``, ``broadcast_from_rank0``). A collective.
+    Rank 0 reads the tensors and checks their names against the model's before anything is
+    loaded (`on_rank0`): a failed read or tensors that do not fit raise on every rank and change
+    nothing.
 
     Args:
         model: the FSDP2-sharded model (`shard`; a peft model loads through `fsdp_root`, under
             its state dict's names).
-        tensors: name -> full tensor on rank 0 (a tied ``lm_head.weight`` may be left out); None on
-            the other ranks.
-        partial: ``tensors`` are some of the model's (an adapter's): only names the model
+        read: on rank 0, ``read() -> {name: full tensor}`` (a tied ``lm_head.weight`` may be
+            left out); None on the other ranks.
+        rank: this process's rank.
+        partial: the tensors are some of the model's (an adapter's): only names the model
             lacks are an error.
     Raises:
-        ValueError: the tensors do not fit the model (every rank raises).
+        ValueError: the tensors do not fit the model; what ``read`` raised (every rank raises).
     """
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
     from serve_rft.trainer.handles import check_fits
 
-    keys = set_model_state_dict(fsdp_root(model), tensors if tensors is not None else {},
-                                options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True,
-                                                         strict=False))
-    check_fits([] if partial else keys.missing_keys, keys.unexpected_keys)
+    root = fsdp_root(model)
+
+    def checked() -> dict:
+        tensors = read()
+        names = set(root.state_dict())  # the sharded state dict: names only, nothing gathered
+        check_fits([] if partial else sorted(names - tensors.keys()), sorted(tensors.keys() - names))
+        return tensors
+    tensors = on_rank0(checked, rank)
+    set_model_state_dict(root, tensors if tensors is not None else {},
+                         options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False))
 
 
 def my_parts(parts: list[list[int]], rank: int, world: int) -> list[tuple[list[int], bool]]:

@@ -14,6 +14,10 @@ nodes) rolls versions onto both; then, under load with rewards, the whole of nod
 (kill -9 of its process tree: raylet, object store, workers, HAProxy): Serve starts its replica
 again on C, which loads the latest version before serving; versions keep rolling onto it; only
 requests in flight through B fail; every reward answered 2xx is kept and none trained twice.
+
+With autoscaling (deployments/serve_config_autoscaling.yaml, two nodes: the head and one
+explorer node) a ramp of users makes Serve add a replica and, once it is over, remove it, while
+versions keep rolling and no request fails.
 """
 
 from __future__ import annotations
@@ -64,13 +68,23 @@ def _serve_files(folder: Path) -> tuple[http.server.ThreadingHTTPServer, str]:
     return server, f"http://127.0.0.1:{port}"
 
 
-def _serve_config(path: Path, port: int, code_uri: str, overrides: list[str]) -> Path:
-    cfg = yaml.safe_load((ROOT / "deployments" / "serve_config.yaml").read_text())
+def _serve_config(path: Path, port: int, code_uri: str, overrides: list[str],
+                  autoscaling: dict | None = None) -> Path:
+    """The shipped serve config (``serve_config_autoscaling.yaml`` when ``autoscaling`` is given,
+    with these settings in both places it names them) on ``port``, with the code at ``code_uri``."""
+    name = "serve_config_autoscaling.yaml" if autoscaling else "serve_config.yaml"
+    cfg = yaml.safe_load((ROOT / "deployments" / name).read_text())
     cfg["http_options"]["port"] = port
     app = cfg["applications"][0]
     app["runtime_env"] = {"working_dir": code_uri}
     app["args"]["overrides"] = overrides  # args.config stays relative: it resolves in working_dir
-    app["deployments"][0]["ray_actor_options"]["label_selector"] = {ROLE: "explorer"}
+    explorer = app["deployments"][0]
+    explorer["ray_actor_options"]["label_selector"] = {ROLE: "explorer"}
+    if autoscaling:
+        assert "autoscaling_config" in explorer and "num_replicas" not in explorer
+        explorer["autoscaling_config"] = dict(autoscaling)
+        flow = ", ".join(f"{k}: {v}" for k, v in autoscaling.items() if k != "initial_replicas")  # Serve's only
+        app["args"]["overrides"] = [*overrides, f"explorer.autoscaling={{{flow}}}"]
     path.write_text(yaml.safe_dump(cfg))
     return path
 
@@ -83,16 +97,18 @@ def _status(url: str) -> dict:
     return httpx.get(f"{url}/v1/status", timeout=60).json()
 
 
-def _all_on(st: dict, version: int) -> bool:
+def _all_on(st: dict, version: int, replicas: int = 2) -> bool:
     live = live_replicas(st)
-    return len(live) >= 2 and all(r["policy_version"] >= version for r in live)
+    return len(live) >= replicas and all(r["policy_version"] >= version for r in live)
 
 
 @contextlib.contextmanager
-def deployed(tmp_path: Path, redis_url: str, model: Path, sync_method: str, c_cpus: int):
-    """Three Ray nodes (head: trainer; B: one CPU; C: ``c_cpus``), the code zip served over HTTP,
-    ``serve deploy`` of the shipped config with ``sync_method``; yields (cluster, url) once two
-    replicas serve. Ends every node by its process id."""
+def deployed(tmp_path: Path, redis_url: str, model: Path, sync_method: str, explorer_cpus: tuple[int, ...],
+             autoscaling: dict | None = None):
+    """Ray nodes (the head: trainer; one explorer node per entry of ``explorer_cpus``, named b,
+    c, ..., with that many CPUs), the code zip served over HTTP, ``serve deploy`` of the shipped
+    config with ``sync_method`` (and ``autoscaling``: `_serve_config`); yields (cluster, url) once
+    two replicas serve. Ends every node by its process id."""
     from serve_rft.buffer.redis_server import free_port
 
     cluster = RayCluster(tmp_path)
@@ -100,8 +116,8 @@ def deployed(tmp_path: Path, redis_url: str, model: Path, sync_method: str, c_cp
     files.mkdir()
     try:
         cluster.add_node("head", num_cpus=1, labels={ROLE: "trainer"})
-        cluster.add_node("b", num_cpus=1, labels={ROLE: "explorer"})
-        cluster.add_node("c", num_cpus=c_cpus, labels={ROLE: "explorer"})
+        for name, cpus in zip("bcdefg", explorer_cpus):
+            cluster.add_node(name, num_cpus=cpus, labels={ROLE: "explorer"})
         _code_zip(files / "serve_rft_src.zip")
         server, files_url = _serve_files(files)
         port = free_port()
@@ -111,7 +127,7 @@ def deployed(tmp_path: Path, redis_url: str, model: Path, sync_method: str, c_cp
             f"service.run_dir={tmp_path / 'run'}", f"model.path={model}",
             f"synchronizer.sync_method={sync_method}", f"trainer.label_selector={{{ROLE}: trainer}}",
             "trainer.min_batch_size=4", "trainer.batch_size=16", "trainer.batch_wait_s=0.5",
-            "trainer.max_batch_wait_s=10", "synchronizer.max_version_lag_s=10"])
+            "trainer.max_batch_wait_s=10", "synchronizer.max_version_lag_s=10"], autoscaling)
         serve = str(Path(sys.executable).parent / "serve")
         out = subprocess.run([serve, "deploy", str(config), "--address", cluster.dashboard_url],
                              env=cluster.env, capture_output=True, text=True, timeout=120)
@@ -144,7 +160,7 @@ def test_checkpoint_sync_reaches_replicas_on_other_nodes_through_the_shared_run_
         redis_server, embedded_model, tmp_path):
     """CHECKPOINT: the trainer on the head writes version folders under ``run_dir`` (the path every
     node mounts: here the same disk), the replicas on B and C load them and verify the probe."""
-    with deployed(tmp_path, redis_server.url, embedded_model, "checkpoint", c_cpus=1) as (cluster, url):
+    with deployed(tmp_path, redis_server.url, embedded_model, "checkpoint", (1, 1)) as (cluster, url):
         _placed(cluster, url)
         with Users(url) as users:
             wait_for(lambda: (s := _status(url))["policy_version"] >= 2 and _all_on(s, 2), 400,
@@ -157,7 +173,7 @@ def test_checkpoint_sync_reaches_replicas_on_other_nodes_through_the_shared_run_
 
 def test_serve_deploy_on_three_ray_nodes_syncs_across_them_and_survives_losing_one(
         redis_server, embedded_model, tmp_path):
-    with deployed(tmp_path, redis_server.url, embedded_model, "memory", c_cpus=2) as (cluster, url):
+    with deployed(tmp_path, redis_server.url, embedded_model, "memory", (1, 2)) as (cluster, url):
         head, b, c = cluster.nodes
         st = _placed(cluster, url)
         before = st["experiences"]
@@ -188,3 +204,51 @@ def test_serve_deploy_on_three_ray_nodes_syncs_across_them_and_survives_losing_o
         assert len(failed) <= users.users, sorted(summary.items())  # at most those in flight through B
         assert not users.failed(0, t_kill - 1) and not users.failed(t_kill + 60, time.time()), users.chats
         every_accepted_reward_is_kept(url, users, before)
+
+
+def test_serve_deploy_autoscaling_adds_and_removes_replicas_while_versions_roll(
+        redis_server, embedded_model, tmp_path):
+    """``serve deploy`` of deployments/serve_config_autoscaling.yaml on two Ray nodes (the head:
+    trainer; B, three CPUs: the explorer replicas). Six closed-loop users (more requests in flight
+    than one per replica, the target) make Serve add a third replica, which takes the next
+    versions with the others (that an added replica loads the incumbent before it serves is
+    tested on the single-node stack); one user afterwards makes Serve
+    remove it again after ``downscale_delay_s``, while versions keep rolling onto the two left.
+    No request fails; every reward answered 2xx is kept, none trained twice.
+
+    The downscale delay is longer than a replica's start (about 45 s here): with 20 s Serve took
+    the new replica away again while it was still starting. The explorer replicas share one node,
+    so no node's proxy is left without replicas and drained (deployments/README.md, Autoscaling)."""
+    scaling = {"min_replicas": 2, "max_replicas": 3, "initial_replicas": 2, "target_ongoing_requests": 1.0,
+               "upscale_delay_s": 2.0, "downscale_delay_s": 120.0}
+    with deployed(tmp_path, redis_server.url, embedded_model, "memory", (3,), scaling) as (cluster, url):
+        before = _status(url)["experiences"]
+        first_ids = {r["id"] for r in live_replicas(_status(url))}
+        timeline = []
+        t0 = time.time()
+
+        def observe() -> dict:
+            s = _status(url)
+            live = live_replicas(s)
+            timeline.append((round(time.time() - t0), len(live), s["policy_version"],
+                             sorted(r["policy_version"] for r in live)))
+            return s
+        with Users(url, users=6) as busy:
+            st = wait_for(lambda: len(live_replicas(s := observe())) >= 3 and s, 400,
+                          lambda: f"a third replica under load: {timeline[-5:]}")
+            assert [r for r in live_replicas(st) if r["id"] not in first_ids], st["replicas"]
+            v = st["policy_version"]
+            wait_for(lambda: (s := observe())["policy_version"] > v and _all_on(s, v + 1, 3), 400,
+                     lambda: f"a newer version on all three replicas: {timeline[-5:]}")
+        with Users(url, users=1) as calm:
+            wait_for(lambda: len(live_replicas(observe())) == 2, 400,
+                     lambda: f"Serve to remove a replica with one user: {timeline[-5:]}", period_s=2.0)
+            v = _status(url)["policy_version"]
+            wait_for(lambda: (s := observe())["policy_version"] > v and _all_on(s, v + 1), 400,
+                     lambda: f"a newer version on the two replicas left: {timeline[-5:]}", period_s=2.0)
+        print("autoscaling timeline (s, replicas, version, replica versions):", timeline[::10] + timeline[-1:])
+        print("autoscaling:", {"chat_requests": len(busy.chats) + len(calm.chats),
+                               "rewards_accepted": len(busy.accepted) + len(calm.accepted)})
+        assert not [c for c in busy.chats + calm.chats if not c["ok"]], busy.chats + calm.chats
+        busy.accepted.update(calm.accepted)
+        every_accepted_reward_is_kept(url, busy, before)

@@ -252,6 +252,8 @@ def test_two_ranks_publish_the_lora_adapter_alone_and_reset_to_it(ray_local, emb
         v1 = policy.group.full_tensors("params")
         policy.step(_batch())
         policy.step(list(reversed(_batch())))
+        moved = policy.group.full_tensors("params")
+        assert any(not torch.equal(moved[n], v1[n]) for n in v1 if ".lora_" in n)
         diff = policy.reset_to(handle, 1)
         assert diff is not None and diff <= 1e-5
         now = policy.group.full_tensors("params")

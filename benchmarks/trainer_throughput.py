@@ -13,9 +13,13 @@ do. ``--warmup`` steps, then ``--steps`` timed steps (each ended by a device syn
 serve_rft/trainer/token_logprobs.py) or ``full`` (``[B, L, V]`` fp32 logits, the old path).
 
 Reported (JSON, ``--out``): seconds per step (median and each), response and total (prompt +
-response) tokens per second at the median, peak memory (CUDA: ``torch.cuda.max_memory_allocated``
-over the timed steps, and what the model and optimizer held before them; CPU: the process's
-peak RSS, ``resource.getrusage``, which includes building the model), and on CUDA the MFU:
+response) tokens per second at the median, peak memory over the timed steps and what was held
+before them (CUDA: ``torch.cuda.max_memory_allocated`` and ``memory_allocated``; CPU: the
+process's resident set, Linux's ``VmHWM`` reset through ``/proc/self/clear_refs`` after the
+warm-up steps and glibc's ``malloc_trim``, and ``VmRSS`` then; so the CPU figure is what the
+steps take on top of model, optimizer state and batch, allocator slack included, not the
+model's build), the whole process's peak RSS (``resource.getrusage``, build included), and on
+CUDA the MFU:
 
     FLOPs per step = 6 * P_body * tokens_total + 6 * V * H * tokens_response
                      + 12 * n_layers * n_heads * head_dim * sum_i S_i^2
@@ -47,6 +51,7 @@ Needs torch, transformers, pydantic (and pyyaml, a transformers dependency); imp
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import platform
 import random
@@ -75,6 +80,22 @@ def build_model(shape: str, folder: Path, seed: int) -> dict:
     torch.manual_seed(seed)
     Qwen2ForCausalLM(cfg).to(torch.float32).save_pretrained(str(folder), safe_serialization=True)
     return arch
+
+
+def _status_bytes(field: str) -> int:
+    """``field`` (``VmRSS``, ``VmHWM``) of /proc/self/status, bytes."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise KeyError(field)
+
+
+def reset_cpu_peak() -> int:
+    """Give freed heap pages back (glibc ``malloc_trim``), reset the peak resident set
+    (``VmHWM``, Linux's ``clear_refs`` 5) and return the resident set now, bytes."""
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    Path("/proc/self/clear_refs").write_text("5")
+    return _status_bytes("VmRSS")
 
 
 def make_batch(a, vocab: int):
@@ -177,9 +198,11 @@ def main(argv: list[str] | None = None) -> dict:
     for _ in range(a.warmup):
         trainer.step(batch)
     sync()
-    held = torch.cuda.memory_allocated() if cuda else None
     if cuda:
+        held = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
+    else:
+        held = reset_cpu_peak()
     times, stats = [], {}
     for _ in range(a.steps):
         t = time.perf_counter()
@@ -206,7 +229,8 @@ def main(argv: list[str] | None = None) -> dict:
         "algorithm": a.algorithm, "kl_coef": a.kl_coef, "warmup_steps": a.warmup, "steps": a.steps,
         "setup_s": round(setup_s, 2), "step_s_median": med, "step_s": times,
         "response_tokens_per_s": response / med, "total_tokens_per_s": total / med,
-        "peak_memory_bytes": torch.cuda.max_memory_allocated() if cuda else None,
+        "memory_measure": "cuda max_memory_allocated" if cuda else "cpu resident set (VmHWM after reset)",
+        "peak_memory_bytes": torch.cuda.max_memory_allocated() if cuda else _status_bytes("VmHWM"),
         "memory_before_steps_bytes": held,
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "flops_per_step": flops, "peak_tflops": a.peak_tflops if cuda else None,

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 
 import ray
@@ -27,6 +28,12 @@ from serve_rft.types import ComponentState, PollReply, PublishedVersion
 log = logging.getLogger("serve_rft.synchronizer")
 
 EXPIRE_EVERY_S = 0.5
+CLOCK_PERIOD_S = 0.25
+"""How often `Synchronizer._clock` notes that this process runs, s."""
+STALL_S = 2.0
+"""A gap longer than this since this process last ran (`Synchronizer._awake`) is a stall of the
+synchronizer itself (SIGSTOP, a blocked event loop, a starved CPU): the replicas' silence during it
+is pardoned (`serve_rft.synchronizer.membership.Membership.pardon`)."""
 
 
 @ray.remote(num_cpus=0, max_concurrency=1000)
@@ -59,7 +66,32 @@ class Synchronizer(SyncMonitor):
 
         self.metrics = SyncMetrics(cfg.sync_method.value)
         self.state.hold_grants_until = float("inf")  # nothing is granted (or pruned) before `_rebuild`
+        self._ran_at = time.time()  # when this process was last seen running (`_awake`)
         self._monitor = asyncio.get_running_loop().create_task(self._watch())
+        self._clock_task = asyncio.get_running_loop().create_task(self._clock())
+
+    # -- its own clock -------------------------------------------------------------
+    async def _clock(self) -> None:
+        """Note every `CLOCK_PERIOD_S` that this process runs (nothing else: it never blocks)."""
+        while True:
+            await asyncio.sleep(CLOCK_PERIOD_S)
+            self._awake(time.time())
+
+    def _awake(self, now: float) -> None:
+        """This process runs at ``now``: if it did not for longer than `STALL_S` before (it was
+        stuck), pardon the replicas' silence meanwhile, before anything expires them."""
+        gap = now - self._ran_at
+        if gap > STALL_S:
+            log.warning("synchronizer: this process did not run for %.1f s; the replicas' silence "
+                        "meanwhile does not count against them", gap)
+            self.state.members.pardon(gap - CLOCK_PERIOD_S, now)
+        self._ran_at = max(self._ran_at, now)
+
+    def _expire(self, now: float, every_s: float = 0.0) -> list[str]:
+        """`SyncState.expire` after `_awake`: a silence this process did not listen through
+        never expires a replica."""
+        self._awake(now)
+        return self.state.expire(now, every_s)
 
     # -- replicas ------------------------------------------------------------------
     async def register(self, replica_id: str, version: int, base_handle: dict | None = None,
@@ -106,7 +138,7 @@ class Synchronizer(SyncMonitor):
         deadline = time.monotonic() + timeout_s
         while True:
             now = time.time()
-            self.state.expire(now, EXPIRE_EVERY_S)
+            self._expire(now, EXPIRE_EVERY_S)
             self.state.heartbeat(replica_id, version, explorer_step, now, refused, ready, drained)
             try:
                 await self._check_ray()
@@ -172,7 +204,7 @@ class Synchronizer(SyncMonitor):
 
     def lagging(self, version: int) -> int:
         """NCCL: live replicas due for a sync still below ``version`` (`SyncState.lagging`)."""
-        self.state.expire(time.time())
+        self._expire(time.time())
         return self.state.lagging(version)
 
     async def nccl_group(self, replica_id: str, world_size: int) -> dict:
@@ -223,9 +255,11 @@ class Synchronizer(SyncMonitor):
 
     # -- views ---------------------------------------------------------------------
     def status(self) -> dict:
-        if self.state.expire(time.time()):
+        """The state's status (`serve_rft.synchronizer.state.SyncState.status`) and this
+        process's ``synchronizer.pid``."""
+        if self._expire(time.time()):
             self.metrics.refresh(self.state)
-        return self.state.status(time.time())
+        return {**self.state.status(time.time()), "synchronizer": {"pid": os.getpid()}}
 
     def rollout(self) -> dict:
         return self.state.rollout.status()

@@ -155,6 +155,20 @@ class Membership:
         self.update(r, now, kind, state=ComponentState.STOPPED, alive=False)
         return True
 
+    def pardon(self, gap_s: float, now: float) -> None:
+        """The synchronizer itself did not run for ``gap_s`` seconds (a frozen process, a blocked
+        event loop): it could not hear the replicas meanwhile, so that silence is not theirs.
+        Every live replica's last heartbeat and sync lease move ``gap_s`` later (a heartbeat never
+        past ``now``), so `expire` judges only the silence after the synchronizer runs again: a
+        replica really gone still times out, ``replica_timeout_s`` (or its lease) later. Without
+        it every replica timed out at once on resuming, and a lapsed lease of a replica still
+        loading let a second replica be granted a sync."""
+        for r in self.replicas.values():
+            if r.live:
+                r.last_seen = min(now, r.last_seen + gap_s)
+                if r.lease_until is not None:
+                    r.lease_until += gap_s
+
     def expire(self, now: float, every_s: float = 0.0) -> list[str]:
         """STOPPED for RUNNING replicas unheard for ``replica_timeout_s`` and syncing ones whose
         lease lapsed; forget replicas gone for `FORGET_AFTER_S`. Scans at most once per

@@ -6,7 +6,8 @@ long-polls; then, bounded by `STORE_STEP_S` so a Redis outage never holds up the
 it judges an open canary window from the rewards filed by version and saves the rollout.
 
 Uses of the actor: ``cfg``, ``state``, ``store``, ``metrics``, ``_changed``, ``_rebuilt``,
-``_rebuild_lock``, ``_reconstructed``, ``_actor_names``, ``_ray_checked``, ``_snapshot``.
+``_rebuild_lock``, ``_reconstructed``, ``_actor_names``, ``_ray_checked``, ``_snapshot``,
+``_expire``.
 """
 
 from __future__ import annotations
@@ -105,7 +106,7 @@ class SyncMonitor:
             try:
                 await self._rebuild()
                 await self._check_ray(0.0)
-                self.state.expire(time.time())
+                self._expire(time.time())
                 await self._notify()
                 try:
                     await asyncio.wait_for(self._store_step(), timeout=STORE_STEP_S)

@@ -27,7 +27,7 @@ class _State:
         self.rollout = type("R", (), {"snapshot": lambda _self: {"changed": time.monotonic()},
                                       "canary_window": lambda _self: None})()
 
-    def expire(self, now: float) -> None:
+    def expire(self, now: float, every_s: float = 0.0) -> None:
         self.expired_at.append(now)
 
 
@@ -36,7 +36,7 @@ def test_the_death_checks_run_every_period_while_redis_hangs(monkeypatch):
     monkeypatch.setattr(monitor, "STORE_STEP_S", 0.1)
     sync = object.__new__(sync_actor.Synchronizer.__ray_metadata__.modified_class)
     sync.state, sync.store, sync._snapshot = _State(), _Hanging(), ""
-    sync._rebuilt = True
+    sync._rebuilt, sync._ran_at = True, time.time()
 
     async def nothing(*_a, **_k):
         return True

@@ -216,3 +216,37 @@ def test_a_new_replica_counts_as_serving_only_once_a_request_reached_it():
     _pub(s, 2, 105)
     s.heartbeat("r0", 1, 0, now=106)  # its poll
     assert s.grant("r0", 106).others_serving is True
+
+
+def test_a_stall_of_the_synchronizer_itself_is_pardoned_not_counted_as_the_replicas_silence():
+    """The synchronizer stuck for 30 s (SIGSTOP) while r0 syncs and r1 serves: without the pardon
+    both time out on resuming and r1 gets a sync slot while r0 is still loading (two out of
+    rotation); with it neither does, and a replica that stays silent afterwards still times out."""
+    def stuck_at(t_stop: float, pardon: bool):
+        s = _state(n=2, lease_s=10)
+        _pub(s, 1)
+        assert s.grant("r0", now=101) is not None
+        for t in range(102, int(t_stop) + 1, 2):
+            s.renew("r0", 0, 1, now=t)
+            s.heartbeat("r1", 0, 0, now=t)
+            s.expire(now=t)
+        resumed = t_stop + 30.0
+        if pardon:
+            s.members.pardon(30.0, resumed)
+        return s, s.expire(now=resumed), resumed
+
+    s, stopped, _ = stuck_at(110.0, pardon=False)
+    assert set(stopped) == {"r0", "r1"}  # what a stall did before: every replica timed out at once
+    s.heartbeat("r1", 0, 0, now=141)
+    assert s.grant("r1", now=141) is not None  # ... and r1 syncs while r0 still loads
+
+    s, stopped, resumed = stuck_at(110.0, pardon=True)
+    assert stopped == [] and s.replicas["r0"].state is ComponentState.REQUIRE_SYNC
+    s.heartbeat("r1", 0, 0, now=resumed + 1)
+    assert s.grant("r1", now=resumed + 1) is None  # r0's slot is still taken
+    s.renew("r0", 0, 1, now=resumed + 2)
+    s.synced("r0", 1, now=resumed + 3)
+    assert s.grant("r1", now=resumed + 4) is not None
+    # silence after the resume counts: r0 stops polling and times out replica_timeout_s later
+    s.heartbeat("r1", 0, 0, now=resumed + 12)
+    assert s.expire(now=resumed + 14) == ["r0"]

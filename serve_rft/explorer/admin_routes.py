@@ -70,10 +70,17 @@ class AdminRoutes:
     @app.get("/v1/status", dependencies=AUTHORIZED)
     async def status(self) -> JSONResponse:
         """The synchronizer's view (replicas, versions, rollout), the store's counts (``store``:
-        ok / unavailable, never a hang) and the trainer's own report (`Trainer.service_status`)."""
+        ok / unavailable) and the trainer's own report (`Trainer.service_status`; ``answered``:
+        false when it did not answer within ``explorer.peer_wait_s``). Never a hang: each part
+        is bounded.
+
+        Raises:
+            ApiError: 504 the synchronizer did not answer within ``explorer.peer_wait_s``.
+        """
         from serve_rft.names import find_trainer
 
-        status = await self.sync.status.remote()
+        wait_s = self.cfg.explorer.peer_wait_s
+        status = await sync_api.call(self.sync.status.remote(), wait_s)
         try:
             counts = await asyncio.wait_for(self.store.counts(), self.cfg.buffer.store_wait_s)
             status["experiences"], status["store"] = counts.__dict__, "ok"
@@ -81,17 +88,18 @@ class AdminRoutes:
             status["experiences"], status["store"] = None, "unavailable"
         trainer = find_trainer()  # None in serve-only mode
         if trainer is not None:
-            status["trainer"].update(await trainer.service_status.remote())
+            status["trainer"].update(await _trainer_report(trainer, wait_s))
         return JSONResponse(status)
 
     @app.get("/v1/sync/events", dependencies=AUTHORIZED)
     async def sync_events(self, since: float = 0.0) -> JSONResponse:
-        return JSONResponse({"events": await self.sync.events.remote(since)})
+        events = await sync_api.call(self.sync.events.remote(since), self.cfg.explorer.peer_wait_s)
+        return JSONResponse({"events": events})
 
     @app.get("/v1/sync/rollout", dependencies=AUTHORIZED)
     async def sync_rollout(self) -> JSONResponse:
         """The rollout (`serve_rft.explorer.sync_api`)."""
-        return JSONResponse(await self.sync.rollout.remote())
+        return JSONResponse(await sync_api.call(self.sync.rollout.remote(), self.cfg.explorer.peer_wait_s))
 
     @app.post("/v1/sync/pin", dependencies=AUTHORIZED)
     async def sync_pin(self, request: Request) -> JSONResponse:
@@ -119,4 +127,19 @@ class AdminRoutes:
             ApiError: 400 a malformed body, 404 / 409 the synchronizer's refusals.
         """
         body = sync_api.parse(model, await read_json(request))
-        return JSONResponse(await sync_api.call(action(body)))
+        return JSONResponse(await sync_api.call(action(body), self.cfg.explorer.peer_wait_s))
+
+
+async def _trainer_report(trainer, wait_s: float) -> dict:
+    """`Trainer.service_status` plus ``answered: true``, or ``answered: false`` with the reason
+    when the trainer did not answer within ``wait_s`` seconds (a frozen or busy process) or its
+    actor is gone (Ray restarts it)."""
+    from ray.exceptions import RayActorError
+
+    try:
+        report = await asyncio.wait_for(trainer.service_status.remote(), wait_s)
+    except asyncio.TimeoutError:
+        return {"answered": False, "error": f"no answer within {wait_s:g} s"}
+    except RayActorError as e:
+        return {"answered": False, "error": f"trainer actor unavailable: {type(e).__name__}"}
+    return {**report, "answered": True}

@@ -8,11 +8,14 @@ usual); ``POST /v1/sync/promotion`` ``{"paused": true|false}`` holds canary verd
 ``POST /v1/sync/replicas/{id}/drain`` ``{"drained": true|false}`` takes a replica out of rotation
 (it refuses new requests, which HAProxy re-sends elsewhere) or back. Every action is an audit
 event in ``/v1/sync/events``. Errors: 404 unknown replica, 409 a version that is not loadable
-any more or a drain that would leave no replica serving, 400 a malformed body.
+any more or a drain that would leave no replica serving, 400 a malformed body, 504 the
+synchronizer did not answer within ``explorer.peer_wait_s`` (a stuck or restarting actor: an
+action may still take effect; each is idempotent, so retrying is safe).
 """
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any, Awaitable
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -50,14 +53,21 @@ def parse(model: type[BaseModel], body: Any) -> BaseModel:
         raise ApiError.invalid(e) from None
 
 
-async def call(remote: Awaitable[Any]) -> Any:
-    """Await a synchronizer call; its refusals become client errors.
+async def call(remote: Awaitable[Any], wait_s: float) -> Any:
+    """Await a synchronizer call for at most ``wait_s`` seconds; its refusals become client
+    errors.
 
     Raises:
-        ApiError: 404 (KeyError: unknown replica), 409 (ValueError: not loadable, last serving).
+        ApiError: 404 (KeyError: unknown replica), 409 (ValueError: not loadable, last serving),
+            504 ``synchronizer_unavailable`` (no answer within ``wait_s``: a frozen or restarting
+            actor; the call itself is not withdrawn and may still take effect).
     """
     try:
-        return await remote
+        return await asyncio.wait_for(remote, wait_s)
+    except asyncio.TimeoutError:
+        raise ApiError(504, f"the synchronizer did not answer within {wait_s:g} s; retry (an action may "
+                       "still take effect: check /v1/sync/rollout)", type_="service_unavailable",
+                       code="synchronizer_unavailable", retry_after=2) from None
     except Exception as e:  # Ray wraps the actor's exception: look at its cause
         cause = getattr(e, "cause", None) or e
         if isinstance(cause, KeyError):

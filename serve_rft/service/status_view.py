@@ -15,11 +15,13 @@ def rates(prev: dict[str, Any] | None, cur: dict[str, Any], seconds: float) -> d
     """Per-second rates of the store counters and trainer steps between two ``/v1/status``
     snapshots ``seconds`` apart; None without a previous snapshot (or a counter reset)."""
     out: dict[str, float | None] = {}
+    now_counts = cur.get("experiences") or {}  # None while the store is unavailable
+    before = (prev.get("experiences") or {}) if prev is not None else {}
     for k in RATE_COUNTS:
-        if prev is None or seconds <= 0:
+        if not before or not now_counts or seconds <= 0:
             out[k] = None
             continue
-        d = cur["experiences"].get(k, 0) - prev["experiences"].get(k, 0)
+        d = now_counts.get(k, 0) - before.get(k, 0)
         out[k] = d / seconds if d >= 0 else None
     if prev is None or seconds <= 0:
         out["steps"] = None
@@ -48,15 +50,15 @@ def render(status: dict[str, Any], r: dict[str, float | None]) -> Group:
         rep.add_row(x["id"][-12:], f"[{color}]{state}[/{color}]",
                     f"{x['policy_version']}" + (f" (-{lag})" if lag > 0 else ""),
                     str(x.get("explorer_step", "-")), _fmt(last, 2), str(x.get("failures", 0)))
-    exp = status["experiences"]
-    store = Table(title="experiences")
+    exp = status.get("experiences") or {}  # None while the store is unavailable
+    store = Table(title="experiences" + (" (store unavailable)" if status.get("store") == "unavailable" else ""))
     for col in ("pending", "ready", "logged", "rewarded", "trained", "expired", "stale dropped", "dead letters"):
         store.add_column(col, justify="right")
     store.add_row(*[str(exp.get(k, 0)) for k in ("pending", "ready", "logged", "rewarded", "trained",
                                                   "expired", "stale_dropped", "dead_lettered")])
     store.add_row("", "", *[f"{_fmt(r.get(k))}/s" for k in RATE_COUNTS], "", "")
     t = status["trainer"]
-    tr = Table(title="trainer")
+    tr = Table(title="trainer" + (f" (not answering: {t.get('error')})" if t.get("answered") is False else ""))
     for col in ("state", "phase", "step", "steps/s", "staleness of trained (versions: count)"):
         tr.add_column(col)
     stale = t.get("staleness_trained") or {}

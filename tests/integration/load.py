@@ -16,12 +16,14 @@ FINAL = {"trained", "ready", "stale-dropped", "backlog-dropped", "dead-letter"}
 
 class Users:
     """Closed-loop users: chat (n=2), then both rewards, re-sent on 504 / 507 (Retry-After) a bounded
-    number of times. Keeps every chat outcome and every reward answered 2xx."""
+    number of times. Keeps every chat outcome (its time, end and replica) and every reward
+    answered 2xx (with when it was answered)."""
 
     def __init__(self, url: str, users: int = 3):
         self.url, self.users = url, users
         self.chats: list[dict] = []
         self.accepted: dict[tuple[str, int], float] = {}
+        self.accepted_at: list[float] = []
         self.reward_errors: list[str] = []
         self._stop = threading.Event()
         self._threads = [threading.Thread(target=self._user, args=(i,), daemon=True) for i in range(users)]
@@ -43,13 +45,15 @@ class Users:
             k += 1
             t0 = time.time()
             try:
-                comp = client.chat.completions.create(
+                raw = client.chat.completions.with_raw_response.create(
                     model="serve-rft", messages=[{"role": "user", "content": f"user {i} turn {k}"}],
                     max_tokens=8, n=2, temperature=1.0)
+                comp = raw.parse()
             except openai.APIError as e:
                 self.chats.append({"ok": False, "t": t0, "end": time.time(), "error": repr(e)})
                 continue
-            self.chats.append({"ok": True, "t": t0, "end": time.time()})
+            self.chats.append({"ok": True, "t": t0, "end": time.time(),
+                               "replica": raw.headers.get("x-serve-rft-replica")})
             rewards = [float(k % 3 == j) for j in range(len(comp.choices))]
             for _try in range(30):
                 try:
@@ -63,6 +67,7 @@ class Users:
                     for d in r.json()["data"]:
                         if d["status"] in ("recorded", "duplicate"):
                             self.accepted[(d["completion_id"], d["choice_index"])] = d["reward"]
+                    self.accepted_at.append(time.time())
                     break
                 if r.status_code == 404:  # served while the store was away: never logged
                     break

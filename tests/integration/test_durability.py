@@ -211,7 +211,7 @@ def test_a_trainer_killed_mid_run_resumes_and_loses_or_repeats_nothing(stack, tr
             os.kill(old_pid, signal.SIGKILL)
             time.sleep(0.5)  # nothing acks for a dead process: what is pending now was in its hands
             at_kill = _delivered(stack)
-            new = _wait(lambda: (t := _status(stack)["trainer"])["pid"] != old_pid
+            new = _wait(lambda: (t := _status(stack)["trainer"]).get("pid", old_pid) != old_pid
                         and t["resumed_from"] is not None and t, 180, "Ray to restart the trainer")
             if at_kill:
                 break

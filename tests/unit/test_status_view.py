@@ -30,3 +30,17 @@ def test_render_shows_replicas_versions_lag_and_counts():
     text = console.export_text()
     assert "policy version 3" in text and "REQUIRE_SYNC" in text and "2 (-1)" in text
     assert "20.0/s" in text and "0: 5, 1: 2" in text and "0.61" in text
+
+
+def test_render_says_when_the_store_or_the_trainer_does_not_answer():
+    """/v1/status while Redis is away (``experiences`` None) and the trainer is stuck
+    (``answered`` false): rates and tables render, and say so."""
+    prev = _snap(100, 50, 10)
+    cur = {**_snap(140, 70, 14), "experiences": None, "store": "unavailable"}
+    cur["trainer"] = {"state": "RUNNING", "step": 14, "answered": False, "error": "no answer within 5 s"}
+    r = rates(prev, cur, 2.0)
+    assert r["logged"] is None and r["steps"] == 2.0
+    console = Console(record=True, width=160)
+    console.print(render(cur, r))
+    text = console.export_text()
+    assert "store unavailable" in text and "not answering: no answer within 5 s" in text

@@ -220,7 +220,7 @@ def main(argv: list[str] | None = None) -> dict:
         "device": torch.cuda.get_device_name() if cuda else f"cpu ({platform.processor() or platform.machine()}, "
                                                               f"{torch.get_num_threads()} threads)",
         "precision": ("fp32" if not trainer.bf16 else "bf16 autocast, bf16 frozen base, fp32 adapter"
-                      if a.lora_rank else "bf16 autocast (fp32 weights)"),
+                      if a.lora_rank else "bf16 autocast (fp32 weights, recast in the backward)"),
         "lora_rank": a.lora_rank or None,
         "trainable_parameters": sum(p.numel() for p in trainer.model.parameters() if p.requires_grad),
         "torch": torch.__version__, "transformers": transformers.__version__,

@@ -347,10 +347,12 @@ class PolicyTrainer:
 
     def _autocast(self):
         """bf16 autocast for forward passes (``trainer.precision``: bf16, or auto on CUDA); the
-        weights, the optimizer and the logits' log-softmax stay fp32."""
-        import torch
+        weights, the optimizer and the logits' log-softmax stay fp32. In one process the bf16
+        weight copies a backward needs are cast again then, not held from the forward
+        (`serve_rft.trainer.precision.bf16_autocast`); FSDP2 ranks use plain autocast."""
+        from serve_rft.trainer.precision import bf16_autocast
 
-        return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16, enabled=self.bf16)
+        return bf16_autocast(self.device.type, enabled=self.bf16, recast=self.world == 1)
 
     def _micro_step(self, exps, adv, rewards, tlz, n_tokens: float, n_seqs: float):
         """Loss of one micro-batch, normalised by the whole batch's ``n_tokens`` / ``n_seqs``."""

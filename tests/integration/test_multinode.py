@@ -37,7 +37,7 @@ import httpx
 import pytest
 import yaml
 
-from tests.integration.load import Users, every_accepted_reward_is_kept, live_replicas, wait_for
+from tests.integration.load import Users, every_accepted_reward_is_kept, get_status, live_replicas, wait_for
 from tests.integration.ray_cluster import RayCluster, RayNode
 
 pytestmark = pytest.mark.integration
@@ -94,7 +94,7 @@ def _on(node: RayNode, pid: int | None) -> bool:
 
 
 def _status(url: str) -> dict:
-    return httpx.get(f"{url}/v1/status", timeout=60).json()
+    return get_status(url)
 
 
 def _all_on(st: dict, version: int, replicas: int = 2) -> bool:

@@ -16,6 +16,8 @@ import httpx
 import pytest
 import yaml
 
+from tests.integration.load import get_status
+
 pytestmark = pytest.mark.integration
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -65,7 +67,7 @@ def test_serve_run_accepts_the_shipped_config(redis_server, embedded_model, tmp_
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline and not all(r["policy_version"] >= 1 for r in st["replicas"]):
             time.sleep(0.5)
-            st = httpx.get(f"{url}/v1/status", timeout=30).json()
+            st = get_status(url)
         assert len(st["replicas"]) == 1 and st["replicas"][0]["policy_version"] >= 1, st
     finally:
         stop(proc)  # SIGINT to its process group (serve run ends Serve and its Ray), then SIGKILL

@@ -25,6 +25,7 @@ import psutil
 import pytest
 
 from tests.integration.conftest import kill_all, launch, stack_command
+from tests.integration.load import get_status
 
 pytestmark = pytest.mark.integration
 STOP_BOUND_S = 25 + 3 + 2  # grace, the keeper's SIGTERM wait, slack for reaping
@@ -113,7 +114,7 @@ def test_a_stop_ends_every_process_of_the_run_in_bounded_time(embedded_model, tm
                 time.sleep(0.2)
             assert load.ok >= 5, "no traffic before the stop"
             if kill_replica:
-                st = httpx.get(f"{url}/v1/status", timeout=30).json()
+                st = get_status(url)
                 pid = next(r["pid"] for r in st["replicas"] if r["alive"] and r.get("pid"))
                 os.kill(pid, signal.SIGKILL)
                 time.sleep(1)

@@ -11,6 +11,7 @@ import openai
 import pytest
 
 from serve_rft.buffer.store import ExperienceStore
+from tests.integration.load import get_status
 
 pytestmark = pytest.mark.integration
 
@@ -64,7 +65,7 @@ def test_a_tool_using_agent_runs_through_the_openai_sdk_and_its_conversation_is_
     from serve_rft.demo.agent import CITIES, FOLLOW_UP, post_reward, run_episode, run_episode_async
 
     u = stack.url
-    before = httpx.get(f"{u}/v1/status", headers=ADMIN).json()["trainer"]["constrained"]
+    before = get_status(u, ADMIN)["trainer"]["constrained"]
     sync = openai.OpenAI(base_url=f"{u}/v1", api_key="x", max_retries=0)
     episodes = [run_episode(sync, f"agent-{uuid.uuid4().hex}", "Paris"),
                 run_episode(sync, f"agent-{uuid.uuid4().hex}", "Rome", stream=True)]
@@ -122,7 +123,7 @@ def test_a_tool_using_agent_runs_through_the_openai_sdk_and_its_conversation_is_
             pytest.fail(f"agent turns not trained: {[states(e) for e in episodes]}")
         time.sleep(1.0)
     assert [states(e) for e in episodes] == [["constrained", "trained", "trained"]] * 4
-    assert httpx.get(f"{u}/v1/status", headers=ADMIN).json()["trainer"]["constrained"] >= before + 4
+    assert get_status(u, ADMIN)["trainer"]["constrained"] >= before + 4
 
     from typer.testing import CliRunner
 
@@ -137,7 +138,7 @@ def test_health_models_status(stack):
     assert httpx.get(f"{stack.url}/health").status_code == 200
     models = openai.OpenAI(base_url=f"{stack.url}/v1", api_key="x").models.list()
     assert [m.id for m in models.data] == ["serve-rft"]
-    st = httpx.get(f"{stack.url}/v1/status").json()
+    st = get_status(stack.url)
     assert len(st["replicas"]) == 2
     assert {r["state"] for r in st["replicas"]} <= {"RUNNING", "REQUIRE_SYNC"}
     assert set(st["experiences"]) >= {"pending", "ready", "trained"}
@@ -353,7 +354,7 @@ def _until_every_replica_is_routed_to(stack, within_s: float = 120.0) -> None:
 
     deadline = time.monotonic() + within_s
     while True:
-        replicas = httpx.get(f"{u}/v1/status", headers=ADMIN).json()["replicas"]
+        replicas = get_status(u, ADMIN)["replicas"]
         if replicas and not any(r["warming"] for r in replicas if r["alive"]):
             return
         assert time.monotonic() < deadline, f"a replica was never routed to: {replicas}"
@@ -435,7 +436,7 @@ def test_a_drained_replica_refuses_and_haproxy_resends_every_request(stack):
     _until_every_replica_is_routed_to(stack)  # a warming replica is not in rotation: no 409 for it
     deadline = time.monotonic() + 120
     while True:  # both replicas serving (the trainer may still be publishing: one may be syncing)
-        st = httpx.get(f"{u}/v1/status", headers=ADMIN).json()
+        st = get_status(u, ADMIN)
         running = sorted(r["id"] for r in st["replicas"] if r["state"] == "RUNNING")
         if len(running) >= 2 or time.monotonic() > deadline:
             break
@@ -454,7 +455,7 @@ def test_a_drained_replica_refuses_and_haproxy_resends_every_request(stack):
                           headers=ADMIN).status_code == 409  # b is the last one serving
 
         def refused_by_a() -> int:
-            st = httpx.get(f"{u}/v1/status", headers=ADMIN).json()
+            st = get_status(u, ADMIN)
             return {x["id"]: x["refused"] for x in st["replicas"]}[a] - before[a]
 
         async def burst(k: int = 8):  # concurrent: leastconn spreads them over both replicas
@@ -472,7 +473,7 @@ def test_a_drained_replica_refuses_and_haproxy_resends_every_request(stack):
             asyncio.run(burst())
             time.sleep(0.5)
         assert refused_by_a() > 0, ("the drained replica never refused a request",
-                                    httpx.get(f"{u}/v1/status", headers=ADMIN).json()["replicas"])
+                                    get_status(u, ADMIN)["replicas"])
 
         async def go():
             client = openai.AsyncOpenAI(base_url=f"{u}/v1", api_key="x", max_retries=0, timeout=60)
@@ -513,7 +514,7 @@ def test_a_drained_replica_refuses_and_haproxy_resends_every_request(stack):
     while seen != {a, b} and time.monotonic() < deadline:
         seen |= asyncio.run(both())
         time.sleep(1.0)
-    assert seen == {a, b}, (seen, httpx.get(f"{u}/v1/status", headers=ADMIN).json()["replicas"])
+    assert seen == {a, b}, (seen, get_status(u, ADMIN)["replicas"])
 
 
 def test_behaviour_logprobs_match_the_trainer_on_the_served_version(stack):
@@ -776,7 +777,7 @@ def test_replica_log_records_reach_their_files_not_memory(stack):
     import glob
     from pathlib import Path
 
-    ids = [r["id"] for r in httpx.get(f"{stack.url}/v1/status").json()["replicas"]]
+    ids = [r["id"] for r in get_status(stack.url)["replicas"]]
     for _ in range(6):
         r = httpx.post(f"{stack.url}/v1/chat/completions", timeout=120, json={
             "model": "serve-rft", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
@@ -804,7 +805,7 @@ def test_the_stacks_ray_workers_record_no_task_events(stack):
     import psutil
     from serve_rft.service.launcher import TASK_EVENTS_ENV
 
-    status = httpx.get(f"{stack.url}/v1/status").json()
+    status = get_status(stack.url)
     pids = [r["pid"] for r in status["replicas"] if r.get("pid")] + [status["trainer"]["pid"]]
     assert len(pids) == 3, status
     for pid in pids:

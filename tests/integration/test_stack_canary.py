@@ -14,6 +14,7 @@ import pytest
 
 from benchmarks.canary_run import CANARY_OVERRIDES, scenario
 from tests.integration.conftest import start_stack
+from tests.integration.load import get_status
 
 pytestmark = pytest.mark.integration
 
@@ -41,7 +42,7 @@ def test_a_bad_candidate_is_rolled_back_and_a_good_one_promoted(stack):
     assert next(v for v in ro["versions"] if v["version"] == bad)["rejected"] if any(
         v["version"] == bad for v in ro["versions"]) else True
     # the trainer took the incumbent's weights back, verified by the version's probe, and trained on
-    trainer = httpx.get(f"{stack.url}/v1/status", headers=ADMIN).json()["trainer"]
+    trainer = get_status(stack.url, ADMIN)["trainer"]
     assert trainer["resets"] >= 1 and trainer["error"] is None, trainer
     reset = trainer["last_reset"]
     assert reset["version"] < bad and reset["probe_max_diff"] is not None and reset["probe_max_diff"] <= 1e-5, reset
@@ -56,7 +57,7 @@ def test_operator_pins_rolls_back_and_pauses(stack):
     assert httpx.post(f"{u}/v1/sync/pin", json={"version": 0}, headers=ADMIN).status_code == 200
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:  # every replica back on the initial weights
-        st = httpx.get(f"{u}/v1/status", headers=ADMIN).json()
+        st = get_status(u, ADMIN)
         if all(r["policy_version"] == 0 for r in st["replicas"] if r["alive"]):
             break
         time.sleep(0.5)

@@ -28,7 +28,7 @@ import openai
 import pytest
 
 from tests.integration.conftest import start_stack
-from tests.integration.load import live_replicas
+from tests.integration.load import get_status, live_replicas
 
 pytestmark = pytest.mark.integration
 
@@ -47,7 +47,7 @@ def stack(redis_server, embedded_model, tmp_path_factory):
 
 
 def _status(stack) -> dict:
-    return httpx.get(f"{stack.url}/v1/status", headers=ADMIN, timeout=30).json()
+    return get_status(stack.url, ADMIN)
 
 
 def _events(stack, since: float = 0.0) -> list[dict]:

@@ -12,6 +12,7 @@ import pytest
 
 from tests.integration import test_stack as loop
 from tests.integration.conftest import start_stack
+from tests.integration.load import get_status
 
 pytestmark = pytest.mark.integration
 
@@ -58,14 +59,14 @@ def test_keep_mode_requests_span_versions_and_none_fail(stack):
     for s in multi:  # contiguous spans covering every token, versions increasing
         assert s[0][1] == 0 and all(a[2] == b[1] for a, b in zip(s, s[1:]))
         assert [v for v, _, _ in s] == sorted(v for v, _, _ in s)
-    st = httpx.get(f"{stack.url}/v1/status", headers=loop.ADMIN).json()
+    st = get_status(stack.url, loop.ADMIN)
     assert st["sync_style"] == "trainer_driven"
 
 
 def test_max_staleness_drops_old_experiences_and_status_shows_staleness(stack):
     """With max_staleness=1 nothing older than one version behind is trained; what was dropped
     is counted; `/v1/status` shows the staleness distribution of what was trained."""
-    st = httpx.get(f"{stack.url}/v1/status", headers=loop.ADMIN).json()
+    st = get_status(stack.url, loop.ADMIN)
     trained = {int(k): v for k, v in st["trainer"]["staleness_trained"].items()}
     assert trained and sum(trained.values()) > 0, st["trainer"]
     assert max(trained) <= 1, trained

@@ -11,6 +11,7 @@ import pytest
 
 from tests.integration import test_stack as loop
 from tests.integration.conftest import start_stack
+from tests.integration.load import get_status
 
 pytestmark = pytest.mark.integration
 
@@ -26,7 +27,7 @@ def test_adapter_versions_roll_without_pause_or_failures(stack):
     loop.test_training_rolls_new_versions_across_replicas_without_failures(stack)
     from serve_rft.weights.folders import committed_versions, version_dir
 
-    st = httpx.get(f"{stack.url}/v1/status").json()
+    st = get_status(stack.url)
     for r in st["replicas"]:
         last = r["last_sync"]
         assert last and last["drain_s"] < 0.05 and last["pause_s"] < 0.05, r  # no drain, no pause

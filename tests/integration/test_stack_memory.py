@@ -8,6 +8,7 @@ import pytest
 
 from tests.integration import test_stack as loop
 from tests.integration.conftest import start_stack
+from tests.integration.load import get_status
 
 pytestmark = pytest.mark.integration
 
@@ -26,7 +27,7 @@ def test_memory_method_rolls_versions_without_failures(stack):
     loop.test_training_rolls_new_versions_across_replicas_without_failures(stack)
     import httpx
 
-    st = httpx.get(f"{stack.url}/v1/status").json()
+    st = get_status(stack.url)
     assert st["sync_style"] == "explorer_driven"
     assert all(r["last_sync"] and r["last_sync"]["bytes"] > 0 for r in st["replicas"]), st
     assert all(r["explorer_step"] >= 2 for r in st["replicas"]), st
@@ -42,7 +43,7 @@ def test_a_replaced_replica_loads_the_latest_version_before_serving(stack):
 
     import httpx
 
-    before = httpx.get(f"{stack.url}/v1/status").json()
+    before = get_status(stack.url)
     old_ids = {r["id"] for r in before["replicas"]}
     latest = before["policy_version"]
     assert latest >= 1

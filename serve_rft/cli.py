@@ -112,6 +112,7 @@ def up(config: Optional[Path] = ConfigOpt, sets: list[str] = SetOpt, model: Opti
     Prints one JSON line once up: url (empty in train mode), redis_url, ray_address, mode,
     metrics_url (Ray's Prometheus endpoint; empty when joining a cluster).
     """
+    from serve_rft.buffer.redis_server import DataDirInUse
     from serve_rft.service.launcher import ServiceStack, quiet_env, trainer_status, wait_for_signal
 
     from serve_rft.service.launcher import check_mode
@@ -126,7 +127,11 @@ def up(config: Optional[Path] = ConfigOpt, sets: list[str] = SetOpt, model: Opti
     _kept(cfg)
     with contextlib.ExitStack() as running:
         with console.status("starting serve_rft") as status:  # says what start-up waits for
-            stack = running.enter_context(ServiceStack(cfg, mode.value, progress=_progress(status)))
+            try:
+                stack = running.enter_context(ServiceStack(cfg, mode.value, progress=_progress(status)))
+            except DataDirInUse as e:
+                console.print(f"[red]error:[/red] {e}")
+                raise typer.Exit(2) from None
         what = f"at {stack.url}" if stack.url else "(training)"
         console.print(f"[green]serve_rft up --mode {mode.value}[/green] {what} "
                       f"(model {stack.model_path}, started in {stack.startup_seconds:.1f} s)")

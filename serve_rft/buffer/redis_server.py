@@ -1,11 +1,19 @@
 """Start and stop an embedded `redis-server` (own port, own data directory, AOF persistence).
 
-The process is tracked by its pid and ended by it, never by name.
+The process is tracked by its pid and ended by it, never by name. It ends with the process that
+started it (SIGTERM from the kernel, ``PR_SET_PDEATHSIG``: it flushes its AOF and exits), however
+that one died: an orphaned redis-server kept its data directory, and one started on that directory
+next would append to the same AOF. A `RedisSupervisor` holds a lock on its data directory, so a
+second run on it fails at once with `DataDirInUse`.
 """
 
 from __future__ import annotations
 
+import ctypes
+import fcntl
 import os
+import signal
+import sys
 import random
 import shutil
 import socket
@@ -87,6 +95,28 @@ def free_port(host: str = "127.0.0.1", tries: int = 200) -> int:
     raise OSError(f"no free port on {host} after {tries} tries")
 
 
+PR_SET_PDEATHSIG = 1
+
+
+def _pdeathsig_hook():
+    """A ``preexec_fn`` that gives the child SIGTERM when its parent dies (Linux; None elsewhere).
+
+    The kernel sends it when the *thread* that forked the child ends, so a server started from a
+    thread lives as long as that thread (the supervisor's watch thread, which ends with `stop`).
+    prctl is looked up here, before the fork: the hook itself makes one foreign call."""
+    if not sys.platform.startswith("linux"):
+        return None
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+
+    def hook() -> None:
+        prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    return hook
+
+
+class DataDirInUse(RuntimeError):
+    """Another process (a running `serve-rft up`) holds the redis data directory."""
+
+
 @dataclass
 class RedisServer:
     """A running embedded redis-server: ``url``, ``pid``, ``stop()``."""
@@ -144,7 +174,7 @@ def start_redis(data_dir: str | Path, port: int | None = None, timeout_s: float 
     if maxmemory_bytes is not None:
         args += ["--maxmemory", str(maxmemory_bytes), "--maxmemory-policy", "noeviction"]
     proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True)
+                            stderr=subprocess.DEVNULL, start_new_session=True, preexec_fn=_pdeathsig_hook())
     server = RedisServer(proc=proc, port=port, data_dir=data)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -173,7 +203,11 @@ class RedisSupervisor:
     ``key_prefix`` is given). Same interface as `RedisServer` for its owner (``url``, ``pid``,
     ``stop``).
 
+    The supervisor holds an exclusive lock (``flock``) on ``data_dir/serve-rft.lock`` from its
+    start to `stop` (the kernel drops it when the process dies).
+
     Raises (constructor):
+        DataDirInUse: another process holds ``data_dir`` (its pid in the message).
         Whatever `start_redis` raises for the first start.
     """
 
@@ -184,7 +218,12 @@ class RedisSupervisor:
 
         self._args = dict(appendfsync=appendfsync, maxmemory_bytes=maxmemory_bytes)
         self.data_dir = Path(data_dir)
-        self.server = start_redis(self.data_dir, **self._args)
+        self._lock = _lock_dir(self.data_dir)
+        try:
+            self.server = start_redis(self.data_dir, **self._args)
+        except BaseException:
+            os.close(self._lock)
+            raise
         self.port = self.server.port
         self.key_prefix = key_prefix
         self.max_restarts, self.window_s, self.poll_s = max_restarts, window_s, poll_s
@@ -245,3 +284,27 @@ class RedisSupervisor:
         self._stopping.set()
         self._thread.join(timeout=5.0)
         self.server.stop(timeout_s)
+        if self._lock is not None:
+            os.close(self._lock)
+            self._lock = None
+
+
+def _lock_dir(data_dir: Path) -> int:
+    """Take ``data_dir/serve-rft.lock`` (``flock``, exclusive, not waiting) and write this pid in
+    it. Returns the open descriptor (closing it releases the lock).
+
+    Raises:
+        DataDirInUse: another process holds it.
+    """
+    data_dir.mkdir(parents=True, exist_ok=True)
+    fd = os.open(data_dir / "serve-rft.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+        os.close(fd)
+        raise DataDirInUse(f"{data_dir} is in use by another serve-rft process (pid {holder}); give "
+                           "this run its own service.run_dir, or stop that one first") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, str(os.getpid()).encode(), 0)
+    return fd

@@ -19,7 +19,10 @@ the keeper, a small process that:
    second signal, or the grace running out, ends it at once;
 4. once the service process has exited (asked, or on its own) sends SIGTERM to every descendant
    still alive, SIGKILL to those alive 3 s later, and reaps them all. Nothing it started
-   outlives it.
+   outlives it;
+5. starts a reaper (`serve_rft.service.reaper`) in a session of its own, which does steps 3-4
+   should the keeper itself be killed (SIGKILL: no handler runs), the service process with it or
+   not. Every process of the run carries the run's id in its environment (``RUN_ENV``) for it.
 
 Exit status: the service process's (0 after an asked-for stop), 1 when the grace ran out and
 the stop was forced.
@@ -34,8 +37,11 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 
 import psutil
+
+from serve_rft.service.reaper import RUN_ENV, end
 
 log = logging.getLogger("serve_rft.service")
 
@@ -69,21 +75,9 @@ def end_descendants(term_wait_s: float = TERM_WAIT_S) -> list[int]:
     Returns:
         The pids that needed SIGKILL.
     """
-    procs = psutil.Process().children(recursive=True)
-    for p in procs:
-        try:
-            p.send_signal(signal.SIGTERM)
-        except psutil.NoSuchProcess:
-            pass
-    _, alive = psutil.wait_procs(procs, timeout=term_wait_s)
-    for p in alive:
-        try:
-            p.kill()
-        except psutil.NoSuchProcess:
-            pass
-    psutil.wait_procs(alive, timeout=term_wait_s)
+    killed = end(psutil.Process().children(recursive=True), term_wait_s)
     _reap()
-    return [p.pid for p in alive]
+    return killed
 
 
 def _reap() -> None:
@@ -108,9 +102,13 @@ def keep(argv: list[str], grace_s: float, poll_s: float = 0.2) -> int:
     _prctl(PR_SET_CHILD_SUBREAPER, 1)
     asked: list[int] = []
     previous = {s: signal.signal(s, lambda signum, _f: asked.append(signum)) for s in STOP_SIGNALS}
+    run_id = uuid.uuid4().hex
     try:
-        child = subprocess.Popen(argv, env={**os.environ, INNER_ENV: str(os.getpid())},
+        child = subprocess.Popen(argv, env={**os.environ, INNER_ENV: str(os.getpid()), RUN_ENV: run_id},
                                  start_new_session=True, preexec_fn=_die_with_keeper)
+        reaper = subprocess.Popen([sys.executable, "-m", "serve_rft.service.reaper", str(os.getpid()),
+                                   str(child.pid), run_id, str(grace_s), str(TERM_WAIT_S)],
+                                  stdin=subprocess.DEVNULL, start_new_session=True)
         forced = False
         deadline = None
         while child.poll() is None:
@@ -124,7 +122,8 @@ def keep(argv: list[str], grace_s: float, poll_s: float = 0.2) -> int:
                 child.wait()
                 break
             time.sleep(poll_s)
-        killed = end_descendants()
+        killed = end_descendants()  # the reaper included: the keeper did its work
+        reaper.poll()
         if killed:
             log.info("ended %d leftover processes with SIGKILL: %s", len(killed), killed)
         code = child.returncode

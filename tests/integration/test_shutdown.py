@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import subprocess
 import threading
 import time
 import uuid
@@ -58,10 +59,12 @@ def _listening(url: str) -> bool:
 
 
 class Load:
-    """Two users chatting (n=2) and rewarding until stopped; counts answers and errors."""
+    """Two users chatting (n=2) and rewarding until stopped; counts answers and errors, keeps the
+    completion ids whose reward was accepted (``rewarded``)."""
 
     def __init__(self, url: str):
         self.url, self.ok, self.errors = url, 0, 0
+        self.rewarded: list[str] = []
         self._stop = threading.Event()
         self._threads = [threading.Thread(target=self._run, daemon=True) for _ in range(2)]
         for t in self._threads:
@@ -76,7 +79,10 @@ class Load:
                         "max_tokens": 6, "n": 2})
                     if r.status_code == 200:
                         self.ok += 1
-                        c.post("/v1/rewards", json={"completion_id": r.json()["id"], "rewards": [1.0, 0.0]})
+                        cid = r.json()["id"]
+                        if c.post("/v1/rewards", json={"completion_id": cid, "rewards": [1.0, 0.0]}
+                                  ).status_code == 200:
+                            self.rewarded.append(cid)
                 except httpx.HTTPError:
                     self.errors += 1
                     time.sleep(0.2)
@@ -138,3 +144,78 @@ def test_a_stop_ends_every_process_of_the_run_in_bounded_time(embedded_model, tm
             if _alive(p):
                 p.kill()
 
+
+
+def _wait_load(load: Load, n: int, timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while load.ok < n and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert load.ok >= n, "no traffic before the kill"
+
+
+@pytest.mark.parametrize("victims", ["keeper", "keeper-and-service"])
+def test_kill_9_of_the_leader_leaves_nothing_and_the_run_dir_starts_again(embedded_model, tmp_path, victims):
+    """SIGKILL runs no handler: the keeper's reaper (serve_rft.service.reaper) ends the run. Killed
+    alone, the keeper's service process stops on the SIGTERM the kernel sends it (bounded by the
+    grace); killed with it, the reaper ends the rest at once (Ray Serve's HAProxy kept the service
+    port and redis-server the run's data directory for good before). Then `serve-rft up` on the
+    same run dir starts, and every reward accepted before the kill is in its store."""
+    mark = uuid.uuid4().hex
+    cmd = stack_command("", tmp_path / "run", "leader", ["trainer.min_batch_size=4"])
+    proc, lines, info = launch(cmd, tmp_path / "up.log", env={"SERVE_RFT_TEST_RUN": mark})
+    tree: dict[int, psutil.Process] = {}
+    try:
+        url = info["url"]
+        tree.update((p.pid, p) for p in [*_marked(mark), *psutil.Process(proc.pid).children(recursive=True)])
+        service = next(p for p in psutil.Process(proc.pid).children()
+                       if "serve_rft.cli" in " ".join(p.cmdline()))
+        if victims == "keeper":  # a second run on a run dir in use is refused before it starts anything
+            second = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+            said = " ".join((second.stdout + second.stderr).split())  # rich wraps lines
+            assert second.returncode == 2 and "in use by another serve-rft process" in said, second
+        load = Load(url)
+        try:
+            _wait_load(load, 8)
+            os.kill(proc.pid, signal.SIGKILL)
+            if victims == "keeper-and-service":
+                os.kill(service.pid, signal.SIGKILL)
+            t0 = time.monotonic()
+            proc.wait(timeout=10)
+            bound = (25 + 3 + 5) if victims == "keeper" else (3 + 7)  # grace (service alive), TERM wait, slack
+            while time.monotonic() - t0 < bound + 30:
+                left = {p.pid: p for p in _marked(mark)} | {pid: p for pid, p in tree.items() if _alive(p)}
+                if not left:
+                    break
+                time.sleep(0.2)
+            took = time.monotonic() - t0
+        finally:
+            load.stop()
+        print(f"kill -9 of the {victims}: nothing left after {took:.1f} s; {len(tree)} processes before, "
+              f"{load.ok} chats, {len(load.rewarded)} rewards accepted")
+        assert not left, [(p.pid, p.name(), p.cmdline()[:3]) for p in left.values()]
+        assert took < bound, took
+        for u in (url, info["redis_url"], info["metrics_url"]):
+            assert not _listening(u), f"{u} still accepts connections"
+    finally:
+        for p in [*_marked(mark), *tree.values()]:  # never leave a failed case's processes behind
+            if _alive(p):
+                p.kill()
+    if victims != "keeper-and-service":
+        return
+    again, _, info2 = launch(cmd, tmp_path / "up2.log")
+    try:
+        with httpx.Client(base_url=info2["url"], timeout=30) as c:
+            for cid in load.rewarded:
+                r = c.get(f"/v1/experiences/{cid}")
+                assert r.status_code == 200, (cid, r.text)
+                assert [ch["reward"] for ch in r.json()["choices"]] == [1.0, 0.0], r.json()
+            r = c.post("/v1/chat/completions", json={"model": "serve-rft", "max_tokens": 4,
+                                                     "messages": [{"role": "user", "content": "hi"}]})
+            assert r.status_code == 200, r.text
+    finally:
+        again.send_signal(signal.SIGINT)
+        try:
+            again.wait(timeout=STOP_BOUND_S + 30)
+        finally:
+            if again.poll() is None:
+                kill_all(again)

@@ -1,5 +1,6 @@
 """The keeper of `serve-rft up` (serve_rft.service.keeper) with small stand-in service processes:
-the stop is forwarded, the grace is bounded, and no descendant outlives it, orphans included."""
+the stop is forwarded, the grace is bounded, and no descendant outlives it, orphans included; its
+reaper (serve_rft.service.reaper) does the same when the keeper is killed with SIGKILL."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from serve_rft.service import keeper
+from serve_rft.service import keeper, reaper
 
 ROOT = str(Path(__file__).resolve().parents[2])
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prctl is Linux-only")
@@ -40,6 +41,8 @@ SERVICE = textwrap.dedent("""
     time.sleep(0.05)
     if os.environ.get("IGNORE"):
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if os.environ.get("IGNORE_TERM"):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
     print("up", flush=True)
     try:
         time.sleep(600)
@@ -72,8 +75,21 @@ def _run_keeper(tmp_path, grace_s: float, **env) -> tuple[subprocess.Popen, str]
     assert proc.stdout.readline().strip() == "up"
     orphan = psutil.Process(int((tmp_path / "orphan.pid").read_text()))
     assert orphan.ppid() == proc.pid  # adopted by the keeper (a child subreaper), not by init
-    assert len(_marked(mark)) == 4  # keeper, service, its child, the orphan
+    assert len(_marked(mark)) == 5  # keeper, reaper, service, its child, the orphan
     return proc, mark
+
+
+def _service(proc: subprocess.Popen, mark: str) -> psutil.Process:
+    return next(p for p in _marked(mark) if p.ppid() == proc.pid and "service.py" in " ".join(p.cmdline()))
+
+
+def _none_left(mark: str, within_s: float) -> float:
+    """Seconds until no marked process is left; fails after ``within_s``."""
+    t0 = time.monotonic()
+    while _marked(mark):
+        assert time.monotonic() - t0 < within_s, [(p.pid, p.cmdline()[-2:]) for p in _marked(mark)]
+        time.sleep(0.1)
+    return time.monotonic() - t0
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP])
@@ -115,11 +131,40 @@ def test_the_service_s_own_exit_status_is_passed_on_and_its_leftovers_ended(tmp_
     assert _marked(mark) == []
 
 
-def test_the_service_process_stops_when_its_keeper_is_killed(tmp_path):
+def test_when_the_keeper_is_killed_the_service_stops_and_the_reaper_ends_the_rest(tmp_path):
     proc, mark = _run_keeper(tmp_path, grace_s=10)
-    service = next(p for p in _marked(mark) if p.ppid() == proc.pid)
+    service = _service(proc, mark)
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     service.wait(timeout=10)  # PR_SET_PDEATHSIG: SIGTERM when the keeper dies
-    for p in _marked(mark):  # its own children were not ended by anyone: clean up here
-        p.kill()
+    # its child ignores SIGTERM (SIGKILL after TERM_WAIT_S); the orphan is init's now
+    _none_left(mark, within_s=reaper.POLL_S + keeper.TERM_WAIT_S + 5)
+
+
+def test_kill_9_of_the_keeper_and_the_service_at_once_leaves_nothing(tmp_path):
+    proc, mark = _run_keeper(tmp_path, grace_s=10)
+    service = _service(proc, mark)
+    os.kill(proc.pid, signal.SIGKILL)
+    os.kill(service.pid, signal.SIGKILL)
+    proc.wait()
+    _none_left(mark, within_s=reaper.POLL_S + keeper.TERM_WAIT_S + 5)
+
+
+def test_a_service_that_ignores_its_keeper_s_death_is_killed_after_the_grace(tmp_path):
+    proc, mark = _run_keeper(tmp_path, grace_s=3, IGNORE_TERM="1")
+    service = _service(proc, mark)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    time.sleep(1.5)
+    assert service.is_running()  # within its grace
+    took = 1.5 + _none_left(mark, within_s=3 + 2 * reaper.POLL_S + keeper.TERM_WAIT_S + 5)
+    assert took >= 3 - reaper.POLL_S, took
+
+
+def test_the_reaper_leaves_a_run_alone_while_the_keeper_lives(tmp_path):
+    proc, mark = _run_keeper(tmp_path, grace_s=10)
+    time.sleep(4 * reaper.POLL_S)
+    assert len(_marked(mark)) == 5
+    os.kill(proc.pid, signal.SIGINT)
+    assert proc.wait(timeout=30) == 0
+    assert _marked(mark) == []  # the keeper ended its reaper too

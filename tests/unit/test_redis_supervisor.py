@@ -84,3 +84,53 @@ def test_free_port_never_hands_out_the_same_port_twice(monkeypatch):
     picks = iter([low + 3, low + 3, low + 3, low + 4])
     monkeypatch.setattr(random, "randint", lambda a, b: next(picks))
     assert [redis_server.free_port(), redis_server.free_port()] == [low + 3, low + 4]
+
+
+def test_a_second_supervisor_on_the_same_data_dir_is_refused_until_the_first_stops(tmp_path):
+    """Two redis-servers on one data directory would append to one AOF."""
+    import pytest
+
+    from serve_rft.buffer.redis_server import DataDirInUse
+
+    first = RedisSupervisor(tmp_path / "r", poll_s=0.1)
+    try:
+        with pytest.raises(DataDirInUse, match=f"pid {os.getpid()}"):
+            RedisSupervisor(tmp_path / "r", poll_s=0.1)
+    finally:
+        first.stop()
+    second = RedisSupervisor(tmp_path / "r", poll_s=0.1)  # the lock went with the first's stop
+    second.stop()
+
+
+def test_redis_ends_with_the_process_that_started_it_even_by_kill_9(tmp_path):
+    """PR_SET_PDEATHSIG: SIGTERM when its starter dies, so it flushes and leaves the directory to
+    the next run (an orphan kept it, and the port, for good), and that run finds what was written."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import psutil
+
+    code = ("import sys, time; from serve_rft.buffer.redis_server import RedisSupervisor; "
+            "s = RedisSupervisor(sys.argv[1], appendfsync='always'); print(s.pid, s.url, flush=True); "
+            "time.sleep(600)")
+    owner = subprocess.Popen([sys.executable, "-c", code, str(tmp_path / "r")], stdout=subprocess.PIPE,
+                             text=True, env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
+    server = None
+    try:
+        pid, url = owner.stdout.readline().split()
+        server = psutil.Process(int(pid))
+        redis.Redis.from_url(url).set("kept", "yes")
+        owner.kill()
+        owner.wait()
+        server.wait(timeout=10)  # raises TimeoutExpired if it outlives its owner
+    finally:
+        if owner.poll() is None:
+            owner.kill()
+        if server is not None and server.is_running():
+            server.kill()  # a failed case leaves nothing behind
+    sup = RedisSupervisor(tmp_path / "r", poll_s=0.1)  # the lock died with the owner
+    try:
+        assert redis.Redis.from_url(sup.url).get("kept") == b"yes"
+    finally:
+        sup.stop()

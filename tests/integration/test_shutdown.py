@@ -51,6 +51,18 @@ def _alive(p: psutil.Process) -> bool:
         return False
 
 
+def _names(tree: dict[int, psutil.Process]) -> dict[int, str]:
+    """Pid -> name of the processes of ``tree`` still running; a short-lived one may have exited
+    since it was listed (CI once failed here on a process that ended in between)."""
+    out = {}
+    for pid, p in tree.items():
+        try:
+            out[pid] = p.name()
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
 def _listening(url: str) -> bool:
     u = urlparse(url)
     with socket.socket() as s:
@@ -109,7 +121,7 @@ def test_a_stop_ends_every_process_of_the_run_in_bounded_time(embedded_model, tm
         url, redis_url = info["url"], info["redis_url"]
         # redis-server rewrites its environment block (its process title): found as a descendant
         tree.update((p.pid, p) for p in [*_marked(mark), *psutil.Process(proc.pid).children(recursive=True)])
-        before = {pid: p.name() for pid, p in tree.items()}
+        before = _names(tree)
         names = " ".join(before.values()).lower()
         assert "redis-server" in names and "raylet" in names and "gcs_server" in names, before
         assert any("haproxy" in n.lower() for n in before.values()), before

@@ -17,10 +17,11 @@ FINAL = {"trained", "ready", "stale-dropped", "backlog-dropped", "dead-letter"}
 class Users:
     """Closed-loop users: chat (n=2), then both rewards, re-sent on 504 / 507 (Retry-After) a bounded
     number of times. Keeps every chat outcome (its time, end and replica) and every reward
-    answered 2xx (with when it was answered)."""
+    answered 2xx (with when it was answered). ``max_tokens`` per chat: how long each user's
+    request stays in flight at a replica."""
 
-    def __init__(self, url: str, users: int = 3):
-        self.url, self.users = url, users
+    def __init__(self, url: str, users: int = 3, max_tokens: int = 8):
+        self.url, self.users, self.max_tokens = url, users, max_tokens
         self.chats: list[dict] = []
         self.accepted: dict[tuple[str, int], float] = {}
         self.accepted_at: list[float] = []
@@ -47,7 +48,7 @@ class Users:
             try:
                 raw = client.chat.completions.with_raw_response.create(
                     model="serve-rft", messages=[{"role": "user", "content": f"user {i} turn {k}"}],
-                    max_tokens=8, n=2, temperature=1.0)
+                    max_tokens=self.max_tokens, n=2, temperature=1.0)
                 comp = raw.parse()
             except openai.APIError as e:
                 self.chats.append({"ok": False, "t": t0, "end": time.time(), "error": repr(e)})
@@ -75,7 +76,10 @@ class Users:
                 time.sleep(float(r.headers.get("retry-after", "1")))
 
     def failed(self, since: float, until: float) -> list[dict]:
-        return [c for c in self.chats if not c["ok"] and since <= c["t"] <= until]
+        """The failed chats in flight at any moment of [since, until] (started before its end,
+        ended after its start): a request sent seconds before a kill and cut by it belongs to the
+        kill (CI once counted one, 6.8 s in flight, as a failure before the kill)."""
+        return [c for c in self.chats if not c["ok"] and c["t"] <= until and c["end"] >= since]
 
     def answered_after(self, t: float) -> bool:
         return any(c["ok"] and c["t"] > t for c in self.chats)

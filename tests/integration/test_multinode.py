@@ -202,17 +202,17 @@ def test_serve_deploy_on_three_ray_nodes_syncs_across_them_and_survives_losing_o
         print("multinode:", {"chat_requests": len(users.chats), "rewards_accepted": len(users.accepted),
                              "failed_at_the_kill": sorted(summary.items())})
         assert len(failed) <= users.users, sorted(summary.items())  # at most those in flight through B
-        assert not users.failed(0, t_kill - 1) and not users.failed(t_kill + 60, time.time()), users.chats
+        assert not [c for c in users.failed(0, time.time()) if c not in failed], users.chats  # none outside it
         every_accepted_reward_is_kept(url, users, before)
 
 
 def test_serve_deploy_autoscaling_adds_and_removes_replicas_while_versions_roll(
         redis_server, embedded_model, tmp_path):
     """``serve deploy`` of deployments/serve_config_autoscaling.yaml on two Ray nodes (the head:
-    trainer; B, three CPUs: the explorer replicas). Six closed-loop users (more requests in flight
-    than one per replica, the target) make Serve add a third replica, which takes the next
-    versions with the others (that an added replica loads the incumbent before it serves is
-    tested on the single-node stack); one user afterwards makes Serve
+    trainer; B, three CPUs: the explorer replicas). Six closed-loop users with long answers (more
+    requests in flight than one per replica, the target) make Serve add a third replica, which
+    takes the next versions with the others (that an added replica loads the incumbent before it
+    serves is tested on the single-node stack); one user afterwards makes Serve
     remove it again after ``downscale_delay_s``, while versions keep rolling onto the two left.
     No request fails; every reward answered 2xx is kept, none trained twice.
 
@@ -233,7 +233,10 @@ def test_serve_deploy_autoscaling_adds_and_removes_replicas_while_versions_roll(
             timeline.append((round(time.time() - t0), len(live), s["policy_version"],
                              sorted(r["policy_version"] for r in live)))
             return s
-        with Users(url, users=6) as busy:
+        # long answers, so that each busy user's request is in flight most of its loop: with 8
+        # tokens a chat took ~0.1 s of a ~1 s loop (the rest: the client, its reward) and six
+        # users kept ~0.45 requests in flight per replica, under the target (CI once waited 400 s)
+        with Users(url, users=6, max_tokens=96) as busy:
             st = wait_for(lambda: len(live_replicas(s := observe())) >= 3 and s, 400,
                           lambda: f"a third replica under load: {timeline[-5:]}")
             assert [r for r in live_replicas(st) if r["id"] not in first_ids], st["replicas"]

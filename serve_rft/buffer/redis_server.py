@@ -266,18 +266,28 @@ class RedisSupervisor:
             except (RuntimeError, OSError) as e:  # e.g. the port not yet free: the next poll retries
                 log.warning("restarting redis-server failed (%s); retrying", e)
                 continue
-            self.restarts += 1
             log.warning("redis-server (exit %s) restarted from its AOF on port %d, pid %d (restart %d)",
-                        code, self.port, self.server.pid, self.restarts)
-            self._record()
+                        code, self.port, self.server.pid, self.restarts + 1)
+            self._record(log)
+            self.restarts += 1  # after the store's count, so a reader of both never sees them apart
 
-    def _record(self) -> None:
+    def _record(self, log) -> None:
+        """Count the restart in the store's ``P:stat`` (a few tries: a just-started server may still
+        be loading its AOF); a count that cannot be written is logged, the watch goes on."""
         if self.key_prefix is None:
             return
         import redis
 
-        with redis.Redis.from_url(self.url, socket_timeout=2.0) as client:
-            client.hincrby(f"{self.key_prefix}:stat", "redis_restarts", 1)
+        for attempt in range(5):
+            try:
+                with redis.Redis.from_url(self.url, socket_timeout=2.0) as client:
+                    client.hincrby(f"{self.key_prefix}:stat", "redis_restarts", 1)
+                return
+            except redis.RedisError as e:
+                if attempt == 4 or self._stopping.wait(0.2 * 2 ** attempt):
+                    log.warning("redis restart %d not counted in %s:stat: %s",
+                                self.restarts + 1, self.key_prefix, e)
+                    return
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """Stop watching, then stop the server (SIGTERM, SIGKILL after ``timeout_s``)."""

@@ -9,11 +9,9 @@ second run on it fails at once with `DataDirInUse`.
 
 from __future__ import annotations
 
-import ctypes
 import fcntl
 import os
 import signal
-import sys
 import random
 import shutil
 import socket
@@ -21,6 +19,8 @@ import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from serve_rft.proc import die_with_parent
 
 
 PORT_BAND = (20000, 32767)
@@ -95,24 +95,6 @@ def free_port(host: str = "127.0.0.1", tries: int = 200) -> int:
     raise OSError(f"no free port on {host} after {tries} tries")
 
 
-PR_SET_PDEATHSIG = 1
-
-
-def _pdeathsig_hook():
-    """A ``preexec_fn`` that gives the child SIGTERM when its parent dies (Linux; None elsewhere).
-
-    The kernel sends it when the *thread* that forked the child ends, so a server started from a
-    thread lives as long as that thread (the supervisor's watch thread, which ends with `stop`).
-    prctl is looked up here, before the fork: the hook itself makes one foreign call."""
-    if not sys.platform.startswith("linux"):
-        return None
-    prctl = ctypes.CDLL(None, use_errno=True).prctl
-
-    def hook() -> None:
-        prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
-    return hook
-
-
 class DataDirInUse(RuntimeError):
     """Another process (a running `serve-rft up`) holds the redis data directory."""
 
@@ -174,7 +156,7 @@ def start_redis(data_dir: str | Path, port: int | None = None, timeout_s: float 
     if maxmemory_bytes is not None:
         args += ["--maxmemory", str(maxmemory_bytes), "--maxmemory-policy", "noeviction"]
     proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True, preexec_fn=_pdeathsig_hook())
+                            stderr=subprocess.DEVNULL, start_new_session=True, preexec_fn=die_with_parent(signal.SIGTERM))
     server = RedisServer(proc=proc, port=port, data_dir=data)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

@@ -30,7 +30,6 @@ the stop was forced.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import signal
@@ -41,12 +40,12 @@ import uuid
 
 import psutil
 
+from serve_rft.proc import die_with_parent, set_child_subreaper
 from serve_rft.service.reaper import RUN_ENV, end
 
 log = logging.getLogger("serve_rft.service")
 
 INNER_ENV = "SERVE_RFT_KEEPER_PID"  # set in the service process: the keeper's pid
-PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER = 1, 36
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 TERM_WAIT_S = 3.0  # after SIGTERM to the leftovers, before SIGKILL
 
@@ -54,18 +53,6 @@ TERM_WAIT_S = 3.0  # after SIGTERM to the leftovers, before SIGKILL
 def inside() -> bool:
     """True in the service process a keeper started (run the service itself, not a keeper)."""
     return bool(os.environ.get(INNER_ENV))
-
-
-def _prctl(option: int, arg: int) -> bool:
-    if not sys.platform.startswith("linux"):
-        return False
-    libc = ctypes.CDLL(None, use_errno=True)
-    return libc.prctl(option, arg, 0, 0, 0) == 0
-
-
-def _die_with_keeper() -> None:
-    """In the service process (``preexec_fn``): SIGTERM when the keeper dies."""
-    _prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def end_descendants(term_wait_s: float = TERM_WAIT_S) -> list[int]:
@@ -99,13 +86,13 @@ def keep(argv: list[str], grace_s: float, poll_s: float = 0.2) -> int:
         argv: the command (the same CLI invocation; the service process sees `inside`).
         grace_s: seconds the service process gets to stop after the first stop signal.
     """
-    _prctl(PR_SET_CHILD_SUBREAPER, 1)
+    set_child_subreaper()
     asked: list[int] = []
     previous = {s: signal.signal(s, lambda signum, _f: asked.append(signum)) for s in STOP_SIGNALS}
     run_id = uuid.uuid4().hex
     try:
         child = subprocess.Popen(argv, env={**os.environ, INNER_ENV: str(os.getpid()), RUN_ENV: run_id},
-                                 start_new_session=True, preexec_fn=_die_with_keeper)
+                                 start_new_session=True, preexec_fn=die_with_parent(signal.SIGTERM))
         reaper = subprocess.Popen([sys.executable, "-m", "serve_rft.service.reaper", str(os.getpid()),
                                    str(child.pid), run_id, str(grace_s), str(TERM_WAIT_S)],
                                   stdin=subprocess.DEVNULL, start_new_session=True)

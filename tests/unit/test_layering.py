@@ -10,7 +10,7 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[2] / "serve_rft"
 
 FLOORS = [
-    {"config", "types", "names", "model", "demo"},  # ground: settings, shared records, names
+    {"config", "types", "names", "proc", "model", "demo"},  # ground: settings, records, names, prctl
     {"buffer", "observability", "weights"},         # the experience store, metrics, weight sync
     {"synchronizer"},                               # rollout state machine and its actor
     {"trainer"},                                    # the policy-gradient loop

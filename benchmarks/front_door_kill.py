@@ -1,17 +1,20 @@
 """kill -9 of the front door: how long a one-node `serve-rft up` answers nothing after its HAProxy
 is killed, until Ray Serve replaces it.
 
-Two users chat (and reward every answer) on a `serve-rft up` stack; after a warm-up the HAProxy
-process that listens on the service port gets SIGKILL. Nothing else is touched. Serve's
-controller health-checks each node's proxy actor every ``RAY_SERVE_PROXY_HEALTH_CHECK_PERIOD_S``
-(10 s by default) and replaces it after three failed checks; the new proxy starts a new HAProxy on
-the same port. Recorded: every request's start, end and outcome, the outage (kill -> first answer
-after it), failures by kind, and whether every reward accepted before the kill is still in the
-store afterwards.
+Closed-loop users (`tests.integration.load.Users`: chat with n=2, reward both answers, a 0.2 s
+pause after a failed chat) run on a `serve-rft up` stack; after a warm-up the HAProxy process that
+listens on the service port gets SIGKILL. Nothing else is touched. Serve's controller
+health-checks each node's proxy actor every ``RAY_SERVE_PROXY_HEALTH_CHECK_PERIOD_S`` (Ray's
+default 10 s; `serve-rft up` sets 2 s, `serve_rft.service.ingress.PROXY_HEALTH_CHECK_PERIOD_S`)
+and replaces it after three failed checks; the new proxy starts a new HAProxy on the same port.
+Recorded: the outage (kill -> the first 200 to a one-token probe chat sent every 0.1 s; the
+users may sit in their reward re-sends meanwhile), the users' failed chats by kind with their
+first start and last end, and whether every reward answered 2xx (before, during and after
+the outage; the users re-send a reward that failed) is in the store with its value afterwards.
 
     .venv/bin/python benchmarks/front_door_kill.py --out benchmarks/results/front_door_kill.json
-    .venv/bin/python benchmarks/front_door_kill.py --env RAY_SERVE_PROXY_HEALTH_CHECK_PERIOD_S=2 \\
-        --out benchmarks/results/front_door_kill_period2.json
+    .venv/bin/python benchmarks/front_door_kill.py --env RAY_SERVE_PROXY_HEALTH_CHECK_PERIOD_S=10 \\
+        --out benchmarks/results/front_door_kill_period10.json
 """
 
 from __future__ import annotations
@@ -22,104 +25,80 @@ import os
 import signal
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 import httpx
-import psutil
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from tests.integration.conftest import kill_all, launch, stack_command  # noqa: E402
+from tests.integration.load import Users, haproxy_on  # noqa: E402
 
 
-def haproxy_on(port: int) -> int | None:
-    """Pid of the haproxy process listening on ``port``, or None."""
-    for p in psutil.process_iter(["name"]):
-        try:
-            if "haproxy" in (p.info["name"] or "") and any(
-                    c.laddr.port == port and c.status == psutil.CONN_LISTEN for c in p.net_connections()):
-                return p.pid
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            pass
-    return None
+def _kind(chat: dict) -> str:
+    """A failed chat's kind: the openai error's class (``APIConnectionError``, ``NotFoundError``...)."""
+    return chat["error"].split("(", 1)[0]
 
 
-class Users:
-    """``n`` users chatting and rewarding in a loop; each request kept as (start, end, outcome)."""
-
-    def __init__(self, url: str, n: int = 2):
-        self.url, self.events, self.rewarded = url, [], []
-        self._stop = threading.Event()
-        self._threads = [threading.Thread(target=self._run, daemon=True) for _ in range(n)]
-        for t in self._threads:
-            t.start()
-
-    def _run(self) -> None:
-        with httpx.Client(base_url=self.url, timeout=30) as c:
-            while not self._stop.is_set():
-                t = time.monotonic()
-                try:
-                    r = c.post("/v1/chat/completions", json={
-                        "model": "serve-rft", "max_tokens": 6, "messages": [{"role": "user", "content": "hi"}]})
-                    self.events.append((t, time.monotonic(), str(r.status_code)))
-                    if r.status_code == 200:
-                        cid = r.json()["id"]
-                        if c.post("/v1/rewards", json={"completion_id": cid, "rewards": [1.0]}).status_code == 200:
-                            self.rewarded.append((time.monotonic(), cid))
-                    else:
-                        time.sleep(0.2)
-                except httpx.HTTPError as e:
-                    self.events.append((t, time.monotonic(), type(e).__name__))
-                    time.sleep(0.2)
-
-    def stop(self) -> None:
-        self._stop.set()
-        for t in self._threads:
-            t.join(timeout=40)
+def _probe(url: str, since: float, wait_s: float) -> tuple[float | None, dict[str, int]]:
+    """One-token chats every 0.1 s (2 s timeout each) until one is answered 200 or ``wait_s``
+    passes. Returns (seconds from ``since`` to the end of that answer, or None; outcomes seen)."""
+    seen: dict[str, int] = {}
+    body = {"model": "serve-rft", "max_tokens": 1, "messages": [{"role": "user", "content": "probe"}]}
+    with httpx.Client(base_url=url, timeout=2.0) as client:
+        while time.time() - since < wait_s:
+            try:
+                outcome = str(client.post("/v1/chat/completions", json=body).status_code)
+            except httpx.HTTPError as e:
+                outcome = type(e).__name__
+            seen[outcome] = seen.get(outcome, 0) + 1
+            if outcome == "200":
+                return time.time() - since, seen
+            time.sleep(0.1)
+    return None, seen
 
 
-def run(env: dict[str, str], warm_s: float, wait_s: float) -> dict:
-    """Start a stack with ``env`` added, kill its HAProxy after ``warm_s`` of load, wait up to
-    ``wait_s`` for five answers after the kill. Returns the summary (module docstring)."""
+def run(env: dict[str, str], warm_s: float, wait_s: float, users: int) -> dict:
+    """Start a stack with ``env`` added, kill its HAProxy after ``warm_s`` of load, probe until
+    it answers again (at most ``wait_s``), keep the load 5 s more. Returns the summary (module
+    docstring): times in seconds from the kill."""
     run_dir = Path(tempfile.mkdtemp(prefix="front-door-"))
     cmd = stack_command("", run_dir, "fd", ["trainer.min_batch_size=4"])
     proc, _, info = launch(cmd, run_dir / "up.log", env=env)
     try:
         url = info["url"]
         port = int(url.rsplit(":", 1)[1])
-        users = Users(url)
-        time.sleep(warm_s)
-        old = haproxy_on(port)
-        t_kill = time.monotonic()
-        os.kill(old, signal.SIGKILL)
-        while time.monotonic() - t_kill < wait_s:
-            if sum(1 for s, _, o in users.events if s > t_kill and o == "200") >= 5:
-                break
-            time.sleep(0.5)
-        users.stop()
+        with Users(url, users=users, backoff_s=0.2) as load:
+            time.sleep(warm_s)
+            old = haproxy_on(port)
+            t_kill = time.time()
+            os.kill(old, signal.SIGKILL)
+            first_ok, probes = _probe(url, t_kill, wait_s)
+            time.sleep(5)  # traffic through the new HAProxy
         new = haproxy_on(port)
-        after = [(s - t_kill, e - t_kill, o) for s, e, o in users.events]
-        first_ok = min((e for s, e, o in after if s > 0 and o == "200"), default=None)
-        failed = [(s, e, o) for s, e, o in after if o != "200"]
+        chats = list(load.chats)
         kinds: dict[str, dict] = {}
-        for s, e, o in failed:
-            k = kinds.setdefault(o, {"count": 0, "first_start_s": s, "last_end_s": e})
+        for c in chats:
+            if c["ok"]:
+                continue
+            s, e = round(c["t"] - t_kill, 2), round(c["end"] - t_kill, 2)
+            k = kinds.setdefault(_kind(c), {"count": 0, "first_start_s": s, "last_end_s": e})
             k["count"] += 1
             k["first_start_s"], k["last_end_s"] = min(k["first_start_s"], s), max(k["last_end_s"], e)
+        accepted = {key: r for key, r in load.accepted.items()}
+        before = sum(t < t_kill for t in load.accepted_at)
         kept = 0
-        accepted = [cid for t, cid in users.rewarded if t < t_kill]
         with httpx.Client(base_url=url, timeout=30) as c:
-            for cid in accepted:
+            for (cid, i), reward in accepted.items():
                 r = c.get(f"/v1/experiences/{cid}")
-                kept += r.status_code == 200 and r.json()["choices"][0]["reward"] == 1.0
-        return {"env": env, "haproxy_pid_killed": old, "haproxy_pid_after": new,
-                "outage_s": first_ok, "requests": len(after), "failed": len(failed),
-                "failed_by_kind": {k: {kk: round(vv, 2) if isinstance(vv, float) else vv for kk, vv in v.items()}
-                                   for k, v in kinds.items()},
-                "rewards_accepted_before_kill": len(accepted), "rewards_kept": kept}
+                kept += r.status_code == 200 and r.json()["choices"][i]["reward"] == reward
+        return {"env": env, "users": users, "haproxy_pid_killed": old, "haproxy_pid_after": new,
+                "outage_s": round(first_ok, 2) if first_ok is not None else None, "probes": probes,
+                "chats": len(chats), "failed": sum(not c["ok"] for c in chats), "failed_by_kind": kinds,
+                "reward_posts_answered_before_kill": before, "reward_retries": len(load.reward_errors),
+                "rewards_accepted": len(accepted), "rewards_kept": kept}
     finally:
         proc.send_signal(signal.SIGINT)
         try:
@@ -132,10 +111,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--env", action="append", default=[], help="NAME=VALUE added to the stack's environment")
     ap.add_argument("--warm-s", type=float, default=8.0)
-    ap.add_argument("--wait-s", type=float, default=120.0)
+    ap.add_argument("--wait-s", type=float, default=120.0, help="give up probing after this long")
+    ap.add_argument("--users", type=int, default=2)
     ap.add_argument("--out", type=Path)
     a = ap.parse_args()
-    result = run(dict(e.split("=", 1) for e in a.env), a.warm_s, a.wait_s)
+    result = run(dict(e.split("=", 1) for e in a.env), a.warm_s, a.wait_s, a.users)
     result["command"] = " ".join([".venv/bin/python", "benchmarks/front_door_kill.py", *sys.argv[1:]])
     text = json.dumps(result, indent=2)
     print(text)

@@ -62,6 +62,15 @@ up (Ray's default 30 s). A test stack in CI once failed to start with ``ProxyAct
 right after the previous stack's shutdown on a busy 2-core machine (the message was cut off: a
 crash on start, or this timeout); a slow start now waits instead of failing."""
 
+PROXY_HEALTH_CHECK_PERIOD_S = 2
+"""Seconds between Ray Serve's health checks of each node's proxy actor (Ray's default 10 s). In
+HAProxy mode a check asks HAProxy's admin socket ``show info``; Serve replaces the proxy (and
+starts a new HAProxy on the same port) after three failed checks in a row. A kill -9 of HAProxy
+left a one-node service answering nothing for 30.1 s with 10 s, 8.3 s with 2 s
+(benchmarks/front_door_kill.py; tests/integration/test_chaos.py checks a bound of 20 s). A healthy
+HAProxy is replaced only if its socket stays unanswered for three checks (>= 4 s); a reload's gap
+is far shorter, and each check may still take Ray's 10 s timeout."""
+
 
 def haproxy_env() -> dict[str, str]:
     """The environment that puts a Ray cluster started from this process in HAProxy mode.
@@ -74,7 +83,8 @@ def haproxy_env() -> dict[str, str]:
     (``tune.bufsize``); a replica holds a larger one instead of refusing it
     (`serve_rft.explorer.ingress_mode.fits_a_retry`). HAProxy's own per-request
     metrics pipeline is off: replicas export ``serve_rft_requests_total`` and the latency
-    histograms themselves. Worker threads: at most the machine's cores, at most 4.
+    histograms themselves. Worker threads: at most the machine's cores, at most 4. A killed HAProxy
+    is replaced within seconds (`PROXY_HEALTH_CHECK_PERIOD_S`).
 
     Returns:
         Variable -> value; callers apply it with ``os.environ.setdefault`` so an operator's own
@@ -98,4 +108,5 @@ def haproxy_env() -> dict[str, str]:
         "RAY_SERVE_HAPROXY_METRICS_ENABLED": "0",
         "RAY_SERVE_HAPROXY_NBTHREAD": str(max(1, min(4, os.cpu_count() or 1))),
         "RAY_SERVE_HAPROXY_STARTUP_TIMEOUT_S": str(HAPROXY_STARTUP_TIMEOUT_S),
+        "RAY_SERVE_PROXY_HEALTH_CHECK_PERIOD_S": str(PROXY_HEALTH_CHECK_PERIOD_S),
     }

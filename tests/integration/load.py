@@ -9,6 +9,7 @@ import time
 
 import httpx
 import openai
+import psutil
 import pytest
 
 FINAL = {"trained", "ready", "stale-dropped", "backlog-dropped", "dead-letter"}
@@ -18,10 +19,11 @@ class Users:
     """Closed-loop users: chat (n=2), then both rewards, re-sent on 504 / 507 (Retry-After) a bounded
     number of times. Keeps every chat outcome (its time, end and replica) and every reward
     answered 2xx (with when it was answered). ``max_tokens`` per chat: how long each user's
-    request stays in flight at a replica."""
+    request stays in flight at a replica; ``backoff_s``: a user's pause after a failed chat (with
+    nothing listening, a refused connection fails at once)."""
 
-    def __init__(self, url: str, users: int = 3, max_tokens: int = 8):
-        self.url, self.users, self.max_tokens = url, users, max_tokens
+    def __init__(self, url: str, users: int = 3, max_tokens: int = 8, backoff_s: float = 0.0):
+        self.url, self.users, self.max_tokens, self.backoff_s = url, users, max_tokens, backoff_s
         self.chats: list[dict] = []
         self.accepted: dict[tuple[str, int], float] = {}
         self.accepted_at: list[float] = []
@@ -52,6 +54,7 @@ class Users:
                 comp = raw.parse()
             except openai.APIError as e:
                 self.chats.append({"ok": False, "t": t0, "end": time.time(), "error": repr(e)})
+                self._stop.wait(self.backoff_s)
                 continue
             self.chats.append({"ok": True, "t": t0, "end": time.time(),
                                "replica": raw.headers.get("x-serve-rft-replica")})
@@ -83,6 +86,18 @@ class Users:
 
     def answered_after(self, t: float) -> bool:
         return any(c["ok"] and c["t"] > t for c in self.chats)
+
+
+def haproxy_on(port: int) -> int | None:
+    """Pid of the haproxy process listening on ``port`` (the service's front door), or None."""
+    for p in psutil.process_iter(["name"]):
+        try:
+            if "haproxy" in (p.info["name"] or "") and any(
+                    c.laddr.port == port and c.status == psutil.CONN_LISTEN for c in p.net_connections()):
+                return p.pid
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            pass
+    return None
 
 
 def get_status(url: str, headers: dict | None = None, deadline_s: float = 180.0) -> dict:

@@ -236,6 +236,19 @@ def _descendants(pid: int) -> list[int]:
         return []
 
 
+def _pin_latest(stack) -> int:
+    """Pin the latest published version; returns it. A version read a while ago may no longer be
+    loadable: while a pin holds, the trainer keeps publishing and the synchronizer keeps only the
+    newest `synchronizer.retain_versions` of the unserved ones (a pin to a released one is 409)."""
+    for _ in range(3):
+        version = _status(stack)["policy_version"]
+        r = httpx.post(f"{stack.url}/v1/sync/pin", json={"version": version}, headers=ADMIN, timeout=30)
+        if r.status_code == 200:
+            return version
+        assert r.status_code == 409, r.text  # released between the read and the pin: read again
+    pytest.fail(f"no pin of the latest version held: {r.text}")
+
+
 def test_kill_9_of_a_replica_while_it_syncs_fails_only_its_own_requests(stack):
     st = _trainer_idle(stack)
     a = sorted(r["id"] for r in live_replicas(st))[0]
@@ -279,19 +292,15 @@ def test_kill_9_of_a_replica_while_it_syncs_fails_only_its_own_requests(stack):
         with Load(stack, users=3) as load:
             t_load = time.time()
             for _attempt in range(3):  # the drain must still hold the long requests when a syncs
-                held = _status(stack)["policy_version"]
-                assert httpx.post(f"{stack.url}/v1/sync/pin", json={"version": held},
-                                  headers=ADMIN).status_code == 200
-                newest = _wait(lambda: (v := _status(stack)["policy_version"]) > held and v, 180,
-                               "a version behind the pin")
+                held = _pin_latest(stack)
+                _wait(lambda: _status(stack)["policy_version"] > held, 180, "a version behind the pin")
                 long_result.clear()
                 threads = [threading.Thread(target=long_request, args=(i,), daemon=True) for i in range(3)]
                 for t in threads:
                     t.start()
                 for _ in range(3):
                     assert long_started.acquire(timeout=60), "a long request did not start"
-                assert httpx.post(f"{stack.url}/v1/sync/pin", json={"version": newest},
-                                  headers=ADMIN).status_code == 200
+                newest = _pin_latest(stack)  # the one read above may be released by now (CI: 409)
                 _wait(lambda: (lambda s: s if any(r["id"] == a and (r["state"] == "REQUIRE_SYNC"
                                                                     or r["policy_version"] == newest)
                                                   for r in s["replicas"]) else None)(_status(stack)),

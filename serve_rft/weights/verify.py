@@ -18,6 +18,7 @@ CRC-32 (zlib) is for corruption, not tampering; it runs at ~4 GB/s here (sha256:
 
 from __future__ import annotations
 
+import math
 import random
 import zlib
 from pathlib import Path
@@ -76,20 +77,31 @@ def probe_ids(vocab_size: int, version: int, n: int = PROBE_TOKENS) -> list[int]
     return [rng.randrange(min(vocab_size, 1 << 31)) for _ in range(n)]
 
 
+def _probe_diff(a: float, b: float) -> float:
+    """|a - b| of two probe logprobs: NaN if either is NaN; 0 for the same infinity."""
+    if math.isnan(a) or math.isnan(b):
+        return math.nan
+    return 0.0 if a == b else abs(a - b)
 
 
 def check_probe(expected: dict[str, list] | None, got: list[float], tolerance: float) -> float:
     """Largest |difference| of the probe logprobs.
 
+    A NaN on either side is a mismatch wherever it sits (``max`` over differences would skip a
+    NaN that is not the first one: every comparison with NaN is false); so is an infinity unless
+    both sides hold the same one (a token the weights give probability 0), whose difference
+    counts as 0.
+
     Raises:
-        ProbeMismatch: above ``tolerance`` (or of another length).
+        ProbeMismatch: above ``tolerance`` (or of another length, or a NaN).
     """
     if not expected:
         return 0.0
     want = expected["logprobs"]
     if len(want) != len(got):
         raise ProbeMismatch(f"probe has {len(got)} logprobs, the trainer's {len(want)}")
-    diff = max((abs(a - b) for a, b in zip(want, got)), default=0.0)
+    diffs = [_probe_diff(a, b) for a, b in zip(want, got)]
+    diff = math.nan if any(math.isnan(d) for d in diffs) else max(diffs, default=0.0)
     if not diff <= tolerance:
         raise ProbeMismatch(f"probe logprobs differ from the trainer's by up to {diff:.4g} "
                             f"(tolerance {tolerance:g}): the weights in effect are not the published ones")

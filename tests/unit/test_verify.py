@@ -104,3 +104,24 @@ def test_config_refuses_rollouts_that_cannot_work():
         load_config(None, ["explorer.autoscaling={min_replicas: 3, max_replicas: 2}"])
     cfg = load_config(None, ["explorer.autoscaling={min_replicas: 2, max_replicas: 4}", "synchronizer.rollout=canary"])
     assert cfg.explorer.autoscaling.max_replicas == 4
+
+
+@pytest.mark.parametrize("where", [0, 1, 7])
+@pytest.mark.parametrize("side", ["replica", "trainer"])
+def test_a_nan_anywhere_in_the_probe_is_a_mismatch(where, side):
+    """``max(|a - b|)`` skips a NaN that is not the first difference (every comparison with NaN
+    is false): NaN weights on a replica, or in the trainer, would pass the check."""
+    want = [-1.0 - 0.1 * i for i in range(8)]
+    got = list(want)
+    (got if side == "replica" else want)[where] = float("nan")
+    with pytest.raises(ProbeMismatch):
+        check_probe({"logprobs": want}, got, 0.01)
+
+
+def test_the_same_infinity_on_both_sides_agrees_and_a_different_one_does_not():
+    inf = float("inf")
+    assert check_probe({"logprobs": [-1.0, -inf]}, [-1.0, -inf], 0.01) == 0.0
+    with pytest.raises(ProbeMismatch):
+        check_probe({"logprobs": [-1.0, -inf]}, [-1.0, -2.0], 0.01)
+    with pytest.raises(ProbeMismatch):
+        check_probe({"logprobs": [-1.0, -2.0]}, [-1.0, -inf], 0.01)

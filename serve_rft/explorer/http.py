@@ -5,7 +5,9 @@ Routes raise `ApiError` and never build an error response themselves: the except
 below answer it (with ``Retry-After`` where the client should try again), and FastAPI's own
 404 / 405 / 422 answers get the same JSON shape. Routes that need a key declare
 ``dependencies=AUTHORIZED``; the dependency asks the replica serving the request
-(`ExplorerReplica.authorize`: key scopes in `serve_rft.explorer.auth`).
+(`ExplorerReplica.authorize`: key scopes in `serve_rft.explorer.auth`). FastAPI's own
+``/openapi.json``, ``/docs`` and ``/redoc`` are replaced by routes behind the same check
+(`serve_rft.explorer.openapi.install`: the admin scope when keys are on).
 """
 
 from __future__ import annotations
@@ -21,8 +23,9 @@ from serve_rft.explorer.protocol import ApiError
 REPLICA_HEADER = "x-serve-rft-replica"
 VERSION_HEADER = "x-serve-rft-policy-version"
 
-app = FastAPI(title="serve_rft", version="0.1.0")
-openapi.install(app)
+# openapi_url=None: FastAPI adds no open document routes; `openapi.install` adds them with the
+# key check (docs_url stays set: Ray Serve reports it as the application's docs path)
+app = FastAPI(title="serve_rft", version="0.1.0", openapi_url=None, docs_url="/docs", redoc_url="/redoc")
 
 
 def error_response(e: ApiError) -> JSONResponse:
@@ -35,7 +38,7 @@ async def authorize(request: Request) -> None:
     """FastAPI dependency: the replica serving this request checks its key.
 
     Raises:
-        ApiError: 401 (`serve_rft.explorer.auth.ApiKeys.check`).
+        ApiError: 401 / 403 (`serve_rft.explorer.auth.ApiKeys.check`).
     """
     from ray import serve
 
@@ -43,6 +46,7 @@ async def authorize(request: Request) -> None:
 
 
 AUTHORIZED = [Depends(authorize)]
+openapi.install(app, AUTHORIZED)
 
 
 @app.exception_handler(ApiError)

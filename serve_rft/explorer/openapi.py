@@ -3,7 +3,10 @@
 The routes read raw bodies (`serve_rft.explorer.body`: bounded size, depth and integers) and
 validate them with the pydantic models of `serve_rft.explorer.protocol`, so FastAPI cannot see
 the bodies; this module puts those models' JSON schemas into ``/openapi.json``. Clients and
-schemathesis (tests/integration/test_stack.py) read it.
+schemathesis (tests/integration/test_stack.py) read it. The document and the pages that show
+it (``/docs``: Swagger UI, ``/redoc``) take the admin scope when keys are on
+(`serve_rft.explorer.auth`); a browser does not send the key with the page's own fetch of
+``/openapi.json``, so with keys on read the document with a client that sends it.
 """
 
 from __future__ import annotations
@@ -11,7 +14,9 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import FastAPI
+from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
 from fastapi.openapi.utils import get_openapi
+from fastapi.responses import HTMLResponse, JSONResponse
 from pydantic import TypeAdapter
 
 from serve_rft.explorer.protocol import RewardRequest
@@ -46,9 +51,26 @@ def build_openapi(app: FastAPI) -> dict[str, Any]:
     return doc
 
 
-def install(app: FastAPI) -> None:
-    """Serve `build_openapi` at ``/openapi.json``."""
+DOC_PATH = "/openapi.json"
+
+
+def install(app: FastAPI, dependencies: list) -> None:
+    """Serve `build_openapi` at ``/openapi.json`` and FastAPI's ``/docs`` and ``/redoc`` pages,
+    each behind ``dependencies`` (the key check). ``app`` must be built with
+    ``openapi_url=None`` (FastAPI then adds no unchecked routes of its own)."""
     app.openapi = lambda: build_openapi(app)  # type: ignore[method-assign]
+
+    @app.get(DOC_PATH, include_in_schema=False, dependencies=dependencies)
+    async def openapi_document() -> JSONResponse:
+        return JSONResponse(app.openapi())
+
+    @app.get("/docs", include_in_schema=False, dependencies=dependencies)
+    async def swagger_ui() -> HTMLResponse:
+        return get_swagger_ui_html(openapi_url=DOC_PATH, title=f"{app.title} - Swagger UI")
+
+    @app.get("/redoc", include_in_schema=False, dependencies=dependencies)
+    async def redoc() -> HTMLResponse:
+        return get_redoc_html(openapi_url=DOC_PATH, title=f"{app.title} - ReDoc")
 
 
 def _openai_bodies() -> dict[str, Any]:

@@ -61,7 +61,7 @@ class ExplorerReplica(OpenAIRoutes, AdminRoutes):
             from serve_rft.model.embedded import resolve_model_path
 
             model_path = str(resolve_model_path(self.cfg.model.path, self.cfg.model.cache_dir))
-        self.api_keys = ApiKeys(self.cfg.service.api_keys, self.cfg.service.admin_keys)
+        self.api_keys = ApiKeys.from_config(self.cfg.service)
         self.model_path = model_path
         context = serve.get_replica_context()
         self.replica_id = context.replica_id.unique_id
@@ -119,7 +119,7 @@ class ExplorerReplica(OpenAIRoutes, AdminRoutes):
         A request reached this replica, so the ingress routes to it (`WeightSwap.reached`).
 
         Raises:
-            ApiError: 401 (`ApiKeys.check`); counted by the request metrics of `METERED` paths.
+            ApiError: 401 / 403 (`ApiKeys.check`); counted by the request metrics of `METERED` paths.
         """
         self.swap.reached = True
         try:

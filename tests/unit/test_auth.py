@@ -1,41 +1,105 @@
-"""API key scopes (the middleware's decision; the stack test runs it over HTTP)."""
+"""API key scopes: every route of the replica's app x every kind of key (the decision of
+`ApiKeys.check`, and over HTTP through the app's own dependency for the document routes); the
+stack test runs the same over a live service (tests/integration/test_stack_keep.py)."""
 
 import pytest
 
-from serve_rft.explorer.auth import ApiKeys
+from serve_rft.explorer.auth import ADMIN, INFERENCE, REWARDS, ApiKeys, required_scope
 from serve_rft.explorer.protocol import ApiError
 
+KEYS = ApiKeys(["inf"], ["adm"], ["rew"])
+HEADERS = {"none": None, "empty bearer": "Bearer", "basic": "Basic adm", "unknown": "Bearer nope",
+           "prefix of a key": "Bearer ad", "inference": "Bearer inf", "reward": "Bearer rew", "admin": "Bearer adm"}
+GRANTS = {"inference": {INFERENCE}, "reward": {REWARDS}, "admin": {INFERENCE, REWARDS, ADMIN}}
 
-def _refused(keys: ApiKeys, path: str, header: str | None) -> bool:
+
+def _answer(keys: ApiKeys, path: str, header: str | None) -> int:
     try:
         keys.check(path, header)
     except ApiError as e:
-        assert e.status == 401 and e.body()["error"]["code"] == "invalid_api_key"
-        return True
-    return False
+        code = e.body()["error"]["code"]
+        assert (e.status, code) in ((401, "invalid_api_key"), (403, "insufficient_scope")), e.body()
+        return e.status
+    return 200
 
 
-def test_no_keys_means_open():
-    assert not _refused(ApiKeys([], []), "/v1/rewards", None)
+def _routes() -> list[str]:
+    """Every path the replica's app serves (the replica module registers its routes on it)."""
+    import serve_rft.explorer.replica  # noqa: F401
+    from serve_rft.explorer.http import app
+
+    return [r.path.replace("{completion_id}", "x").replace("{replica_id}", "r").replace("{model_id:path}", "m")
+            for r in app.routes]
 
 
-@pytest.mark.parametrize("path,header,refused", [
-    ("/health", None, False),
-    ("/v1/chat/completions", None, True),
-    ("/v1/chat/completions", "Bearer", True),
-    ("/v1/chat/completions", "Basic inf", True),
-    ("/v1/chat/completions", "Bearer nope", True),
-    ("/v1/chat/completions", "Bearer inf", False),
-    ("/v1/models", "bearer inf", False),
-    ("/v1/chat/completions", "Bearer adm", False),
-    ("/v1/rewards", "Bearer inf", True),
-    ("/v1/status", "Bearer inf", True),
-    ("/v1/experiences/x", "Bearer inf", True),
-    ("/v1/rewards", "Bearer adm", False),
-    ("/v1/status", "Bearer adm", False),
+EXPECTED_SCOPE = {
+    "/health": None,
+    "/v1/chat/completions": INFERENCE, "/v1/completions": INFERENCE, "/v1/responses": INFERENCE,
+    "/v1/models": INFERENCE, "/v1/models/m": INFERENCE,
+    "/v1/rewards": REWARDS,
+    "/v1/experiences/x": ADMIN, "/v1/status": ADMIN, "/v1/sync/events": ADMIN, "/v1/sync/rollout": ADMIN,
+    "/v1/sync/pin": ADMIN, "/v1/sync/rollback": ADMIN, "/v1/sync/promotion": ADMIN,
+    "/v1/sync/replicas/r/drain": ADMIN, "/openapi.json": ADMIN, "/docs": ADMIN, "/redoc": ADMIN,
+}
+
+
+def test_every_route_has_the_expected_scope():
+    """A new route is admin-only until it is listed here (and in auth's table) on purpose."""
+    routes = _routes()
+    assert sorted(routes) == sorted(EXPECTED_SCOPE)
+    assert {p: required_scope(p) for p in routes} == EXPECTED_SCOPE
+    assert required_scope("/v1/anything-new") == ADMIN
+
+
+@pytest.mark.parametrize("path", sorted(EXPECTED_SCOPE))
+@pytest.mark.parametrize("kind", sorted(HEADERS))
+def test_every_route_x_key_kind(path, kind):
+    """No / malformed / unknown key: 401; a known key without the scope: 403; with it: allowed."""
+    scope, header = EXPECTED_SCOPE[path], HEADERS[kind]
+    if scope is None:
+        expected = 200
+    elif kind not in GRANTS:
+        expected = 401
+    else:
+        expected = 200 if scope in GRANTS[kind] else 403
+    assert _answer(KEYS, path, header) == expected
+
+
+def test_scheme_is_case_insensitive_and_the_key_is_not():
+    assert _answer(KEYS, "/v1/models", "bearer inf") == 200
+    assert _answer(KEYS, "/v1/models", "Bearer INF") == 401
+
+
+def test_a_key_in_two_lists_has_both_scopes():
+    keys = ApiKeys(["both"], [], ["both"])
+    assert _answer(keys, "/v1/chat/completions", "Bearer both") == 200
+    assert _answer(keys, "/v1/rewards", "Bearer both") == 200
+    assert _answer(keys, "/v1/status", "Bearer both") == 403
+
+
+def test_the_refusal_says_what_is_missing():
+    with pytest.raises(ApiError) as e:
+        KEYS.check("/v1/sync/rollback", "Bearer rew")
+    assert e.value.status == 403 and "Missing scope: admin" in e.value.message
+    with pytest.raises(ApiError) as e:
+        KEYS.check("/v1/rewards", "Bearer inf")
+    assert e.value.status == 403 and "reward or an admin key" in e.value.message
+
+
+@pytest.mark.parametrize("kinds", [
+    {"api_keys": []}, {"api_keys": ["", ""]},  # empty entries are no keys
 ])
-def test_scopes(path, header, refused):
-    assert _refused(ApiKeys(["inf"], ["adm"]), path, header) is refused
+def test_no_keys_means_open(kinds):
+    keys = ApiKeys(kinds["api_keys"], [], [])
+    assert not keys.enabled
+    assert _answer(keys, "/v1/sync/rollback", None) == 200
+
+
+def test_any_one_kind_turns_auth_on_for_every_route():
+    for keys in (ApiKeys(["i"], []), ApiKeys([], ["a"]), ApiKeys([], [], ["r"])):
+        assert keys.enabled
+        assert _answer(keys, "/v1/sync/rollback", None) == 401
+        assert _answer(keys, "/v1/chat/completions", None) == 401
 
 
 def test_keys_come_from_the_environment(monkeypatch):
@@ -43,5 +107,45 @@ def test_keys_come_from_the_environment(monkeypatch):
 
     monkeypatch.setenv("SERVE_RFT_API_KEYS", "a, b")
     monkeypatch.setenv("SERVE_RFT_ADMIN_KEYS", "c")
+    monkeypatch.setenv("SERVE_RFT_REWARD_KEYS", "d,")
     cfg = load_config(None, [])
-    assert (cfg.service.api_keys, cfg.service.admin_keys) == (["a", "b"], ["c"])
+    assert (cfg.service.api_keys, cfg.service.admin_keys, cfg.service.reward_keys) == (["a", "b"], ["c"], ["d"])
+    keys = ApiKeys.from_config(cfg.service)
+    assert _answer(keys, "/v1/rewards", "Bearer d") == 200 and _answer(keys, "/v1/models", "Bearer d") == 403
+
+
+@pytest.fixture
+def client():
+    """The replica's app over HTTP with its key check answered by `KEYS` (no Serve replica)."""
+    from fastapi import Request
+    from fastapi.testclient import TestClient
+
+    from serve_rft.explorer import http
+
+    def check(request: Request) -> None:
+        KEYS.check(request.url.path, request.headers.get("authorization"))
+
+    http.app.dependency_overrides[http.authorize] = check
+    try:
+        yield TestClient(http.app)
+    finally:
+        http.app.dependency_overrides.clear()
+
+
+@pytest.mark.parametrize("path", ["/openapi.json", "/docs", "/redoc"])
+def test_the_api_document_and_its_pages_take_the_admin_scope(client, path):
+    assert client.get(path).status_code == 401
+    r = client.get(path, headers={"Authorization": "Bearer inf"})
+    assert r.status_code == 403 and r.json()["error"]["code"] == "insufficient_scope"
+    r = client.get(path, headers={"Authorization": "Bearer adm"})
+    assert r.status_code == 200
+    if path == "/openapi.json":
+        assert "/v1/rewards" in r.json()["paths"]
+    else:
+        assert "/openapi.json" in r.text
+
+
+def test_an_unauthenticated_operator_route_never_reaches_its_handler(client):
+    """With keys on, ``POST /v1/sync/rollback`` with no key is 401 before its body is read."""
+    r = client.post("/v1/sync/rollback", content=b"not json")
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.rollout_sim import Fleet
 from serve_rft.config import CanaryConfig, SynchronizerConfig
 from serve_rft.synchronizer.canary import ArmStats, judge
+from serve_rft.synchronizer.simulation import Fleet
 
 
 def _arm(rewards, requests=0, errors=0, latency=0.0):

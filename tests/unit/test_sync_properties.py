@@ -1,7 +1,7 @@
 """Property tests of the synchronizer's state machine on a simulated clock.
 
-A hypothesis `RuleBasedStateMachine` drives `benchmarks.rollout_sim.Fleet` (replicas and a
-trainer playing the synchronizer protocol against the real `SyncState`) with publishes, polls,
+A hypothesis `RuleBasedStateMachine` drives `serve_rft.synchronizer.simulation.Fleet` (replicas
+and a trainer playing the synchronizer protocol against the real `SyncState`) with publishes, polls,
 deaths, joins, slow and failing loads, scale-downs, operator drains and synchronizer restarts,
 and checks the invariants after every step:
 
@@ -26,9 +26,9 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from benchmarks.rollout_sim import Fleet
 from serve_rft.config import CanaryConfig, SynchronizerConfig
 from serve_rft.synchronizer.canary import ArmStats
+from serve_rft.synchronizer.simulation import Fleet
 from serve_rft.types import ComponentState
 
 LAG_S = 10.0

@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from serve_rft.weights.folders import MARKER, committed_versions, save_version, version_dir
+from serve_rft.weights.folders import MARKER, committed_versions, fsync_folder, save_version, version_dir
 
 log = logging.getLogger("serve_rft.trainer")
 
@@ -203,7 +203,9 @@ def read_state(path: str | Path) -> TrainerState:
 
 
 def record_published(root: str | Path, version: int) -> None:
-    """Durably record that ``version`` is about to be published (atomic replace + fsync)."""
+    """Durably record that ``version`` is about to be published: the file written and fsynced
+    under a temp name, renamed over ``PUBLISHED``, then ``root`` fsynced (the rename is durable
+    only then: fsync(2), NOTES)."""
     import os
 
     root = Path(root)
@@ -214,6 +216,7 @@ def record_published(root: str | Path, version: int) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, root / PUBLISHED_FILE)
+    fsync_folder(root)
 
 
 def published_floor(root: str | Path) -> int:

@@ -5,6 +5,7 @@ Layout under ``root``: ``v000007/`` holds ``config.json`` + ``model.safetensors`
 ``COMMITTED`` marker written last. A version is written to a hidden temp folder, fsynced,
 renamed into place, then marked, so a reader never sees a partial version; every version gets
 a new folder (vLLM issue #32718: reloading from the same path can return stale weights).
+Pruning keeps the newest versions and every version in use, whatever its age (`kept_versions`).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Collection
 
 MARKER = "COMMITTED"
 
@@ -31,6 +32,11 @@ def _fsync_dir(path: Path) -> None:
         elif f.is_file():
             with open(f, "rb") as fh:
                 os.fsync(fh.fileno())
+    fsync_folder(path)
+
+
+def fsync_folder(path: str | Path) -> None:
+    """fsync ``path``'s own entries (a rename into it, a file created in it), not its files."""
     fd = os.open(str(path), os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -38,13 +44,27 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def save_version(model, root: str | Path, version: int, keep: int = 3, in_use_floor: int | None = None,
+def write_durably(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` and fsync the file, then its folder (the new entry)."""
+    with open(path, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    fsync_folder(path.parent)
+
+
+def save_version(model, root: str | Path, version: int, keep: int = 3, in_use: Collection[int] | None = (),
                  extra: Callable[[Path], None] | None = None) -> Path:
     """Write ``model`` (a transformers model) as policy ``version`` and prune old versions.
 
-    ``in_use_floor``: the oldest version a replica serves or may still load; versions at or
-    above it are never pruned (a replica restores its current version if a load fails).
-    ``extra(folder)`` writes more files into the folder before it is committed.
+    Durable when it returns: the files and the temp folder are fsynced, then the rename into
+    place and ``root`` (its entry), then the ``COMMITTED`` marker and the version folder (the
+    marker's entry), so a version announced or a trainer state acknowledged after this call
+    survives a power loss (rename(2) and creat(2) are durable only once the folder holding the
+    new entry is fsynced: fsync(2), NOTES).
+
+    ``in_use``: versions a replica serves or may still load (`prune`; None: not known yet, prune
+    nothing). ``extra(folder)`` writes more files into the folder before it is committed.
 
     Returns:
         The committed folder.
@@ -68,8 +88,9 @@ def save_version(model, root: str | Path, version: int, keep: int = 3, in_use_fl
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
-    (final / MARKER).write_text(str(version))
-    prune(root, keep, in_use_floor)
+    fsync_folder(root)
+    write_durably(final / MARKER, str(version))
+    prune(root, keep, in_use)
     return final
 
 
@@ -89,8 +110,18 @@ PRUNED = ".pruned-"
 """Prefix of a version folder taken out of the committed set and not yet deleted (`prune`)."""
 
 
-def prune(root: str | Path, keep: int, in_use_floor: int | None = None) -> None:
-    """Delete committed versions older than the newest ``keep`` and below ``in_use_floor``.
+def kept_versions(committed: list[int], keep: int, in_use: Collection[int] | None = ()) -> set[int]:
+    """Which of the ``committed`` versions (ascending) `prune` keeps: the newest ``keep`` and
+    every version in ``in_use`` (those a replica serves, restores to on a failed load, is
+    loading, or the synchronizer holds a handle of); all of them when ``in_use`` is None (not
+    known yet: a restarted synchronizer waiting for its replicas)."""
+    if in_use is None:
+        return set(committed)
+    return set(committed[-keep:] if keep > 0 else []) | (set(committed) & set(in_use))
+
+
+def prune(root: str | Path, keep: int, in_use: Collection[int] | None = ()) -> None:
+    """Delete the committed versions `kept_versions` does not keep.
 
     Each goes in two steps: one atomic rename out of the committed set (to a hidden folder), then
     the deletion. A kill during a deletion thus leaves a hidden folder, which the next prune
@@ -99,8 +130,10 @@ def prune(root: str | Path, keep: int, in_use_floor: int | None = None) -> None:
     root = Path(root)
     for leftover in root.glob(f"{PRUNED}*"):  # what an earlier prune did not finish
         shutil.rmtree(leftover, ignore_errors=True)
-    for v in committed_versions(root)[:-keep]:
-        if in_use_floor is None or v < in_use_floor:
+    committed = committed_versions(root)
+    kept = kept_versions(committed, keep, in_use)
+    for v in committed:
+        if v not in kept:
             gone = root / f"{PRUNED}{version_dir(root, v).name}"
             os.rename(version_dir(root, v), gone)
             shutil.rmtree(gone, ignore_errors=True)

@@ -1,0 +1,114 @@
+"""A trainer state is durable before the entries it covers are acknowledged, and a published
+version before it is announced: the files, the rename into place and its parent folder, the
+``COMMITTED`` marker and its folder are fsynced first (fsync(2), NOTES: a new directory entry
+is durable only once its folder is fsynced). Order observed with a spy on ``os.fsync`` and
+``os.rename`` through a real `Publishing._publish` (CHECKPOINT method, real folders)."""
+
+import asyncio
+import os
+from pathlib import Path
+
+from serve_rft.config import Config
+from serve_rft.trainer.feed import ExperienceFeed
+from serve_rft.trainer.publishing import Publishing
+from serve_rft.trainer.state import PUBLISHED_FILE, save_state
+from serve_rft.weights import CheckpointMethod
+from serve_rft.weights.folders import MARKER, version_dir
+
+
+class _Tiny:
+    def save_pretrained(self, path, safe_serialization=True):
+        (Path(path) / "model.safetensors").write_bytes(b"weights")
+        (Path(path) / "config.json").write_text("{}")
+
+
+class _Policy:
+    def publish_model(self):
+        return _Tiny()
+
+    def check_finite(self) -> None:
+        pass
+
+    def save(self, root, model, version, step, trained, tokenizer_dir, keep, published):
+        return save_state(root, model, None, version, step, None, trained, None, keep, published=published)
+
+
+class _Remote:
+    def __init__(self, log, name, value=None):
+        self.log, self.name, self.value = log, name, value
+
+    async def remote(self, *args):
+        self.log.append((self.name,))
+        return self.value
+
+
+class _Sync:
+    def __init__(self, log):
+        self.in_use_versions = _Remote([], "in_use", [])
+        self.publish = _Remote(log, "announce")
+
+
+class _Store:
+    def __init__(self, log):
+        self.log = log
+
+    async def ack_entries(self, entries, state="trained"):
+        self.log.append(("ack",))
+        return len(entries), 0
+
+
+class _Trainer(Publishing):
+    def __init__(self, tmp: Path, log):
+        self.cfg = Config()
+        self.cfg.trainer.save_interval = 1
+        self.cfg.synchronizer.verify = False
+        self.state_root = tmp / "trainer_state"
+        self.model_path = str(tmp)
+        self.step_num = self.version = 1
+        self.phase = "training"
+        self.published = None
+        self.unpublished, self.unsaved = [], [("1-0", "c:0", 1)]
+        self.publishes_since_save = 0
+        self.feed = ExperienceFeed(self.cfg.trainer, _Store(log), None)
+
+
+def test_marker_rename_and_parents_are_fsynced_before_announce_and_ack(tmp_path, monkeypatch):
+    log: list[tuple] = []
+    real_fsync, real_rename, real_replace = os.fsync, os.rename, os.replace
+
+    def fsync(fd):
+        log.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        return real_fsync(fd)
+
+    def rename(src, dst):
+        log.append(("rename", str(dst)))
+        return real_rename(src, dst)
+
+    def replace(src, dst):
+        log.append(("rename", str(dst)))
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "rename", rename)
+    monkeypatch.setattr(os, "replace", replace)
+    trainer = _Trainer(tmp_path, log)
+    weights = CheckpointMethod(tmp_path / "weights")
+    weights.prepare()
+    asyncio.run(trainer._publish(_Policy(), weights, _Sync(log), trainer.feed.store))
+
+    def at(event: tuple) -> int:
+        assert event in log, f"{event} never happened: {log}"
+        return log.index(event)
+
+    state_root, weights_root = str(trainer.state_root), str(tmp_path / "weights")
+    # PUBLISHED: replaced, then its folder fsynced, before the weights are even written
+    assert at(("rename", f"{state_root}/{PUBLISHED_FILE}")) < at(("fsync", state_root)) < at(
+        ("rename", str(version_dir(weights_root, 1))))
+    for root, then in ((weights_root, ("announce",)), (state_root, ("ack",))):
+        folder = str(version_dir(root, 1))
+        renamed = at(("rename", folder))
+        parent = log.index(("fsync", root), renamed)
+        marker = at(("fsync", f"{folder}/{MARKER}"))
+        folder_after_marker = log.index(("fsync", folder), marker)
+        assert renamed < parent < marker < folder_after_marker < at(then), log
+    assert at(("announce",)) < at(("ack",))

@@ -199,8 +199,10 @@ class Synchronizer(SyncMonitor):
         """EXPLORER_DRIVEN: a replica waits for weights newer than the latest version."""
         return self.state.sync_requested()
 
-    def in_use_floor(self) -> int:
-        return self.state.in_use_floor(time.time())
+    def in_use_versions(self) -> list[int] | None:
+        """Versions whose checkpoints must stay loadable (`SyncState.in_use_versions`; None:
+        not known yet, prune nothing)."""
+        return self.state.in_use_versions(time.time())
 
     def lagging(self, version: int) -> int:
         """NCCL: live replicas due for a sync still below ``version`` (`SyncState.lagging`)."""

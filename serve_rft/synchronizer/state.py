@@ -123,17 +123,22 @@ class SyncState(ReplicaEvents):
     def latest_version(self) -> int:
         return self.latest.version if self.latest else 0
 
-    def in_use_floor(self, now: float | None = None) -> int:
-        """The oldest version that may still be loaded: served by a replica not known dead
-        (one that stopped answering may come back and restore it), the incumbent, the candidate,
-        the pinned version, and every version whose handle is kept. Checkpoints at or above it
-        are never pruned."""
+    def in_use_versions(self, now: float | None = None) -> list[int] | None:
+        """The versions that may still be loaded, ascending: served by a replica not known dead
+        (one that stopped answering may come back and restore it), being loaded, the incumbent,
+        the candidate, the pinned version, and every version whose handle is kept. Their
+        checkpoints are never pruned. None while a restarted synchronizer waits for its
+        replicas to introduce themselves (any version may be in use: prune nothing)."""
         if (self._now if now is None else now) < self.hold_grants_until:
-            return 0  # restarted: replicas have not all introduced themselves yet; prune nothing
-        keep = list(self.members.alive_versions) + list(self.members.granted_versions())
-        keep += [v for v in (self.incumbent, self.candidate, self.pinned) if v is not None]
-        keep += [v.version for v in self.versions.by_version.values() if v.handle is not None and v.version]
-        return min(keep, default=0)
+            return None
+        keep = set(self.members.alive_versions) | self.members.granted_versions()
+        keep |= {v for v in (self.incumbent, self.candidate, self.pinned) if v is not None}
+        keep |= {v.version for v in self.versions.by_version.values() if v.handle is not None and v.version}
+        return sorted(keep)
+
+    def in_use_floor(self, now: float | None = None) -> int:
+        """The oldest of `in_use_versions` (0: none, or not known yet)."""
+        return min(self.in_use_versions(now) or [0])
 
     def lagging(self, version: int) -> int:
         """Live replicas that are due for a sync (their style's schedule) and serve a version

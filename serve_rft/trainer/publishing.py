@@ -68,10 +68,10 @@ class Publishing:
         self.step_num = version
         self.phase = "publishing"
         await asyncio.to_thread(record_published, self.state_root, version)
-        floor = await sync.in_use_floor.remote()
+        in_use = await sync.in_use_versions.remote()
         t0 = time.perf_counter()
         model = await asyncio.to_thread(policy.publish_model)
-        handle = await asyncio.to_thread(method.send, model, version, floor)
+        handle = await asyncio.to_thread(method.send, model, version, in_use)
         if self.cfg.synchronizer.verify:  # replicas check the weights in effect against this
             handle["probe"] = await asyncio.to_thread(policy.probe, model, version)
         seconds = time.perf_counter() - t0

@@ -10,7 +10,7 @@ must stay loadable until every replica moved past its version. A new method is o
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any, Awaitable, Callable, ClassVar
+from typing import Any, Awaitable, Callable, ClassVar, Collection
 
 
 class EngineUnchanged(Exception):
@@ -46,12 +46,14 @@ class WeightSyncMethod(ABC):
         return 0
 
     @abstractmethod
-    def send(self, model, version: int, in_use_floor: int | None = None) -> dict[str, Any]:
+    def send(self, model, version: int, in_use: Collection[int] | None = ()) -> dict[str, Any]:
         """Trainer side: publish ``model``'s weights as ``version``.
 
         Args:
             model: a transformers ``PreTrainedModel`` (any device).
-            in_use_floor: oldest version a live replica serves; its data must stay loadable.
+            in_use: versions a replica serves, restores to on a failed load, is loading, or the
+                synchronizer holds a handle of: their data must stay loadable, whatever their
+                age (None: not known yet, e.g. a restarted synchronizer; drop nothing).
         Returns:
             The handle replicas pass to ``receive`` (``{"method": name, ...}``).
         """

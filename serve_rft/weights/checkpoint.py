@@ -12,7 +12,7 @@ reloading weights.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Collection
 
 from serve_rft.weights.base import WeightSyncMethod
 
@@ -38,14 +38,14 @@ class CheckpointMethod(WeightSyncMethod):
         versions = committed_versions(self.root)
         return versions[-1] if versions else 0
 
-    def send(self, model, version: int, in_use_floor: int | None = None) -> dict[str, Any]:
+    def send(self, model, version: int, in_use: Collection[int] | None = ()) -> dict[str, Any]:
         from serve_rft.weights.folders import save_version
 
         from serve_rft.weights.adapters import is_adapter_model
 
         from serve_rft.weights.verify import folder_checksums
 
-        path = save_version(model, self.root, version, self.keep, in_use_floor)
+        path = save_version(model, self.root, version, self.keep, in_use)
         return {"method": self.name, "path": str(path), "adapter": is_adapter_model(model),
                 "checksums": folder_checksums(path)}
 

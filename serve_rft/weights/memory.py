@@ -16,7 +16,7 @@ as the LoRA adapter of the version (`ExplorerEngine.load_adapter`).
 from __future__ import annotations
 
 import time
-from typing import Any, Iterator
+from typing import Any, Collection, Iterator
 
 from serve_rft.weights.base import WeightSyncMethod
 
@@ -50,7 +50,7 @@ class MemoryMethod(WeightSyncMethod):
     def __init__(self, bucket_bytes: int = 32 << 20):
         self.bucket_bytes = bucket_bytes
 
-    def send(self, model, version: int, in_use_floor: int | None = None) -> dict[str, Any]:
+    def send(self, model, version: int, in_use: Collection[int] | None = ()) -> dict[str, Any]:
         import ray
 
         from serve_rft.weights.adapters import adapter_tensors, is_adapter_model

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable, Collection
 
 from serve_rft.weights.base import EngineBroken, EngineUnchanged, WeightSyncMethod
 from serve_rft.weights.nccl_sender import RANK_OFFSET, NcclSender
@@ -108,7 +108,7 @@ class NcclMethod(WeightSyncMethod):
         if self.sender is None:
             self.sender = NcclSender()
 
-    def send(self, model, version: int, in_use_floor: int | None = None) -> dict[str, Any]:
+    def send(self, model, version: int, in_use: Collection[int] | None = ()) -> dict[str, Any]:
         self.sender.model = model
         nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
         return {"method": self.name, "version": version, "bytes": nbytes}

@@ -40,8 +40,36 @@ def test_uncommitted_folder_is_not_a_version(tmp_path):
 def test_versions_in_use_by_a_replica_are_never_pruned(tmp_path):
     m = _Tiny()
     for v in range(1, 7):
-        save_version(m, tmp_path, v, keep=2, in_use_floor=2)
-    assert committed_versions(tmp_path) == [2, 3, 4, 5, 6]
+        save_version(m, tmp_path, v, keep=2, in_use={2})
+    assert committed_versions(tmp_path) == [2, 5, 6]
+
+
+def test_one_old_version_in_use_keeps_itself_not_everything_above_it(tmp_path):
+    """A pinned (or lagging) version keeps its own folder and the newest ``keep``: 40 versions
+    with version 2 in use leave 3 folders, not the 38 from 2 up (each tens of GB at real sizes)."""
+    m = _Tiny()
+    for v in range(1, 41):
+        save_version(m, tmp_path, v, keep=2, in_use=[2, 17, 39])
+    assert committed_versions(tmp_path) == [2, 17, 39, 40]
+
+
+def test_the_kept_set_is_the_versions_in_use_and_the_newest_keep():
+    from serve_rft.weights.folders import kept_versions
+
+    committed = [1, 2, 3, 5, 8, 13]
+    assert kept_versions(committed, 2) == {8, 13}
+    assert kept_versions(committed, 2, {1, 5, 99}) == {1, 5, 8, 13}  # 99: not on disk, nothing to keep
+    assert kept_versions(committed, 0, {3}) == {3}
+    assert kept_versions(committed, 2, None) == set(committed)  # not known yet: prune nothing
+
+
+def test_nothing_is_pruned_while_the_versions_in_use_are_not_known(tmp_path):
+    m = _Tiny()
+    for v in range(1, 6):
+        save_version(m, tmp_path, v, keep=2, in_use=None)
+    assert committed_versions(tmp_path) == [1, 2, 3, 4, 5]
+    save_version(m, tmp_path, 6, keep=2, in_use=[])
+    assert committed_versions(tmp_path) == [5, 6]
 
 
 def test_a_crash_mid_write_leaves_no_loadable_version(tmp_path):

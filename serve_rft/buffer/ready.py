@@ -169,3 +169,10 @@ class ReadyStream:
             for sid in stream_ids:
                 pipe.hincrby(self._k("attempts"), sid, 1)
             return [int(n) for n in await pipe.execute()]
+
+    async def clear_attempts(self, stream_ids: list[str]) -> None:
+        """Forget the step attempts of entries whose step succeeded (``P:attempts``): a trainer
+        process that dies later, before a saved state covers them, did not die in their step, so
+        its restart must not count against them (`begin_attempt` counts only crashed steps)."""
+        if stream_ids:
+            await self.redis.hdel(self._k("attempts"), *stream_ids)

@@ -165,6 +165,7 @@ class Trainer(Publishing):
                 continue
             self.phase = "training"
             stats = await asyncio.to_thread(policy.step, batch)
+            await feed.stepped(batch)
             self.step_num += 1
             self.steps_done += 1
             self.unpublished.extend(batch)

@@ -121,6 +121,12 @@ class ExperienceFeed:
             log.error("dead-lettered %d ready entries after %d crashed attempts", len(over), limit)
         return [b for b, n in zip(batch, attempts) if n <= limit]
 
+    async def stepped(self, batch: list[RewardedExperience]) -> None:
+        """``batch``'s step succeeded: forget its attempts, so that restarts of trainer processes
+        that die later (before a saved state covers the entries) do not count as crashes in
+        their step and dead-letter entries that never crashed anything."""
+        await self.store.clear_attempts([b.stream_id for b in batch])
+
     async def drop_stale(self, batch: list[RewardedExperience], version: int) -> list[RewardedExperience]:
         """Acknowledge as ``stale-dropped`` (counted, never trained; ``version``: the trainer's
         published version) the experiences whose oldest token is more than ``max_staleness``

@@ -116,3 +116,37 @@ def test_the_feed_leaves_grammar_sampled_experiences_out_of_the_loss_counted(red
         assert [(c.state, c.trained_version) for c in await store.choices("chatcmpl-forced")] == [("constrained", 4)]
         await store.close()
     asyncio.run(go())
+
+
+def test_restarts_after_successful_steps_dead_letter_nothing(redis_server):
+    """Entries trained by a step that succeeded stay delivered and unacknowledged until a saved
+    state covers them; trainer processes that die meanwhile (in a publish, a kill) must not count
+    as crashes in their step. Four processes in a row (max_entry_attempts is 3) each step the
+    same redelivered entries successfully and die: nothing is dead-lettered. An entry whose step
+    never finishes is dead-lettered after the bound, as before."""
+    from serve_rft.config import TrainerConfig
+    from serve_rft.trainer.feed import ExperienceFeed
+
+    async def go():
+        store = ExperienceStore(redis_server.url, prefix=f"t{uuid.uuid4().hex[:8]}")
+        for cid in ("chatcmpl-a", "chatcmpl-b"):
+            await store.log_experiences([_exp(cid, 0)])
+        await store.ensure_group()
+        for cid in ("chatcmpl-a", "chatcmpl-b"):
+            await store.post_reward(cid, 0, 1.0)
+        cfg = TrainerConfig(max_entry_attempts=3)
+        await store.read_ready("trainer", 10, block_ms=10)  # the first process takes both
+        for _ in range(4):  # each process: read its backlog, step, step succeeds, process dies
+            feed = ExperienceFeed(cfg, store, metrics=None)
+            batch = await feed.count_attempts(await store.delivered("trainer"))
+            assert len(batch) == 2
+            await feed.stepped(batch)
+        assert feed.dead_lettered == 0 and (await store.counts()).dead_lettered == 0
+        for _ in range(3):  # a step that kills its process every time
+            feed = ExperienceFeed(cfg, store, metrics=None)
+            assert len(await feed.count_attempts(await store.delivered("trainer"))) == 2
+        feed = ExperienceFeed(cfg, store, metrics=None)
+        assert await feed.count_attempts(await store.delivered("trainer")) == []
+        assert feed.dead_lettered == 2
+        await store.close()
+    asyncio.run(go())

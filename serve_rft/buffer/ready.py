@@ -49,27 +49,32 @@ class ReadyStream:
         one when there is none. Entries delivered earlier and never acknowledged are re-read
         with `delivered`.
 
+        ``exclude`` (the stream ids the caller already holds) is never returned, on every path:
+        the READ script skips them besides the consumer group's pending entries list, so an
+        entry is not handed out twice when Redis lost that list (an AOF restored to an earlier
+        point, a failover to a lagging replica, an external Redis).
+
         If the connection drops during the read, Redis may have delivered entries with the reply
-        lost: then every delivered, unacknowledged entry whose stream id is not in ``exclude``
-        (what the caller already holds) is returned instead, possibly more than ``count``.
+        lost: then every delivered, unacknowledged entry not in ``exclude`` is returned instead,
+        possibly more than ``count``.
         """
+        held = exclude or set()
         await self.sweep()
         try:
-            raw, last = await self._read_free(consumer, count, newest_first)
+            raw, last = await self._read_free(consumer, count, newest_first, held)
             if not raw and block_ms > 0:  # nothing free: wait for an entry newer than the newest
                 await self._reader.xread({self._k("ready"): last}, count=1, block=block_ms)
-                raw, _ = await self._read_free(consumer, count, newest_first)
-            return await self._parsed(raw)
+                raw, _ = await self._read_free(consumer, count, newest_first, held)
+            return [e for e in await self._parsed(raw) if e.stream_id not in held]
         except (RedisConnectionError, RedisTimeoutError):
-            held = exclude or set()
             return [e for e in await self.delivered(consumer) if e.stream_id not in held]
 
-    async def _read_free(self, consumer: str, count: int, newest_first: bool
+    async def _read_free(self, consumer: str, count: int, newest_first: bool, held: set[str]
                          ) -> tuple[list[tuple[str, dict]], str]:
-        """The READ script on the never-retried connection: (entries as (id, fields), the
-        stream's newest id)."""
-        entries, last = await self._read_script(args=[self.p, consumer, count, int(newest_first)],
-                                                client=self._reader)
+        """The READ script on the never-retried connection, skipping the ids in ``held``:
+        (entries as (id, fields), the stream's newest id)."""
+        entries, last = await self._read_script(
+            args=[self.p, consumer, count, int(newest_first), *sorted(held)], client=self._reader)
         return [(eid, dict(zip(f[::2], f[1::2]))) for eid, f in entries], last
 
     async def drop_stale(self, threshold: int, version: int, limit: int = SWEEP_BATCH) -> int:
@@ -114,7 +119,9 @@ class ReadyStream:
         """Acknowledge ready entries: XACK + XDEL and mark each choice ``state`` (``trained``,
         ``stale-dropped``, or ``constrained``: sampled under a grammar the trainer does not
         apply, left out of the loss) with ``version``, in one script. Entries already acknowledged are
-        skipped, so a retried ack counts nothing twice.
+        skipped, so a retried ack counts nothing twice; an entry still in the stream whose
+        delivery Redis lost (in no pending entries list: an AOF restored to an earlier point) is
+        acknowledged all the same.
 
         Returns:
             (newly trained, newly acknowledged untrained: stale-dropped or constrained).

@@ -17,7 +17,12 @@ class RewardError(Exception):
 
 
 class RewardNotFinite(RewardError):
-    """The reward is not a finite number."""
+    """The reward is not a finite number (or its square, which the per-version sums add up, is
+    not: about abs(r) > 1.34e154)."""
+
+
+class RewardOutOfRange(RewardError):
+    """The reward is outside ``buffer.reward_range``."""
 
 
 class UnknownChoice(RewardError):

@@ -128,12 +128,16 @@ class RedisServer:
 
 
 def start_redis(data_dir: str | Path, port: int | None = None, timeout_s: float = 20.0,
-                appendfsync: str = "everysec", maxmemory_bytes: int | None = None) -> RedisServer:
+                appendfsync: str = "always", maxmemory_bytes: int | None = None) -> RedisServer:
     """Start ``redis-server`` with append-only persistence in ``data_dir``.
 
     Args:
-        appendfsync: ``everysec`` (an acknowledged write survives a crash unless it was in the
-            last second) or ``always`` (fsync before every reply: none is lost).
+        appendfsync: ``always`` (the AOF is written and fsynced before every reply: an
+            acknowledged write survives a kill -9 of redis-server and a crash of the machine) or
+            ``everysec`` (fsync once a second; while a background fsync is slow, Redis postpones
+            even the write of the AOF up to 2 s and answers meanwhile, so an acknowledged write
+            can be lost to a kill -9 of redis-server too: Redis docs, "Redis persistence", and
+            ``flushAppendOnlyFile`` in Redis's src/aof.c).
         maxmemory_bytes: Redis ``maxmemory`` with ``noeviction``: past it writes are refused
             (the store counts and reports them), nothing is evicted. None: no bound.
 
@@ -193,7 +197,7 @@ class RedisSupervisor:
         Whatever `start_redis` raises for the first start.
     """
 
-    def __init__(self, data_dir: str | Path, appendfsync: str = "everysec",
+    def __init__(self, data_dir: str | Path, appendfsync: str = "always",
                  maxmemory_bytes: int | None = None, key_prefix: str | None = None,
                  max_restarts: int = 5, window_s: float = 300.0, poll_s: float = 0.5):
         import threading

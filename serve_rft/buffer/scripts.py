@@ -24,7 +24,9 @@ local function release(P, gid)
       local ok, e = pcall(cjson.decode, exp)
       if ok and type(e) == 'table' and type(e['token_versions']) == 'table' then
         for k, span in ipairs(e['token_versions']) do
-          if k == 1 or span[1] < v then v = span[1] end
+          if type(span) == 'table' and type(span[1]) == 'number' and (k == 1 or span[1] < v) then
+            v = span[1]
+          end
         end
       end
       redis.call('XADD', P..':ready', '*', 'exp', exp, 'reward', reward, 'member', m, 'prompt', prompt,
@@ -41,14 +43,18 @@ local function release(P, gid)
 end
 
 -- Ready entries no consumer of the trainer group holds (not in its pending entries list, which
--- is small: what a trainer holds), up to `n`, newest first (`newest`) or oldest first
-local function free_entries(rk, n, newest)
+-- is small: what a trainer holds, nor in `also`, the ids a trainer says it holds), up to `n`,
+-- newest first (`newest`) or oldest first
+local function free_entries(rk, n, newest, also)
   local held, h = {}, 0
   if redis.call('EXISTS', rk) == 0 then return {} end
   local ok, pend = pcall(redis.call, 'XPENDING', rk, 'trainer', '-', '+', 1000000)
   if ok then
     for _, p in ipairs(pend) do held[p[1]] = true end
     h = #pend
+  end
+  for _, id in ipairs(also or {}) do
+    if not held[id] then held[id] = true; h = h + 1 end
   end
   local page
   if newest then page = redis.call('XREVRANGE', rk, '+', '-', 'COUNT', n + h)
@@ -108,6 +114,17 @@ redis.call('HINCRBY', P..':stat', 'logged', n)
 return n
 """
 
+_ACKNOWLEDGED = """
+-- XACK one ready entry; true if this call acknowledged it. An entry still in the stream but in
+-- no pending entries list (the list was lost: an AOF restored to an earlier point, a failover to
+-- a lagging replica) was delivered all the same, and is acknowledged now too; one acknowledged
+-- before is no longer in the stream (XDEL), so a retried acknowledgement counts nothing twice.
+local function acknowledged(P, id)
+  if redis.call('XACK', P..':ready', 'trainer', id) == 1 then return true end
+  return #redis.call('XRANGE', P..':ready', id, id) > 0
+end
+"""
+
 # Scripts that free memory (or move it) run even when Redis is past maxmemory (noeviction):
 # the trainer's acknowledgements and the sweep's expiries are how a full store drains.
 ALLOW_OOM = "#!lua flags=allow-oom\n"
@@ -116,12 +133,20 @@ REWARD = _COMMON + """
 -- ARGV: P, cid, i, reward, info, now, group_timeout_s, ttl_rewarded
 -- ttl_rewarded = reward_timeout_s + trained_ttl_s: a held member outlives the longest hold of its
 -- group (released at the latest reward_timeout_s after the first reward) by trained_ttl_s
--- returns {status, previous reward or ''}; 201 recorded, 200 same reward again, 404, 409, 410
+-- returns {status, previous reward or ''}; 201 recorded, 200 same reward again, 404, 409, 410,
+-- 422 (the reward, its square or a sum it enters is not a finite number: nothing written)
+-- Everything that can fail is checked before the first write: a script that raises an error
+-- midway keeps the writes it made (a script runs atomically but is never rolled back; Redis docs,
+-- "Scripting with Lua" and "Transactions", errors inside a transaction), so no input may make
+-- one fail after writing (HINCRBYFLOAT refuses a result that is not finite).
 local P, cid, i = ARGV[1], ARGV[2], ARGV[3]
+local function finite(x) return x ~= nil and x == x and x ~= math.huge and x ~= -math.huge end
 local cmp = P..':cmp:'..cid
 local n = redis.call('HGET', cmp, 'n')
 if not n then return {404, ''} end
 if tonumber(i) >= tonumber(n) then return {404, ''} end
+local gid = redis.call('HGET', cmp, 'group')
+if not gid then return {404, ''} end
 local st = P..':st:'..cid
 local prev = redis.call('HGET', st, 'r'..i)
 if prev then
@@ -130,6 +155,19 @@ if prev then
 end
 local ek = P..':exp:'..cid..':'..i
 if redis.call('EXISTS', ek) == 0 then return {410, ''} end
+local r = tonumber(ARGV[4])
+if not finite(r) or not finite(r * r) then return {422, ''} end
+-- per policy version and generation time (REWARD_BUCKET_S buckets): what canary verdicts compare
+local ver = redis.call('HGET', cmp, 'ver')
+local created = tonumber(redis.call('HGET', cmp, 'created') or '')
+local vk, b
+if ver and created then
+  b = tostring(math.floor(created / 5))
+  vk = P..':vr:'..ver..':'..tostring(math.floor(created / 3600))
+  local s = tonumber(redis.call('HGET', vk, b..':s') or '0')
+  local q = tonumber(redis.call('HGET', vk, b..':q') or '0')
+  if not finite(s) or not finite(q) or not finite(s + r) or not finite(q + r * r) then return {422, ''} end
+end
 local ttl = tonumber(ARGV[8])
 redis.call('HSET', st, 'r'..i, ARGV[4], i, 'rewarded')
 if ARGV[5] ~= '' then redis.call('HSET', st, 'info'..i, ARGV[5]) end
@@ -139,19 +177,12 @@ local pk = P..':pr:'..cid
 if redis.call('TTL', pk) < ttl then redis.call('EXPIRE', pk, ttl) end
 redis.call('ZREM', P..':pending', cid..':'..i)
 redis.call('HINCRBY', P..':stat', 'rewarded', 1)
--- per policy version and generation time (REWARD_BUCKET_S buckets): what canary verdicts compare
-local ver = redis.call('HGET', cmp, 'ver')
-if ver then
-  local created = tonumber(redis.call('HGET', cmp, 'created'))
-  local b = tostring(math.floor(created / 5))
-  local vk = P..':vr:'..ver..':'..tostring(math.floor(created / 3600))
-  local r = tonumber(ARGV[4])
+if vk then
   redis.call('HINCRBY', vk, b..':n', 1)
   redis.call('HINCRBYFLOAT', vk, b..':s', ARGV[4])
   redis.call('HINCRBYFLOAT', vk, b..':q', string.format('%.17g', r * r))
   redis.call('EXPIRE', vk, ttl)
 end
-local gid = redis.call('HGET', cmp, 'group')
 local g = P..':grp:'..gid
 redis.call('SADD', P..':gm:'..gid, cid..':'..i)
 redis.call('EXPIRE', P..':gm:'..gid, ttl)
@@ -161,7 +192,7 @@ if rewarded == 1 then
   redis.call('HSET', g, 'first', ARGV[6])
   redis.call('ZADD', P..':gdl', tonumber(ARGV[6]) + tonumber(ARGV[7]), gid)
 end
-local first = tonumber(redis.call('HGET', g, 'first'))
+local first = tonumber(redis.call('HGET', g, 'first') or ARGV[6])
 local due = first + tonumber(ARGV[7])
 if redis.call('HGET', g, 'released') == '1' or complete(P, gid)
    or (rewarded >= 2 and tonumber(ARGV[6]) >= due) then
@@ -184,10 +215,13 @@ for _, m in ipairs(gone) do
   redis.call('ZREM', P..':pending', m)
   local sep = string.find(m, ':[^:]*$')
   local cid, i = string.sub(m, 1, sep - 1), string.sub(m, sep + 1)
-  redis.call('HSET', P..':st:'..cid, i, 'expired')
+  -- a late sweep (the service was down past the keys' TTLs) finds some of them expired: only
+  -- what still exists is updated, so nothing is re-created without a TTL
+  local st = P..':st:'..cid
+  if redis.call('EXISTS', st) == 1 then redis.call('HSET', st, i, 'expired') end
   redis.call('DEL', P..':exp:'..cid..':'..i)
   local gid = redis.call('HGET', P..':cmp:'..cid, 'group')
-  if gid then
+  if gid and redis.call('EXISTS', P..':grp:'..gid) == 1 then
     redis.call('HINCRBY', P..':grp:'..gid, 'expired', 1)
     if redis.call('HGET', P..':grp:'..gid, 'released') ~= '1' and complete(P, gid) then release(P, gid) end
   end
@@ -198,7 +232,10 @@ for _, gid in ipairs(redis.call('ZRANGEBYSCORE', P..':gdl', '-inf', now, 'LIMIT'
   local g = P..':grp:'..gid
   local rewarded = tonumber(redis.call('HGET', g, 'rewarded') or '0')
   local first = tonumber(redis.call('HGET', g, 'first') or ARGV[2])
-  if rewarded >= 2 or now - first >= rto then
+  if redis.call('EXISTS', g) == 0 then
+    redis.call('ZREM', P..':gdl', gid)  -- expired with its members: nothing left to release
+    redis.call('DEL', P..':gm:'..gid)
+  elseif rewarded >= 2 or now - first >= rto then
     release(P, gid)
     timed_out = timed_out + 1
   else
@@ -217,7 +254,8 @@ if excess > 0 then
     local f = entry_fields(e)
     local m = f['member'] or ''
     local sep = string.find(m, ':[^:]*$')
-    if sep then redis.call('HSET', P..':st:'..string.sub(m, 1, sep - 1), string.sub(m, sep + 1), 'backlog-dropped') end
+    local st = sep and P..':st:'..string.sub(m, 1, sep - 1)
+    if st and redis.call('EXISTS', st) == 1 then redis.call('HSET', st, string.sub(m, sep + 1), 'backlog-dropped') end
     redis.call('XDEL', rk, e[1])
     shed = shed + 1
   end
@@ -227,15 +265,18 @@ return {#gone, timed_out, shed}
 """
 
 READ = ALLOW_OOM + _COMMON + """
--- ARGV: P, consumer, count, newest (1 | 0)
+-- ARGV: P, consumer, count, newest (1 | 0), then the stream ids the caller holds
 -- Deliver to `consumer` of the trainer group up to `count` ready entries no consumer holds, the
 -- newest (1) or the oldest (0) first: XCLAIM ... FORCE puts each in the consumer's pending
--- entries list, as XREADGROUP would, whatever its position in the stream.
+-- entries list, as XREADGROUP would, whatever its position in the stream. An entry the caller
+-- holds is never delivered again, even when the pending entries list lost it (an AOF restored
+-- to an earlier point, a failover to a lagging replica).
 -- returns {entries (as XRANGE gives them), the newest id in the stream or '0-0'}
 local P, c, n, newest = ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4] == '1'
 local rk = P..':ready'
-local ids = {}
-for _, e in ipairs(free_entries(rk, n, newest)) do ids[#ids + 1] = e[1] end
+local also, ids = {}, {}
+for j = 5, #ARGV do also[#also + 1] = ARGV[j] end
+for _, e in ipairs(free_entries(rk, n, newest, also)) do ids[#ids + 1] = e[1] end
 local top = redis.call('XREVRANGE', rk, '+', '-', 'COUNT', 1)
 local last = top[1] and top[1][1] or '0-0'
 if #ids == 0 then return {{}, last} end
@@ -269,7 +310,7 @@ if n > 0 then redis.call('HINCRBY', P..':stat', 'stale_dropped', n) end
 return n
 """
 
-ACK = ALLOW_OOM + """
+ACK = ALLOW_OOM + _ACKNOWLEDGED + """
 -- ARGV: P, trained_ttl_s, count, then per entry: stream id, member, state (trained | stale-dropped
 -- | constrained: sampled under a grammar, left out of the loss), version
 -- Returns {trained, not trained}.
@@ -277,7 +318,7 @@ local P, ttl, k = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
 local trained, dropped, constrained = 0, 0, 0
 for j = 0, k - 1 do
   local id, m, state, v = ARGV[4 + 4*j], ARGV[5 + 4*j], ARGV[6 + 4*j], ARGV[7 + 4*j]
-  if redis.call('XACK', P..':ready', 'trainer', id) == 1 then
+  if acknowledged(P, id) then
     redis.call('XDEL', P..':ready', id)
     local sep = string.find(m, ':[^:]*$')
     local cid, i = string.sub(m, 1, sep - 1), string.sub(m, sep + 1)
@@ -297,7 +338,7 @@ if constrained > 0 then redis.call('HINCRBY', P..':stat', 'constrained', constra
 return {trained, dropped + constrained}
 """
 
-DEAD_LETTER = ALLOW_OOM + """
+DEAD_LETTER = ALLOW_OOM + _ACKNOWLEDGED + """
 -- ARGV: P, maxlen, trained_ttl_s, count, then per entry: stream id, member ('' if unknown),
 -- reason, exp JSON ('' if none), reward ('' if none)
 -- Moves ready entries that cannot be trained to the dead-letter stream P:dead (kept for
@@ -306,7 +347,7 @@ local P, maxlen, ttl, k = ARGV[1], ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4])
 local n = 0
 for j = 0, k - 1 do
   local id, m, why, exp, r = ARGV[5 + 5*j], ARGV[6 + 5*j], ARGV[7 + 5*j], ARGV[8 + 5*j], ARGV[9 + 5*j]
-  if redis.call('XACK', P..':ready', 'trainer', id) == 1 then
+  if acknowledged(P, id) then
     redis.call('XDEL', P..':ready', id)
     redis.call('XADD', P..':dead', 'MAXLEN', '~', maxlen, '*', 'id', id, 'member', m, 'reason', why,
                'exp', exp, 'reward', r)

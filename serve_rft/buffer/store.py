@@ -81,8 +81,8 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from serve_rft.buffer import scripts
 from serve_rft.buffer.ready import SWEEP_BATCH, ReadyStream
-from serve_rft.buffer.records import (ChoiceState, RewardConflict, RewardExpired, RewardNotFinite, StoreCounts,
-                                      StoreFull, UnknownChoice, experience_from)
+from serve_rft.buffer.records import (ChoiceState, RewardConflict, RewardExpired, RewardNotFinite,
+                                      RewardOutOfRange, StoreCounts, StoreFull, UnknownChoice, experience_from)
 from serve_rft.types import Experience
 
 REWARD_BUCKET_S = 5
@@ -101,11 +101,14 @@ class ExperienceStore(ReadyStream):
             first reward even if other members are still pending, s.
         max_ready: bound of the ready stream (None: none); past it, `sweep` drops the oldest
             entries not yet delivered to the trainer.
+        reward_range: rewards accepted, (low, high) inclusive (None: any finite reward whose
+            square is finite); `post_reward` refuses the rest before anything is written.
     """
 
     def __init__(self, url: str, prefix: str = "srft", reward_timeout_s: float = 3600.0,
                  trained_ttl_s: float = 86400.0, group_timeout_s: float = 60.0,
-                 reconnect_s: float = 30.0, max_ready: int | None = None):
+                 reconnect_s: float = 30.0, max_ready: int | None = None,
+                 reward_range: tuple[float, float] | None = None):
         # A Redis restart (AOF reload) must not kill a replica's logging or the trainer's loop:
         # redis-py retries a command on a dropped connection with exponential backoff for
         # about ``reconnect_s`` seconds, then raises.
@@ -122,6 +125,7 @@ class ExperienceStore(ReadyStream):
         self.trained_ttl_s = trained_ttl_s
         self.group_timeout_s = group_timeout_s
         self.max_ready = max_ready
+        self.reward_range = reward_range
         self._log = self.redis.register_script(scripts.LOG)
         self._reward = self.redis.register_script(scripts.REWARD)
         self._sweep = self.redis.register_script(scripts.SWEEP)
@@ -135,7 +139,7 @@ class ExperienceStore(ReadyStream):
         """A store for a `serve_rft.config.BufferConfig` (its ``redis_url`` must be set)."""
         return cls(buffer_cfg.redis_url, buffer_cfg.key_prefix, buffer_cfg.reward_timeout_s,
                    buffer_cfg.trained_ttl_s, buffer_cfg.group_timeout_s, buffer_cfg.reconnect_s,
-                   buffer_cfg.max_ready)
+                   buffer_cfg.max_ready, tuple(buffer_cfg.reward_range))
 
     def _k(self, *parts: str) -> str:
         return ":".join((self.p, *parts))
@@ -199,11 +203,12 @@ class ExperienceStore(ReadyStream):
         Returns:
             True if recorded now, False if the same reward was already recorded (idempotent).
         Raises:
-            RewardNotFinite, UnknownChoice, RewardConflict (a different reward is recorded),
-            RewardExpired (before its reward came), StoreFull (nothing recorded; retry).
+            RewardNotFinite (not a number, not finite, or its square not finite), RewardOutOfRange
+            (outside ``reward_range``), UnknownChoice, RewardConflict (a different reward is
+            recorded), RewardExpired (before its reward came), StoreFull (nothing recorded; retry).
+            Whatever is refused, nothing is written.
         """
-        if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward):
-            raise RewardNotFinite(f"reward must be a finite number, got {reward!r}")
+        self.check_reward(reward)
         if choice_index < 0:
             raise UnknownChoice(f"no choice {choice_index} in completion {completion_id!r}")
         try:
@@ -219,11 +224,34 @@ class ExperienceStore(ReadyStream):
             return True
         if status == 200:
             return False
+        if status == 422:
+            raise RewardNotFinite(f"reward {reward!r} would make the per-version reward sums non-finite")
         if status == 404:
             raise UnknownChoice(f"no choice {choice_index} in completion {completion_id!r}")
         if status == 409:
             raise RewardConflict(f"choice {choice_index} of {completion_id!r} already has reward {prev}")
         raise RewardExpired(f"choice {choice_index} of {completion_id!r} expired before its reward")
+
+    def check_reward(self, reward: float) -> None:
+        """Refuse a reward the store would not record, before anything is written.
+
+        Raises:
+            RewardNotFinite: not an int or float (a bool is not a reward), not finite, or its
+                square (summed per version for canary verdicts) not finite.
+            RewardOutOfRange: outside ``reward_range``.
+        """
+        if isinstance(reward, bool) or not isinstance(reward, (int, float)):
+            raise RewardNotFinite(f"reward must be a number, got {reward!r}")
+        try:
+            value = float(reward)
+        except OverflowError:  # an int past the float range
+            raise RewardNotFinite("reward must be a finite number, got an integer past the float range") from None
+        if not math.isfinite(value) or not math.isfinite(value * value):
+            raise RewardNotFinite(f"reward must be a finite number whose square is finite, got {reward!r}")
+        if self.reward_range is not None:
+            low, high = self.reward_range
+            if not low <= value <= high:
+                raise RewardOutOfRange(f"reward {reward!r} is outside buffer.reward_range [{low:g}, {high:g}]")
 
     async def version_rewards(self, versions: list[int], start: float, end: float
                               ) -> dict[int, tuple[int, float, float]]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 from pydantic import Field, model_validator
@@ -36,14 +37,31 @@ class BufferConfig(StrictSection):
         "trainer). Past it the oldest entries not yet delivered to the trainer are dropped (state "
         "backlog-dropped, counted): what nothing consumes (serve-only mode, a trainer slower than the "
         "traffic) cannot grow without bound. None: unbounded.")
+    reward_range: tuple[float, float] = Field(
+        (-1000.0, 1000.0), description="Rewards accepted, [low, high] inclusive; a reward outside it "
+        "is refused with 422 (param reward, code reward_out_of_range) before anything is written. It "
+        "bounds what one client can do to training and to the per-version reward sums canary verdicts "
+        "compare.")
     durability: Literal["everysec", "always"] = Field(
-        "everysec", description="Embedded redis-server's AOF fsync (appendfsync): everysec = an "
-        "acknowledged reward or experience is lost in a crash of the machine only if it was written in "
-        "the last second (RPO 1 s); always = fsync before every answer (RPO 0, slower writes).")
+        "always", description="Embedded redis-server's AOF fsync (appendfsync): always = the AOF is "
+        "written and fsynced before every answer, so an acknowledged reward or experience survives a "
+        "kill -9 of redis-server and a crash of the machine (RPO 0); everysec = fsync once a second, "
+        "and while a background fsync is slow Redis may answer before it has even written the AOF "
+        "(it postpones the write up to 2 s), so an acknowledged write can be lost in a crash of the "
+        "machine or of redis-server itself (RPO about 2 s). Cost of always: "
+        "benchmarks/results/store_throughput_always.json.")
     maxmemory_mb: int | None = Field(
         2048, ge=16, description="Embedded redis-server's maxmemory (MiB) with noeviction: when full, new "
         "experiences are served but not logged (counted: unlogged, reason store_full) and rewards get "
         "507 + Retry-After; nothing stored is evicted. None: unbounded.")
+
+    @model_validator(mode="after")
+    def _reward_range_ordered(self) -> "BufferConfig":
+        low, high = self.reward_range
+        if not (math.isfinite(low) and math.isfinite(high) and low < high):
+            raise ValueError(f"buffer.reward_range={list(self.reward_range)} must be two finite numbers "
+                             "[low, high] with low < high")
+        return self
 
     @model_validator(mode="after")
     def _no_reward_outlived(self) -> "BufferConfig":

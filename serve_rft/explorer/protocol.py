@@ -57,14 +57,19 @@ def _small_info(v: dict | None) -> dict | None:
 Info = Annotated[dict[str, Any] | None, AfterValidator(_small_info)]
 """Free-form reward metadata stored with the reward (at most 16 KiB of JSON)."""
 
+Reward = Annotated[float, Field(strict=True)]
+"""A reward: a JSON number (an integer is fine), never a string or a boolean (``"1.5"`` and
+``true`` are refused, not coerced). Its range (``buffer.reward_range``) and finiteness are the
+store's checks (`serve_rft.buffer.store.ExperienceStore.check_reward`)."""
+
 
 class RewardItem(BaseModel):
     """One reward for one choice of one completion; ``info`` is stored with it."""
 
     model_config = ConfigDict(extra="forbid")
     completion_id: str = Field(min_length=1, max_length=256)
-    choice_index: int = Field(0, ge=0, le=4096)
-    reward: float
+    choice_index: int = Field(0, ge=0, le=4096, strict=True)
+    reward: Reward
     info: Info = None
 
 
@@ -73,7 +78,7 @@ class ChoiceRewards(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     completion_id: str = Field(min_length=1, max_length=256)
-    rewards: list[float] = Field(min_length=1, max_length=4096)
+    rewards: list[Reward] = Field(min_length=1, max_length=4096)
     info: Info = None
 
 
@@ -91,8 +96,8 @@ class ConversationReward(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     conversation_id: str = Field(min_length=1, max_length=256)
-    reward: float
-    discount: float = Field(1.0, ge=0.0, le=1.0)
+    reward: Reward
+    discount: float = Field(1.0, ge=0.0, le=1.0, strict=True)
     info: Info = None
 
 

@@ -10,8 +10,10 @@ recorded ones answer ``duplicate``). The request as a whole answers 507 (+ Retry
 item was refused because the store is full (retrying the request is safe and needed), else 200
 when at least one item was recorded or already was; when every item is refused it answers the
 first refusal's status (404 / 409 / 410 / 422) with the per-item results alongside the error. A malformed request
-(bad form, unknown completion of a ``rewards`` list, a list that does not match the choices)
-is refused whole, before anything is recorded. Nothing accepted is dropped.
+(bad form, unknown completion of a ``rewards`` list, a list that does not match the choices,
+or a reward of a ``rewards`` list or a conversation that the store would refuse: not a finite
+number, or outside ``buffer.reward_range``) is refused whole, before anything is recorded; in a
+batch or a group each item's reward is checked with its own result. Nothing accepted is dropped.
 """
 
 from __future__ import annotations
@@ -20,8 +22,8 @@ import math
 from dataclasses import asdict
 from typing import Any
 
-from serve_rft.buffer.records import (RewardConflict, RewardError, RewardExpired, RewardNotFinite, StoreFull,
-                                      UnknownChoice)
+from serve_rft.buffer.records import (RewardConflict, RewardError, RewardExpired, RewardNotFinite,
+                                      RewardOutOfRange, StoreFull, UnknownChoice)
 from serve_rft.buffer.store import ExperienceStore
 from serve_rft.explorer.protocol import (ApiError, ChoiceRewards, ConversationReward, GroupRewards,
                                          RewardBatch, RewardItem, RewardRequest)
@@ -29,6 +31,7 @@ from serve_rft.explorer.protocol import (ApiError, ChoiceRewards, ConversationRe
 REFUSALS: dict[type[Exception], tuple[int, str, str | None]] = {
     # the store's refusal -> (HTTP status, OpenAI error code, param)
     RewardNotFinite: (422, "invalid_reward", "reward"),
+    RewardOutOfRange: (422, "reward_out_of_range", "reward"),
     UnknownChoice: (404, "not_found", "completion_id"),
     RewardConflict: (409, "conflict", "completion_id"),
     RewardExpired: (410, "expired", "completion_id"),
@@ -40,8 +43,9 @@ async def _items(store: ExperienceStore, req: RewardRequest) -> list[RewardItem]
     """Expand any reward form into single-choice items.
 
     Raises:
-        ApiError: 404 unknown completion / conversation, 422 a member outside its group or a
-            reward list that does not match the completion's choices.
+        ApiError: 404 unknown completion / conversation, 422 a reward list that does not
+            match the completion's choices, or a reward of a list or conversation the store
+            would refuse (`_whole`).
     """
     if isinstance(req, RewardItem):
         return [req]
@@ -54,8 +58,8 @@ async def _items(store: ExperienceStore, req: RewardRequest) -> list[RewardItem]
         if len(req.rewards) != n:
             raise ApiError(422, f"completion {req.completion_id!r} has {n} choices, got {len(req.rewards)} "
                            "rewards", "rewards", code="invalid_reward")
-        return [RewardItem(completion_id=req.completion_id, choice_index=i, reward=r, info=req.info)
-                for i, r in enumerate(req.rewards)]
+        return _whole(store, [RewardItem(completion_id=req.completion_id, choice_index=i, reward=r,
+                                         info=req.info) for i, r in enumerate(req.rewards)])
     if isinstance(req, GroupRewards):
         return list(req.rewards)  # each member's group is checked with its own result
     assert isinstance(req, ConversationReward)
@@ -67,6 +71,23 @@ async def _items(store: ExperienceStore, req: RewardRequest) -> list[RewardItem]
         n = await store.num_choices(cid) or 0
         r = req.reward * req.discount ** (len(turns) - 1 - t)
         items += [RewardItem(completion_id=cid, choice_index=i, reward=r, info=req.info) for i in range(n)]
+    return _whole(store, items)
+
+
+def _whole(store: ExperienceStore, items: list[RewardItem]) -> list[RewardItem]:
+    """``items`` if the store accepts every reward of them (`ExperienceStore.check_reward`).
+
+    Raises:
+        ApiError: 422 (param ``reward``) naming the first refused reward: the request is
+            refused whole, nothing recorded.
+    """
+    for item in items:
+        try:
+            store.check_reward(item.reward)
+        except RewardError as e:
+            status, code, param = REFUSALS[type(e)]
+            raise ApiError(status, f"choice {item.choice_index} of {item.completion_id!r}: {e}; nothing "
+                           "was recorded", param, code=code) from None
     return items
 
 

@@ -246,12 +246,14 @@ class ExperienceStore(ReadyStream):
             value = float(reward)
         except OverflowError:  # an int past the float range
             raise RewardNotFinite("reward must be a finite number, got an integer past the float range") from None
-        if not math.isfinite(value) or not math.isfinite(value * value):
-            raise RewardNotFinite(f"reward must be a finite number whose square is finite, got {reward!r}")
+        if not math.isfinite(value):
+            raise RewardNotFinite(f"reward must be a finite number, got {reward!r}")
         if self.reward_range is not None:
             low, high = self.reward_range
             if not low <= value <= high:
                 raise RewardOutOfRange(f"reward {reward!r} is outside buffer.reward_range [{low:g}, {high:g}]")
+        if not math.isfinite(value * value):
+            raise RewardNotFinite(f"reward must be a number whose square is finite, got {reward!r}")
 
     async def version_rewards(self, versions: list[int], start: float, end: float
                               ) -> dict[int, tuple[int, float, float]]:

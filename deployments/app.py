@@ -36,4 +36,10 @@ def app_builder(args: dict):
     return build_app(cfg)
 
 
-app = build_app(load_config(DEFAULT_CONFIG, [f"buffer.redis_url={DEFAULT_REDIS}"]))
+def __getattr__(name: str):
+    """``app``, built when asked for (`serve build`), never on import: `serve deploy` imports
+    this module to call `app_builder`, and the default config's build would check that
+    cluster's HTTP host against keys and settings the deployed config does not share."""
+    if name == "app":
+        return build_app(load_config(DEFAULT_CONFIG, [f"buffer.redis_url={DEFAULT_REDIS}"]))
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -57,11 +57,17 @@ def _kept(cfg: Config) -> None:
                                  cfg.service.shutdown_grace_s))
 
 
-def _runnable(cfg: Config) -> Config:
-    """Exit 2 with a plain message if this machine cannot run ``cfg`` (e.g. nccl without CUDA)."""
+def _runnable(cfg: Config, serves: bool = True) -> Config:
+    """Exit 2 with a plain message if ``cfg`` would serve openly on a non-loopback address
+    (``serves``: it binds HTTP; `serve_rft.config.service.check_exposure`, the warning printed
+    when that is allowed) or this machine cannot run it (e.g. nccl without CUDA)."""
+    from serve_rft.config.service import check_exposure
     from serve_rft.control import preflight
 
     try:
+        warning = check_exposure(cfg.service, cfg.service.host) if serves else None
+        if warning:
+            console.print(f"[bold yellow]warning:[/bold yellow] {warning}", highlight=False)
         preflight(cfg)
     except ValueError as e:
         console.print(f"[red]config error:[/red] {e}")
@@ -118,7 +124,7 @@ def up(config: Optional[Path] = ConfigOpt, sets: list[str] = SetOpt, model: Opti
     from serve_rft.service.launcher import check_mode
 
     quiet_env()
-    cfg = _runnable(_config(config, sets, model, port))
+    cfg = _runnable(_config(config, sets, model, port), serves=mode != Mode.train)
     try:
         check_mode(cfg, mode.value)
     except ValueError as e:

@@ -1,19 +1,43 @@
 """The Ray Serve application: explorer replicas + the synchronizer and trainer actors.
 
 `build_app` is what both `serve-rft up` and `serve deploy` / `serve run` / `serve build`
-(deployments/app.py) call: it only binds the explorer deployment (no side effects, so `serve
-build` can import it). The control actors (synchronizer, trainer) are created by
+(deployments/app.py) call: it binds the explorer deployment (nothing starts, so `serve build` can
+import it), after refusing to expose an open service: the HTTP servers bind the running Serve
+instance's ``http_options.host`` (its proxies or HAProxy, and each replica's own server in
+HAProxy mode), whatever ``service.host`` says, so that is the address checked
+(`serve_rft.config.service.check_exposure`). The control actors (synchronizer, trainer) are created by
 `serve_rft.control.ensure_control`, which every explorer replica calls when it starts.
 """
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 from serve_rft.config import Config
+from serve_rft.config.service import check_exposure
 from serve_rft.explorer.ingress_mode import haproxy_enabled
 
 APP_NAME = "serve_rft"
+log = logging.getLogger("serve_rft.service")
+
+
+def serve_http_host(cfg: Config, timeout_s: float = 30.0) -> str | None:
+    """The host Ray Serve's HTTP servers bind: the ``http_options.host`` of the Serve controller
+    this process can reach (under `serve deploy` / `serve run` the builder runs in the cluster;
+    `serve-rft up` asks after `serve.start`), else ``cfg.service.host`` (no Ray here: `serve
+    build`). None: Serve binds every interface (Ray's HAProxy front end reads None as ``*``)."""
+    import ray
+
+    if not ray.is_initialized():
+        return cfg.service.host
+    from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
+
+    try:
+        controller = ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
+    except ValueError:  # no Serve instance yet: `serve.start` will use service.host
+        return cfg.service.host
+    return ray.get(controller.get_http_config.remote(), timeout=timeout_s).host
 
 
 def explorer_deployment(cfg: Config):
@@ -58,11 +82,16 @@ def build_app(cfg: Config, model_path: str | Path | None = None):
 
     Requires ``cfg.buffer.redis_url`` to be set (the launcher starts an embedded Redis).
     ``model_path`` None: each replica resolves ``cfg.model`` itself (the embedded model is built
-    once per machine, atomically).
+    once per machine, atomically). Logs a warning at every build that serves openly on a
+    non-loopback address (``service.allow_unauthenticated``).
 
     Raises:
-        ValueError: no Redis URL.
+        ValueError: no Redis URL; Serve binds a non-loopback address (`serve_http_host`) and no
+            key is configured, without ``service.allow_unauthenticated``.
     """
     if not cfg.buffer.redis_url:
         raise ValueError("buffer.redis_url must be set to build the application")
+    warning = check_exposure(cfg.service, serve_http_host(cfg))
+    if warning:
+        log.warning(warning)
     return explorer_deployment(cfg).bind(cfg.model_dump_json(), None if model_path is None else str(model_path))

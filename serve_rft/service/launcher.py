@@ -27,6 +27,7 @@ import httpx
 
 from serve_rft.buffer.redis_server import RedisSupervisor, free_port
 from serve_rft.config import Config
+from serve_rft.config.service import check_exposure
 from serve_rft.names import SYNCHRONIZER_NAME, TRAINER_NAME, find_actor, get_trainer
 from serve_rft.service.ingress import DRAIN_ENV, HAPROXY_FLAG, haproxy_env
 from serve_rft.model.embedded import resolve_model_path
@@ -50,7 +51,9 @@ class ServiceStack:
     ``model_path``, ``config``, ``ray_address``.
 
     Raises:
-        ValueError: an unknown ``mode``.
+        ValueError: an unknown ``mode``; on entry, a configuration that cannot run here
+            (`serve_rft.control.preflight`) or that would serve with no keys on a non-loopback
+            ``service.host`` (`serve_rft.config.service.check_exposure`).
     """
 
     def __init__(self, cfg: Config, mode: str = "both", progress: Callable[[str], None] | None = None):
@@ -87,6 +90,8 @@ class ServiceStack:
         t0 = time.monotonic()
         cfg = self.cfg
         preflight(cfg)  # before anything starts
+        if self.mode != "train":  # never open on a non-loopback address by accident (build_app
+            check_exposure(cfg.service, cfg.service.host)  # checks Serve's bound host again and warns)
         run_dir = Path(cfg.service.run_dir).resolve()
         run_dir.mkdir(parents=True, exist_ok=True)
         cfg.service.run_dir = str(run_dir)

@@ -77,3 +77,84 @@ def test_a_group_timeout_past_the_reward_timeout_is_refused_with_the_reason():
 
     with pytest.raises(ValueError, match="group_timeout_s=120.0 must not exceed buffer.reward_timeout_s"):
         BufferConfig(reward_timeout_s=60, group_timeout_s=120)
+
+
+# --- fail closed: no keys on a non-loopback address is refused unless allowed explicitly ---
+
+KEY_ENV = ("SERVE_RFT_API_KEYS", "SERVE_RFT_REWARD_KEYS", "SERVE_RFT_ADMIN_KEYS")
+
+
+@pytest.fixture
+def no_key_env(monkeypatch):
+    for name in KEY_ENV:
+        monkeypatch.delenv(name, raising=False)
+
+
+@pytest.mark.parametrize("host,loopback", [
+    ("127.0.0.1", True), ("127.8.9.1", True), ("::1", True), ("[::1]", True), ("localhost", True),
+    ("LocalHost", True), ("0.0.0.0", False), ("::", False), ("", False), (None, False), ("10.0.0.5", False),
+    ("example.internal", False), ("127.0.0.1.example.com", False),
+])
+def test_what_counts_as_loopback(host, loopback):
+    from serve_rft.config.service import is_loopback
+
+    assert is_loopback(host) is loopback
+
+
+def test_an_open_service_on_an_exposed_address_is_refused_unless_allowed(no_key_env):
+    from serve_rft.config.service import check_exposure
+
+    cfg = load_config(None, [])
+    assert check_exposure(cfg.service, "127.0.0.1") is None  # loopback: open is fine
+    with pytest.raises(ValueError, match="refusing to serve on 0.0.0.0 with no API keys") as e:
+        check_exposure(cfg.service, "0.0.0.0")
+    assert "\n" not in str(e.value) and "allow_unauthenticated" in str(e.value)
+    with pytest.raises(ValueError, match="every interface"):
+        check_exposure(cfg.service, None)
+    for kind in ("api_keys", "reward_keys", "admin_keys"):  # any key turns auth on for every route
+        assert check_exposure(load_config(None, [f"service.{kind}=[k]"]).service, "0.0.0.0") is None
+    with pytest.raises(ValueError):  # an empty key is no key
+        check_exposure(load_config(None, ["service.admin_keys=['']"]).service, "0.0.0.0")
+    warning = check_exposure(load_config(None, ["service.allow_unauthenticated=true"]).service, "0.0.0.0")
+    assert warning and "WITHOUT AUTHENTICATION" in warning
+
+
+def test_the_application_builder_checks_the_host_serve_binds(no_key_env, monkeypatch, caplog):
+    """`build_app` (serve deploy / serve run / serve-rft up) checks Serve's own http_options.host,
+    not service.host: a shipped serve config binds 0.0.0.0 while its run config says 127.0.0.1."""
+    import logging
+
+    from serve_rft.service import app as service_app
+
+    overrides = ["buffer.redis_url=redis://127.0.0.1:6379/0"]
+    assert service_app.serve_http_host(load_config(None, overrides)) == "127.0.0.1"  # no Ray here
+    monkeypatch.setattr(service_app, "serve_http_host", lambda cfg: "0.0.0.0")
+    with pytest.raises(ValueError, match="refusing to serve on 0.0.0.0"):
+        service_app.build_app(load_config(None, overrides))
+    service_app.build_app(load_config(None, [*overrides, "service.reward_keys=[r]"]))
+    with caplog.at_level(logging.WARNING, logger="serve_rft.service"):
+        service_app.build_app(load_config(None, [*overrides, "service.allow_unauthenticated=true"]))
+    assert "WITHOUT AUTHENTICATION" in caplog.text
+
+
+@pytest.mark.parametrize("name", ["serve_config.yaml", "serve_config_autoscaling.yaml"])
+def test_shipped_serve_configs_refuse_to_deploy_without_keys(no_key_env, monkeypatch, name):
+    """deployments/serve_config*.yaml bind 0.0.0.0: their builder refuses with no key in the
+    environment and builds with one."""
+    from pathlib import Path
+
+    import yaml
+
+    from deployments.app import app_builder
+    from serve_rft.service import app as service_app
+
+    root = Path(__file__).parents[2]
+    shipped = yaml.safe_load((root / "deployments" / name).read_text())
+    host = shipped["http_options"]["host"]
+    monkeypatch.setattr(service_app, "serve_http_host", lambda cfg: host)
+    args = dict(shipped["applications"][0]["args"])
+    args["config"] = str(root / args["config"])
+    with pytest.raises(ValueError, match="no API keys"):
+        app_builder(args)
+    monkeypatch.setenv("SERVE_RFT_ADMIN_KEYS", "adm")
+    app_builder(args)

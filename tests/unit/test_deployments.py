@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -114,14 +115,56 @@ def _kuberay_config():
     return load_config(local, list(args["overrides"]))
 
 
+def _secret_refs(node) -> list[tuple[str, dict]]:
+    """(env name, secretKeyRef) of every env entry anywhere in a parsed manifest."""
+    found, stack = [], [node]
+    while stack:
+        n = stack.pop()
+        if isinstance(n, dict):
+            ref = n.get("valueFrom", {}).get("secretKeyRef") if isinstance(n.get("valueFrom"), dict) else None
+            if ref is not None:
+                found.append((n.get("name"), ref))
+            stack.extend(n.values())
+        elif isinstance(n, list):
+            stack.extend(n)
+    return found
+
+
+KEY_ENV = {"SERVE_RFT_API_KEYS", "SERVE_RFT_REWARD_KEYS", "SERVE_RFT_ADMIN_KEYS"}
+
+
+def test_every_shipped_deployment_requires_its_key_secret():
+    """A missing key Secret stops the pods (Kubernetes refuses a non-optional secretKeyRef) rather
+    than starting an open service; every pod gets all three kinds of key."""
+    files = sorted((ROOT / "deployments").rglob("*.yaml"))
+    assert RAYSERVICE in files
+    for path in files:
+        for doc in yaml.safe_load_all(path.read_text()):
+            for name, ref in _secret_refs(doc):
+                assert ref.get("optional", False) is False, f"{path.name}: {name} is optional"
+    groups = _groups(_manifest()["RayService"])
+    for group_name, group in groups.items():
+        refs = dict(_secret_refs(_ray_container(group)))
+        assert KEY_ENV <= set(refs), group_name
+        assert {refs[k]["key"] for k in KEY_ENV} == KEY_ENV
+
+
 def test_rayservice_serves_the_shipped_application_on_the_cluster_config(monkeypatch):
     """serveConfigV2 is serve_config.yaml's application with configs/cluster.yaml: same builder,
     route and HTTP options; its deployment options are what the builder makes of the cluster config
-    (as serve_config.yaml's are for the default one) plus the replicas' label_selector."""
+    (as serve_config.yaml's are for the default one) plus the replicas' label_selector. Its pods
+    have keys (the Secret): without them the builder refuses the cluster config's 0.0.0.0."""
     from ray.serve._private.build_app import build_app as serve_build
     from ray.serve.deployment import deployment_to_schema
 
     from serve_rft.service.app import build_app
+
+    for name in KEY_ENV:
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(ValueError, match="refusing to serve on 0.0.0.0 with no API keys"):
+        build_app(_kuberay_config())
+    for name in KEY_ENV:  # as the Secret puts them on every pod
+        monkeypatch.setenv(name, f"{name.lower()}-1")
 
     service = _manifest()["RayService"]
     assert service["apiVersion"] == "ray.io/v1"

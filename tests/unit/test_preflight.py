@@ -72,3 +72,49 @@ def test_engine_kwargs_put_serve_rfts_arguments_first_and_pass_the_rest_through(
     assert type(so).__name__ == "StructuredOutputsConfig" and so.disable_any_whitespace  # as `vllm serve` parses it
     lora = engine_kwargs(ExplorerConfig(max_loras=2), "/m", seed=0, on_cpu=True, lora_rank=8)
     assert lora["enable_lora"] and lora["max_lora_rank"] == 8 and lora["max_loras"] == 2
+
+
+KEY_ENV = ("SERVE_RFT_API_KEYS", "SERVE_RFT_REWARD_KEYS", "SERVE_RFT_ADMIN_KEYS")
+
+
+@pytest.mark.parametrize("args", [
+    ["--config", "configs/cluster.yaml"],
+    ["--config", "configs/single_gpu.yaml"],
+    ["--set", "service.host=0.0.0.0"],
+    ["--set", "service.host='::'"],
+])
+def test_up_on_an_exposed_address_without_keys_exits_non_zero_before_anything_starts(monkeypatch, tmp_path, args):
+    from pathlib import Path
+
+    for name in KEY_ENV:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.chdir(Path(__file__).parents[2])
+    result = CliRunner().invoke(cli, ["up", *args, "--set", f"service.run_dir={tmp_path}"])
+    assert result.exit_code == 2, result.output
+    out = " ".join(result.output.split())
+    assert "refusing to serve on" in out and "with no API keys" in out
+    assert not (tmp_path / "redis").exists()  # nothing was started
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="stops at the CUDA preflight on a machine without CUDA")
+def test_up_allowed_to_serve_openly_says_so_loudly(monkeypatch, tmp_path):
+    from pathlib import Path
+
+    for name in KEY_ENV:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.chdir(Path(__file__).parents[2])
+    result = CliRunner().invoke(cli, ["up", "--config", "configs/cluster.yaml", "--set",
+                                      "service.allow_unauthenticated=true", "--set", f"service.run_dir={tmp_path}"])
+    out = " ".join(result.output.split())
+    assert "WITHOUT AUTHENTICATION on 0.0.0.0" in out
+    assert result.exit_code == 2 and "CUDA" in out  # the next check refuses this machine
+
+
+def test_train_mode_binds_no_http_so_needs_no_keys(monkeypatch):
+    from serve_rft.cli import _runnable
+    from serve_rft.config import load_config
+
+    for name in KEY_ENV:
+        monkeypatch.delenv(name, raising=False)
+    cfg = load_config(None, ["service.host=0.0.0.0"])
+    assert _runnable(cfg, serves=False) is cfg

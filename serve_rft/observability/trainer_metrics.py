@@ -1,5 +1,5 @@
 """Trainer metrics: step time and loss / reward / advantage statistics, staleness of what was
-trained, stale-dropped experiences.
+trained, stale-dropped experiences, steps skipped for a non-finite update.
 
 Owned by the `Trainer` actor; exported through Ray's metrics API (Prometheus).
 """
@@ -33,6 +33,9 @@ class TrainerMetrics:
         self.trained = Counter("serve_rft_trained_experiences_total",
                                description="Experiences trained on.")
         self.steps = Counter("serve_rft_trainer_steps_total", description="Optimizer steps taken.")
+        self.skipped_steps = Counter("serve_rft_trainer_skipped_steps_total",
+                                     description="Steps skipped because their update was not finite "
+                                     "(non-finite advantage, loss or gradient norm); their batch is dead-lettered.")
         self.step_seconds = Histogram("serve_rft_trainer_step_seconds",
                                       description="Seconds of one optimizer step (forward, backward, update).",
                                       boundaries=STEP_SECONDS_BUCKETS)
@@ -52,6 +55,10 @@ class TrainerMetrics:
         for name in STEP_STATS:
             if isinstance(stats.get(name), (int, float)):
                 self.stat.set(float(stats[name]), tags={"stat": name})
+
+    def skipped(self) -> None:
+        """One step skipped: its update was not finite (`serve_rft.trainer.finite`)."""
+        self.skipped_steps.inc()
 
     def observe(self, staleness: list[int], dropped: int, ages_s: list[float] | None = None) -> None:
         """Trained experiences' staleness (sync cycles) and age (s); ``dropped`` stale ones."""

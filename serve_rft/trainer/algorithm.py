@@ -17,11 +17,17 @@ import torch
 from serve_rft.trainer.token_logprobs import SHARDED_HEAD, decoder_head_logprobs, lm_parts, nucleus_keep, top_p_keep
 from serve_rft.weights.verify import probe_ids
 
+FP32_MAX = float(torch.finfo(torch.float32).max)
+"""The largest finite float32 (about 3.4e38)."""
+
 
 class RunningBaseline:
     """Exponential moving average of rewards: the baseline for singleton experiences.
 
-    ``b <- m * b + (1 - m) * r`` per reward; starts at the first reward seen.
+    ``b <- m * b + (1 - m) * r`` per reward; starts at the first reward seen. A reward that is
+    not finite, or beyond float32's range (``|r| > FP32_MAX``: the advantages are float32, so it
+    could never train), is not absorbed: one such reward would hold every later singleton's
+    advantage at about ``-r`` for hundreds of rewards.
     """
 
     def __init__(self, momentum: float = 0.9):
@@ -30,6 +36,8 @@ class RunningBaseline:
 
     def update(self, rewards: list[float]) -> None:
         for r in rewards:
+            if not (math.isfinite(r) and abs(r) <= FP32_MAX):
+                continue
             self.value = r if self.value is None else self.momentum * self.value + (1 - self.momentum) * r
 
 

@@ -99,7 +99,7 @@ class ExperienceFeed:
             batch = [b for b in batch if not b.experience.sampling.structured_outputs]
         keep, letters = [], []
         for b in batch:
-            why = untrainable(b, vocab_size)
+            why = untrainable(b, vocab_size, self.cfg.max_abs_reward)
             if why is None:
                 keep.append(b)
             else:
@@ -120,6 +120,10 @@ class ExperienceFeed:
             self.dead_lettered += await self.store.dead_letter(over)
             log.error("dead-lettered %d ready entries after %d crashed attempts", len(over), limit)
         return [b for b, n in zip(batch, attempts) if n <= limit]
+
+    async def dead_letter(self, batch: list[RewardedExperience], reason: str) -> None:
+        """Move ``batch`` to the dead-letter stream with ``reason``, counted."""
+        self.dead_lettered += await self.store.dead_letter([DeadLetter.of(b, reason) for b in batch])
 
     async def stepped(self, batch: list[RewardedExperience]) -> None:
         """``batch``'s step succeeded: forget its attempts, so that restarts of trainer processes

@@ -7,7 +7,8 @@ Three filters run on every batch read from the ready stream, before the step:
   second of an ``appendfsync everysec`` AOF, a crash) the entry comes back as delivered and
   unacknowledged. The ledger re-acknowledges it with the version that trained it instead of
   training it twice.
-- **untrainable** (`untrainable`): a non-finite reward or behaviour logprob, logprobs that do
+- **untrainable** (`untrainable`): a non-finite reward, one beyond ``trainer.max_abs_reward``
+  (whatever range the API was configured with), a non-finite behaviour logprob, logprobs that do
   not match the response, a token id outside the model's vocabulary. Such an entry would poison
   the step (NaN weights) or crash it; it goes to the store's dead-letter stream, counted.
 - **crashed the trainer before** (``trainer.max_entry_attempts``): every step counts an attempt
@@ -47,15 +48,18 @@ def batch_complete(size: int, waited_s: float, oldest_s: float, batch_size: int,
     return size >= min_batch_size or (max_batch_wait_s is not None and oldest_s >= max_batch_wait_s)
 
 
-def untrainable(b: RewardedExperience, vocab_size: int) -> str | None:
+def untrainable(b: RewardedExperience, vocab_size: int, max_abs_reward: float = math.inf) -> str | None:
     """Why ``b`` cannot be trained, or None.
 
     Args:
         vocab_size: rows of the policy's input embedding; token ids must be in ``[0, vocab_size)``.
+        max_abs_reward: ``trainer.max_abs_reward``; a reward beyond it is refused.
     """
     e = b.experience
     if not math.isfinite(b.reward):
         return f"non-finite reward {b.reward!r}"
+    if abs(b.reward) > max_abs_reward:
+        return f"reward {b.reward!r} beyond trainer.max_abs_reward={max_abs_reward:g}"
     if len(e.behaviour_logprobs) != len(e.response_token_ids):
         return (f"{len(e.behaviour_logprobs)} behaviour logprobs for {len(e.response_token_ids)} "
                 "response tokens")

@@ -87,6 +87,8 @@ class PolicyTrainer:
             self.resumed = load_state(resume, self.optimizer, self.scheduler, self.model, rank, world)
         if self.resumed is not None:
             self.baseline.value = self.resumed.baseline
+            if self.baseline.value is not None and not math.isfinite(self.baseline.value):
+                self.baseline.value = None  # a state saved before the guard: start the EMA again
         # version 0's probe (the replicas register the initial weights without one): what a reset
         # to the initial weights is checked against; unknown to a trainer that resumed
         self.initial_probe = None
@@ -300,11 +302,18 @@ class PolicyTrainer:
             loss, reward / advantage / ratio / clip / entropy / KL statistics (the unsplit
             batch's, `serve_rft.trainer.micro_batches.accumulate`), the learning rate,
             ``max_abs_logprob_diff`` (trainer vs behaviour logprobs), ``micro_batches`` (the
-            number of parts), seconds.
+            number of parts), seconds. A step that would apply a non-finite update is skipped
+            (`serve_rft.trainer.finite.skip_reason`: weights, AdamW state, LR schedule and
+            running baseline unchanged): then only ``skipped`` (why), ``loss``, ``grad_norm``,
+            ``batch_size`` and seconds.
+        Raises:
+            NonFiniteState: the update left a weight or AdamW state non-finite (the process
+                must not go on from them).
         """
         import torch
 
         from serve_rft.trainer.algorithm import compute_advantages
+        from serve_rft.trainer.finite import skip_reason
         from serve_rft.trainer.losses import group_tau_log_z
         from serve_rft.trainer.micro_batches import accumulate, partition
         from serve_rft.trainer.sharding import all_ranks_partials, merge_ranks, my_parts
@@ -315,6 +324,7 @@ class PolicyTrainer:
         rewards = [b.reward for b in batch]
         groups = [e.group_id for e in exps]
         estimator = {"grpo": "grpo", "reinforce": "baseline"}.get(c.algorithm, "group_mean")
+        baseline_before = self.baseline.value  # a skipped step leaves the baseline as it was
         adv = compute_advantages(rewards, groups, self.baseline, estimator=estimator).to(self.device)
         tlz = group_tau_log_z(rewards, groups, c.opmd_tau).to(self.device) if c.algorithm == "opmd_kimi" else None
         n_tokens = float(sum(len(e.response_token_ids) for e in exps))
@@ -338,12 +348,30 @@ class PolicyTrainer:
         if hasattr(grad_norm, "full_tensor"):  # sharded: the norm over every rank's shards
             grad_norm = grad_norm.full_tensor()
         lr = self.optimizer.param_groups[0]["lr"]
+        why = skip_reason(adv, totals.get("loss", 0.0), float(grad_norm))  # the same on every rank
+        if why is not None:
+            self.optimizer.zero_grad(set_to_none=True)
+            self.baseline.value = baseline_before
+            return {"skipped": why, "loss": totals.get("loss", 0.0), "grad_norm": float(grad_norm),
+                    "batch_size": len(batch), "step_seconds": time.perf_counter() - t0}
         self.optimizer.step()
         self.scheduler.step()
+        self.check_finite()
         totals.update(grad_norm=float(grad_norm), lr=lr, reward_mean=sum(rewards) / len(rewards),
                       adv_abs_mean=float(adv.abs().mean()), batch_size=len(batch), tokens=n_tokens,
                       micro_batches=len(parts), step_seconds=time.perf_counter() - t0)
         return totals
+
+    def check_finite(self) -> None:
+        """Raise unless every weight and AdamW state tensor is finite (on N ranks a collective);
+        after each update and before a publish or a save (`serve_rft.trainer.finite`).
+
+        Raises:
+            NonFiniteState: some are not.
+        """
+        from serve_rft.trainer.finite import check_finite
+
+        check_finite(self.model, self.optimizer, self.world)
 
     def _autocast(self):
         """bf16 autocast for forward passes (``trainer.precision``: bf16, or auto on CUDA); the

@@ -58,6 +58,8 @@ class Publishing:
                        version: int | None = None) -> float:
         """Publish the current weights as ``version`` (default: ``step_num``), then save the
         trainer state when ``save_interval`` publishes have passed and acknowledge what it covers.
+        The weights and AdamW state are checked finite first (`PolicyTrainer.check_finite`:
+        raises `serve_rft.trainer.finite.NonFiniteState`, which ends the process).
 
         Returns:
             Seconds the method's ``send`` took.
@@ -69,6 +71,7 @@ class Publishing:
         self.phase = "publishing"
         await asyncio.to_thread(record_published, self.state_root, version)
         in_use = await sync.in_use_versions.remote()
+        await asyncio.to_thread(policy.check_finite)  # never publish (nor then save) NaN weights
         t0 = time.perf_counter()
         model = await asyncio.to_thread(policy.publish_model)
         handle = await asyncio.to_thread(method.send, model, version, in_use)

@@ -1,8 +1,8 @@
 """The trainer actor's policy when it trains on N ranks (``trainer.num_workers > 1``).
 
 `ShardedPolicy` gives the trainer actor (`serve_rft.trainer.actor.Trainer`) what
-`serve_rft.trainer.policy.PolicyTrainer` gives it: ``step``, ``publish_model``, ``probe``,
-``save``, ``resumed``, ``vocab_size``. Behind it a `serve_rft.trainer.worker_group.WorkerGroup`
+`serve_rft.trainer.policy.PolicyTrainer` gives it: ``step``, ``check_finite``, ``publish_model``,
+``probe``, ``save``, ``resumed``, ``vocab_size``. Behind it a `serve_rft.trainer.worker_group.WorkerGroup`
 of FSDP2 ranks trains (`serve_rft.trainer.sharding`); the actor itself holds no weights:
 
 - a publish is a `serve_rft.trainer.gathered.GatheredModel`: the sync method (CHECKPOINT
@@ -61,6 +61,14 @@ class ShardedPolicy:
     def step(self, batch: list[RewardedExperience]) -> dict[str, float]:
         """`PolicyTrainer.step` over the ranks (the same figures as one process's step)."""
         return self.group.step(batch)
+
+    def check_finite(self) -> None:
+        """`PolicyTrainer.check_finite` on every rank's shards.
+
+        Raises:
+            ray.exceptions.RayTaskError: wrapping `serve_rft.trainer.finite.NonFiniteState`.
+        """
+        self.group.call("check_finite")
 
     def full_model(self):
         """The full weights as a `GatheredModel` (gathered bucket by bucket when read; with LoRA

@@ -99,8 +99,13 @@ class TrainRank:
         return self.policy.baseline.value
 
     def step(self, batch: list[RewardedExperience]) -> dict[str, float]:
-        """`PolicyTrainer.step` on this rank's micro-batches; every rank returns the merged figures."""
+        """`PolicyTrainer.step` on this rank's micro-batches; every rank returns the merged figures
+        (and every rank skips a non-finite update, or none does)."""
         return self.policy.step(batch)
+
+    def check_finite(self) -> None:
+        """`PolicyTrainer.check_finite` over this rank's shards (a collective)."""
+        self.policy.check_finite()
 
     def full_tensors(self, which: str) -> dict | None:
         """Every parameter (``which="params"``) or gradient (``"grads"``) gathered whole, by

@@ -1,0 +1,79 @@
+"""The docs site builds strictly, the README stays short, and no page carries project history.
+
+`mkdocs build --strict` turns every warning (a broken link, a page missing from the nav, an
+unknown anchor) into a failure; the committed OpenAPI document must equal what the app builds.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+README_MAX_BYTES = 12_288
+# history wording: "commit 3f3248e", "at aeaf0be", "(5b094ad, ...)"; checksums in JSON are not prose
+HASH_IN_PROSE = re.compile(r"\b(?:commit|commits|at|in|since|until)\s+`?[0-9a-f]{7,40}\b`?"
+                           r"|\([0-9a-f]{7,12}[,)]")
+HISTORY_WORDS = re.compile(r"\bthis session\b|\bthese sessions\b", re.IGNORECASE)
+
+
+def _prose_files() -> list[Path]:
+    return [ROOT / "README.md", ROOT / "deployments" / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory) -> Path:
+    """The site as `mkdocs build --strict` writes it (offline: no plugin fetches anything)."""
+    out = tmp_path_factory.mktemp("docs") / "site"
+    result = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+        env={"NO_MKDOCS_2_WARNING": "1", "PATH": "/usr/bin:/bin"})
+    assert result.returncode == 0, result.stdout + result.stderr
+    return out
+
+
+def test_mkdocs_build_strict_succeeds(site):
+    assert (site / "index.html").exists()
+    config_page = (site / "reference" / "config" / "index.html").read_text()
+    for field in ("reward_timeout_s", "sync_method", "max_staleness", "api_keys"):
+        assert field in config_page, f"generated config reference lacks {field}"
+    http_page = (site / "reference" / "http" / "index.html").read_text()
+    for route in ("/v1/rewards", "/v1/chat/completions", "/v1/experiences/{completion_id}"):
+        assert route in http_page, f"generated HTTP reference lacks {route}"
+
+
+def test_readme_links_into_the_docs_resolve(site):
+    """Every ``docs/...md#anchor`` link of README.md names a built page and an anchor on it."""
+    missing = []
+    for link in sorted(set(re.findall(r"\]\((docs/[^)]+)\)", (ROOT / "README.md").read_text()))):
+        path, _, anchor = link.partition("#")
+        rel = path[len("docs/"):-len(".md")]
+        page = site / ("index.html" if rel == "index" else f"{rel}/index.html")
+        if not page.exists() or (anchor and f'id="{anchor}"' not in page.read_text()):
+            missing.append(link)
+    assert not missing, f"README links without a page or anchor: {missing}"
+
+
+def test_readme_fits_the_budget():
+    size = len((ROOT / "README.md").read_bytes())
+    assert size <= README_MAX_BYTES, f"README.md is {size} bytes, budget {README_MAX_BYTES}"
+
+
+def test_no_commit_hash_or_session_wording_in_prose():
+    found = []
+    for path in _prose_files():
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            if HASH_IN_PROSE.search(line) or HISTORY_WORDS.search(line):
+                found.append(f"{path.relative_to(ROOT)}:{number}: {line.strip()[:120]}")
+    assert not found, "history in prose:\n" + "\n".join(found)
+
+
+def test_committed_openapi_document_is_what_the_app_builds():
+    result = subprocess.run([sys.executable, "scripts/openapi_json.py", "--check"], cwd=ROOT,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]

@@ -100,6 +100,28 @@ class AutoscalingSettings(StrictSection):
         return self
 
 
+class RequestLimits(StrictSection):
+    """Size bounds on request fields that are kept with every choice's experience or handed to
+    vLLM's grammar compiler, checked before anything is generated (a request over one: 400 naming
+    the field). OpenAI's documented limits where it has them; generous bounds elsewhere. The
+    request body as a whole is bounded by serve_rft.explorer.body (8 MiB), ``metadata`` by
+    OpenAI's 16 pairs, 64-character keys and 512-character values, ``stop`` by OpenAI's and vLLM's
+    4 sequences."""
+
+    max_stop_chars: int = Field(
+        1024, ge=1, description="Characters of one stop sequence (kept with every choice's experience).")
+    max_user_chars: int = Field(
+        512, ge=1, description="Characters of `user` (kept with every choice's experience; OpenAI "
+        "documents no bound, a stable end-user id is short).")
+    max_schema_bytes: int = Field(
+        65536, ge=1, description="UTF-8 bytes of `response_format` and of `structured_outputs` as JSON "
+        "(the constraint is kept with every choice's experience), bytes.")
+    max_tools: int = Field(
+        128, ge=1, description="Tools per request (OpenAI's chat `tools`: a max of 128 functions).")
+    max_tools_bytes: int = Field(
+        262144, ge=1, description="UTF-8 bytes of `tools` as JSON (their schemas), bytes.")
+
+
 class ExplorerConfig(StrictSection):
     num_replicas: int = Field(2, ge=1, description="vLLM explorer replicas behind Ray Serve (the "
                               "initial count when `autoscaling` is set).")
@@ -117,6 +139,8 @@ class ExplorerConfig(StrictSection):
         0.9, gt=0, le=1, description="GPU machines: share of the GPU's memory one vLLM replica may use "
         "(weights + KV cache); lower it when replicas and the trainer share a GPU.")
     max_n: int = Field(16, ge=1, description="Largest accepted `n` (choices per request).")
+    limits: RequestLimits = Field(
+        default_factory=RequestLimits, description="Size bounds on request fields (RequestLimits).")
     tool_call_parser: str | None = Field(
         "hermes", description="vLLM's tool-call parser (its --tool-call-parser: hermes for Qwen2.5 / "
         "Hermes <tool_call> blocks, as the embedded model's chat template writes them; llama3_json, "

@@ -5,6 +5,10 @@
 - JSON: nesting deeper than `MAX_JSON_DEPTH` (a 100 KB run of ``[`` once raised RecursionError)
   and integers longer than `MAX_INT_DIGITS` digits (Python refuses to convert more than 4,300,
   and no field needs more than int64's 19) are refused (400) while parsing;
+- text: a ``\\uD800``-``\\uDFFF`` escape that is not half of a surrogate pair parses (Python's json
+  keeps it) but cannot be encoded as UTF-8, so neither stored nor answered; it is refused (400,
+  ``param`` the dotted path of the string) before anything is generated (RFC 8259 §8.2: such
+  strings are "unpredictable" to receivers);
 - ``NaN`` / ``Infinity`` parse (Python's json accepts them) and are refused by the field that
   receives them, with that field as ``param`` (a reward: 422; a sampling setting: 400);
 - a body larger than `THREAD_PARSE_BYTES` is parsed on a worker thread, off the event loop.
@@ -14,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from typing import Any
 
 from starlette.requests import Request
@@ -65,11 +70,45 @@ def _depth(obj: Any) -> int:
     return deepest
 
 
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+"""A ``\\uD800``-``\\uDFFF`` escape in a UTF-8 body: the only way a surrogate gets into its parsed
+JSON (raw surrogate bytes are not valid UTF-8 and fail decoding)."""
+
+
+def unencodable_text(obj: Any) -> str | None:
+    """The dotted path (``messages.0.content``; a key: its object's path and the key) of the first
+    string, key or value, in parsed JSON that is not encodable as UTF-8 (a lone surrogate); None
+    if every string is. Iterative (no recursion limit)."""
+    stack: list[tuple[Any, str]] = [(obj, "")]
+    while stack:
+        node, path = stack.pop()
+        items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
+        for key, value in items:
+            here = f"{path}.{key}" if path else str(key)
+            if isinstance(key, str) and not _encodes(key):
+                return path or "(body)"
+            if isinstance(value, str):
+                if not _encodes(value):
+                    return here
+            elif isinstance(value, (dict, list)):
+                stack.append((value, here))
+    return "(body)" if isinstance(obj, str) and not _encodes(obj) else None
+
+
+def _encodes(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def parse_json(raw: bytes) -> Any:
     """Parse a request body (module docstring for the bounds).
 
     Raises:
-        ApiError: 400 not JSON, nested deeper than `MAX_JSON_DEPTH`, an oversized integer.
+        ApiError: 400 not JSON, nested deeper than `MAX_JSON_DEPTH`, an oversized integer, a
+            string that is not valid Unicode (``param``: where).
     """
     try:
         obj = json.loads(raw, parse_int=_int)
@@ -80,6 +119,13 @@ def parse_json(raw: bytes) -> Any:
         raise ApiError(400, f"request body is not valid JSON: {e}") from None  # vLLM's shape: no code
     if _depth(obj) > MAX_JSON_DEPTH:
         raise ApiError(400, f"request body is nested more than {MAX_JSON_DEPTH} levels deep", code="invalid_json")
+    # only a surrogate escape puts one in a string (a UTF-16 / UTF-32 body: always look)
+    if _SURROGATE_ESCAPE.search(raw) or json.detect_encoding(raw) != "utf-8":
+        where = unencodable_text(obj)
+        if where is not None:
+            raise ApiError(400, f"{where}: text is not valid Unicode (a lone surrogate escape such as "
+                           "\\ud800 that is not half of a pair)", None if where == "(body)" else where,
+                           code="invalid_json")
     return obj
 
 

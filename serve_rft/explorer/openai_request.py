@@ -13,15 +13,22 @@ serve_rft's own request fields (`Extensions`) and OpenAI's ``store`` and ``metad
 out before vLLM validates the rest; a field vLLM does not know is refused (vLLM would ignore it).
 ``user`` and ``metadata`` are kept with the experiences. vLLM's validation is lax where OpenAI is strict (``"stream": "yes"`` would
 be true), so the fields a client most often gets wrong are checked strictly first (`_Strict`).
+
+Fields kept with every choice's experience (``user``, ``stop``, ``response_format`` /
+``structured_outputs``) or compiled into a grammar (``tools``) are bounded in size before
+anything is generated (`check_limits`, `serve_rft.config.explorer.RequestLimits`), so one request
+with ``n`` choices cannot multiply a large field into the store ``n`` times.
 """
 
 from __future__ import annotations
 
+import json
 import uuid
 from typing import Any, Callable
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError, field_validator
 
+from serve_rft.config.explorer import RequestLimits
 from serve_rft.explorer.engine_tap import RequestContext
 from serve_rft.explorer.protocol import INT64_MAX, INT64_MIN, ApiError
 from serve_rft.explorer.reproducible import NOT_REPRODUCED
@@ -71,6 +78,7 @@ class _Strict(BaseModel):
     max_completion_tokens: StrictInt | None = Field(None, ge=1)
     seed: StrictInt | None = Field(None, ge=INT64_MIN, le=INT64_MAX, description="vLLM's bound: int64.")
     stop: StrictStr | list[StrictStr] | None = None
+    user: StrictStr | None = None
 
     @field_validator("stop")
     @classmethod
@@ -114,16 +122,64 @@ UNKNOWN_WHY = {
 is refused too, as OpenAI's API refuses one ("Unrecognized request argument supplied")."""
 
 
-def parse_request(body: Any, kind: str, max_n: int):
+MAX_STOP = 4
+"""Stop sequences per request: OpenAI's documented bound ("up to 4 sequences"), which vLLM's
+request models enforce too."""
+
+
+def _json_bytes(value: Any) -> int:
+    """UTF-8 bytes of ``value`` as compact JSON."""
+    return len(json.dumps(value, ensure_ascii=False, separators=(",", ":")).encode())
+
+
+def check_limits(body: dict[str, Any], limits: RequestLimits) -> None:
+    """Refuse a request field over its size bound (`RequestLimits`). Types are checked before
+    (`_Strict`) or after (vLLM) this; a field of another type is left to them.
+
+    Raises:
+        ApiError: 400 with ``param`` the field: ``user`` longer than ``max_user_chars``; more
+            than `MAX_STOP` stop sequences or one longer than ``max_stop_chars``;
+            ``response_format`` or ``structured_outputs`` over ``max_schema_bytes``; more than
+            ``max_tools`` tools or ``tools`` over ``max_tools_bytes``.
+    """
+    user = body.get("user")
+    if isinstance(user, str) and len(user) > limits.max_user_chars:
+        raise ApiError(400, f"user is {len(user)} characters, at most {limits.max_user_chars}", "user",
+                       code="string_above_max_length")
+    stop = body.get("stop")
+    stops = [stop] if isinstance(stop, str) else stop if isinstance(stop, list) else []
+    if len(stops) > MAX_STOP:
+        raise ApiError(400, f"stop has {len(stops)} sequences, at most {MAX_STOP}", "stop",
+                       code="array_above_max_length")
+    for s in stops:
+        if isinstance(s, str) and len(s) > limits.max_stop_chars:
+            raise ApiError(400, f"a stop sequence is {len(s)} characters, at most {limits.max_stop_chars}",
+                           "stop", code="string_above_max_length")
+    for name in ("response_format", "structured_outputs"):
+        if body.get(name) is not None and (size := _json_bytes(body[name])) > limits.max_schema_bytes:
+            raise ApiError(400, f"{name} is {size} bytes as JSON, at most {limits.max_schema_bytes}", name,
+                           code="object_above_max_size")
+    tools = body.get("tools")
+    if isinstance(tools, list):
+        if len(tools) > limits.max_tools:
+            raise ApiError(400, f"tools has {len(tools)} tools, at most {limits.max_tools}", "tools",
+                           code="array_above_max_length")
+        if (size := _json_bytes(tools)) > limits.max_tools_bytes:
+            raise ApiError(400, f"tools is {size} bytes as JSON, at most {limits.max_tools_bytes}", "tools",
+                           code="object_above_max_size")
+
+
+def parse_request(body: Any, kind: str, max_n: int, limits: RequestLimits | None = None):
     """A decoded JSON body -> (vLLM's request object, the `RequestContext`).
 
     Args:
         kind: ``chat`` (``ChatCompletionRequest``) or ``completion`` (``CompletionRequest``).
         max_n: the largest ``n`` accepted.
+        limits: size bounds of fields (`check_limits`; None: `RequestLimits` defaults).
     Raises:
         ApiError: 400 naming the field: not an object, a wrong type, a refused field
-            (`REFUSED`), a field vLLM does not know (`UNKNOWN_WHY`), ``n`` too large, more
-            than one prompt, or vLLM's own validation.
+            (`REFUSED`), a field vLLM does not know (`UNKNOWN_WHY`), ``n`` too large, a field
+            over its size bound, more than one prompt, or vLLM's own validation.
     """
     from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
     from vllm.entrypoints.openai.completion.protocol import CompletionRequest
@@ -148,6 +204,7 @@ def parse_request(body: Any, kind: str, max_n: int):
                            code="unknown_parameter")
     if (body.get("n") or 1) > max_n:
         raise ApiError(400, f"n must be <= {max_n}", "n")
+    check_limits(body, limits or RequestLimits())
     if kind == "completion" and _several_prompts(body.get("prompt")):
         raise ApiError(400, "one prompt per request: each answer is an experience named by the response id",
                        "prompt", code="unsupported_parameter")

@@ -82,7 +82,8 @@ class OpenAIRoutes:
         await self._admit(request)
         raw = await read_body(request)
         req, ctx = await asyncio.get_running_loop().run_in_executor(
-            self.cpu, lambda: parse_request(parse_json(raw), kind, self.cfg.explorer.max_n))
+            self.cpu, lambda: parse_request(parse_json(raw), kind, self.cfg.explorer.max_n,
+                                            self.cfg.explorer.limits))
         ctx.t0 = t0
         from vllm.entrypoints.serve.engine.protocol import ErrorResponse
         from vllm.entrypoints.serve.exception_handling.error_response import create_error_response

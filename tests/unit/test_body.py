@@ -53,3 +53,26 @@ def test_strict_types_and_vllms_seed_bound():
     assert req.seed == 2**63 - 1
     with pytest.raises(ValueError, match="finite"):
         RewardItem.model_validate({"completion_id": "c", "reward": 1.0, "info": {"x": float("nan")}})
+
+
+@pytest.mark.parametrize("raw,param", [
+    (b'{"user": "\\ud800"}', "user"),
+    (b'{"a": {"b": ["ok", "x\\uDBFF"]}}', "a.b.1"),
+    (b'{"a": {"\\udc00": 1}}', "a"),
+    (b'"\\ud800"', None),
+    ('{"user": "\\ud800"}'.encode("utf-16-le"), "user"),  # a UTF-16 body: escapes are not ASCII bytes
+    ('{"user": "\\ud800"}'.encode("utf-32"), "user"),
+])
+def test_a_lone_surrogate_anywhere_is_a_400_naming_where(raw, param):
+    with pytest.raises(ApiError) as e:
+        parse_json(raw)
+    assert e.value.status == 400 and e.value.param == param and "not valid Unicode" in e.value.message
+
+
+@pytest.mark.parametrize("raw", [b'{"a": "\\ud83d\\ude00"}', b'{"a": "\\\\ud800"}', b'{"a": "\\u00e9\\u4e2d"}',
+                                 '{"a": "\u00e9"}'.encode("utf-16")])
+def test_valid_unicode_parses(raw):
+    import json
+
+    parsed = parse_json(raw)
+    json.dumps(parsed, ensure_ascii=False).encode("utf-8")  # what storing it does

@@ -113,3 +113,96 @@ def test_sampling_info_keeps_a_grammar_constraint():
     assert (info.temperature, info.top_p, info.max_tokens, info.stop) == (0.7, 0.9, 5, ["x"])
     assert info.structured_outputs == {"json_object": True}
     assert sampling_info(SamplingParams(max_tokens=5)).structured_outputs is None
+
+
+# --- size bounds before anything is generated (RequestLimits) ---
+
+from serve_rft.config.explorer import RequestLimits  # noqa: E402
+from serve_rft.explorer.openai_request import check_limits  # noqa: E402
+
+LIMITS = RequestLimits()
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
+SCHEMA = {"type": "json_schema", "json_schema": {"name": "s", "schema": {"type": "object"}}}
+
+
+@pytest.mark.parametrize("field,value,code", [
+    ("user", "u" * (LIMITS.max_user_chars + 1), "string_above_max_length"),
+    ("stop", ["a", "b", "c", "d", "e"], "array_above_max_length"),
+    ("stop", "s" * (LIMITS.max_stop_chars + 1), "string_above_max_length"),
+    ("stop", ["ok", "s" * (LIMITS.max_stop_chars + 1)], "string_above_max_length"),
+    ("response_format", {"type": "json_schema", "json_schema": {
+        "name": "s", "schema": {"type": "object", "description": "d" * LIMITS.max_schema_bytes}}},
+     "object_above_max_size"),
+    ("structured_outputs", {"regex": "a" * LIMITS.max_schema_bytes}, "object_above_max_size"),
+    ("tools", [TOOL] * (LIMITS.max_tools + 1), "array_above_max_length"),
+    ("tools", [{**TOOL, "function": {**TOOL["function"], "description": "d" * LIMITS.max_tools_bytes}}],
+     "object_above_max_size"),
+])
+def test_a_field_over_its_size_bound_is_a_400_naming_it(field, value, code):
+    """The bounds hold for chat and completions alike (a request with n choices would store the
+    field n times)."""
+    with pytest.raises(ApiError) as e:
+        parse_request({**CHAT, field: value, "n": 16}, "chat", max_n=16)
+    assert e.value.status == 400 and e.value.param == field and e.value.code == code, e.value.message
+    if field != "tools":
+        with pytest.raises(ApiError) as e:
+            parse_request({"prompt": "p", field: value}, "completion", max_n=16)
+        assert e.value.param == field
+
+
+def test_the_bounds_come_from_the_config():
+    from serve_rft.config import load_config
+
+    cfg = load_config(None, ["explorer.limits={max_stop_chars: 4096, max_user_chars: 4}"])
+    parse_request({**CHAT, "stop": "s" * 4096}, "chat", max_n=16, limits=cfg.explorer.limits)
+    with pytest.raises(ApiError) as e:
+        parse_request({**CHAT, "user": "abcde"}, "chat", max_n=16, limits=cfg.explorer.limits)
+    assert e.value.param == "user"
+
+
+def test_what_well_behaved_clients_send_is_served():
+    """OpenAI's own bounds (4 stop sequences, 128 tools, 16 metadata pairs of 64 / 512 characters)
+    and realistic schemas pass."""
+    body = {**CHAT, "user": "user-1234", "stop": ["\n\n", "ing", "###", "x" * LIMITS.max_stop_chars],
+            "response_format": SCHEMA, "tools": [TOOL] * LIMITS.max_tools, "n": 16,
+            "metadata": {f"k{i:062d}": "v" * 512 for i in range(16)}}
+    req, ctx = parse_request(body, "chat", max_n=16)
+    assert req.user == "user-1234" and len(req.stop) == 4 and len(ctx.metadata) == 16
+    check_limits({"stop": None, "user": None, "tools": None}, LIMITS)  # absent fields: nothing to check
+
+
+@pytest.mark.parametrize("metadata", [
+    {f"k{i}": "v" for i in range(17)}, {"k" * 65: "v"}, {"k": "v" * 513}, {"k": 1}, {"": "v"},
+])
+def test_metadata_over_openais_limits_is_a_400(metadata):
+    with pytest.raises(ApiError) as e:
+        parse_request({**CHAT, "metadata": metadata}, "chat", max_n=16)
+    assert e.value.status == 400 and e.value.param.startswith("metadata")
+
+
+@pytest.mark.parametrize("value", [5, ["a", 1]])
+def test_user_and_stop_of_the_wrong_type_are_a_400(value):
+    for field in ("user", "stop"):
+        with pytest.raises(ApiError) as e:
+            parse_request({**CHAT, field: value}, "chat", max_n=16)
+        assert e.value.status == 400 and e.value.param.startswith(field)
+
+
+@pytest.mark.parametrize("raw,param", [
+    (b'{"messages": [{"role": "user", "content": "hi"}], "user": "\\ud800"}', "user"),
+    (b'{"messages": [{"role": "user", "content": "hi"}], "metadata": {"k": "a\\udfffb"}}', "metadata.k"),
+    (b'{"messages": [{"role": "user", "content": "hi"}], "metadata": {"\\udc00": "v"}}', "metadata"),
+    (b'{"messages": [{"role": "user", "content": "hi\\ud83d"}]}', "messages.0.content"),
+    (b'{"messages": [{"role": "user", "content": "hi"}], "stop": ["\\ude00x"]}', "stop.0"),
+])
+def test_text_that_cannot_be_stored_is_refused_before_generation(raw, param):
+    """A lone surrogate escape parses in Python but fails UTF-8 encoding when the experience is
+    serialised: refused at parsing, naming where it is."""
+    from serve_rft.explorer.body import parse_json
+
+    with pytest.raises(ApiError) as e:
+        parse_request(parse_json(raw), "chat", max_n=16)
+    assert e.value.status == 400 and e.value.param == param
+    ok = parse_json(b'{"messages": [{"role": "user", "content": "\\ud83d\\ude00"}], "user": "\\u00e9"}')
+    req, _ = parse_request(ok, "chat", max_n=16)  # a surrogate pair is one character: served
+    assert req.messages[0]["content"] == "\U0001F600" and req.user == "é"

@@ -77,14 +77,17 @@ def _serve_config(path: Path, port: int, code_uri: str, overrides: list[str],
     cfg["http_options"]["port"] = port
     app = cfg["applications"][0]
     app["runtime_env"] = {"working_dir": code_uri}
-    app["args"]["overrides"] = overrides  # args.config stays relative: it resolves in working_dir
+    # the shipped http_options bind 0.0.0.0, and this test's clients (load.Users, get_status) send
+    # no keys: serving openly is allowed explicitly (the keyed path of a shipped serve config is
+    # test_serve_run's)
+    app["args"]["overrides"] = [*overrides, "service.allow_unauthenticated=true"]  # args.config: in working_dir
     explorer = app["deployments"][0]
     explorer["ray_actor_options"]["label_selector"] = {ROLE: "explorer"}
     if autoscaling:
         assert "autoscaling_config" in explorer and "num_replicas" not in explorer
         explorer["autoscaling_config"] = dict(autoscaling)
         flow = ", ".join(f"{k}: {v}" for k, v in autoscaling.items() if k != "initial_replicas")  # Serve's only
-        app["args"]["overrides"] = [*overrides, f"explorer.autoscaling={{{flow}}}"]
+        app["args"]["overrides"] = [*app["args"]["overrides"], f"explorer.autoscaling={{{flow}}}"]
     path.write_text(yaml.safe_dump(cfg))
     return path
 

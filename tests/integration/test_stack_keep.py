@@ -22,7 +22,8 @@ def stack(redis_server, embedded_model, tmp_path_factory):
     yield from start_stack(redis_server.url, embedded_model, tmp_path_factory.mktemp("run-keep"),
                            ["synchronizer.sync_style=trainer_driven", "synchronizer.drain_mode=keep",
                             "trainer.max_staleness=1", "explorer.tool_strict_level=parameter",
-                            "service.admin_keys=[x]", "service.api_keys=[inference-key]"])
+                            "service.admin_keys=[x]", "service.api_keys=[inference-key]",
+                            "service.reward_keys=[reward-key]"])
 
 
 def test_keep_mode_requests_span_versions_and_none_fail(stack):
@@ -73,9 +74,10 @@ def test_max_staleness_drops_old_experiences_and_status_shows_staleness(stack):
     assert st["experiences"]["stale_dropped"] == st["trainer"]["stale_dropped"]
 
 
-def test_api_keys_inference_key_serves_admin_key_rewards(stack):
-    """This stack runs with keys: no key -> 401; the inference key may chat but not post
-    rewards or read status; the admin key may do both; /health stays open."""
+def test_api_keys_inference_key_serves_reward_and_admin_keys_reward(stack):
+    """This stack runs with keys: no key or a wrong one -> 401; the inference key may chat but not
+    post rewards or read status (403); the reward key may post rewards and nothing else; the admin
+    key may do everything, the API document included; /health stays open."""
     u = stack.url
     body = {"messages": [{"role": "user", "content": "k"}], "max_tokens": 2}
     r = httpx.post(f"{u}/v1/chat/completions", json=body)
@@ -87,9 +89,19 @@ def test_api_keys_inference_key_serves_admin_key_rewards(stack):
     comp = client.chat.completions.create(model="serve-rft", **body)
     reward = {"completion_id": comp.id, "reward": 1.0}
     r = httpx.post(f"{u}/v1/rewards", json=reward, headers=inference)
-    assert r.status_code == 401 and "inference key" in r.json()["error"]["message"]
-    assert httpx.get(f"{u}/v1/status", headers=inference).status_code == 401
+    assert r.status_code == 403 and r.json()["error"]["code"] == "insufficient_scope", r.text
+    assert "Missing scope: rewards" in r.json()["error"]["message"]
+    assert httpx.get(f"{u}/v1/status", headers=inference).status_code == 403
+    rewarder = {"Authorization": "Bearer reward-key"}
+    assert httpx.post(f"{u}/v1/chat/completions", json=body, headers=rewarder).status_code == 403
+    assert httpx.get(f"{u}/v1/status", headers=rewarder).status_code == 403
+    assert httpx.post(f"{u}/v1/sync/rollback", json={}, headers=rewarder).status_code == 403
+    assert httpx.post(f"{u}/v1/rewards", json=reward, headers=rewarder).status_code == 200
     assert httpx.post(f"{u}/v1/rewards", json=reward, headers=loop.ADMIN).status_code == 200
+    assert httpx.post(f"{u}/v1/sync/rollback", json={}).status_code == 401  # before its body is read
+    assert httpx.get(f"{u}/openapi.json").status_code == 401
+    assert httpx.get(f"{u}/openapi.json", headers=rewarder).status_code == 403
+    assert httpx.get(f"{u}/openapi.json", headers=loop.ADMIN, timeout=60).status_code == 200
     assert httpx.get(f"{u}/health").status_code == 200
 
 

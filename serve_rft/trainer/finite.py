@@ -54,23 +54,27 @@ def _local(t):
 
 
 def nonfinite_tensors(model, optimizer) -> list[str]:
-    """Names of this process's parameters (its shards on N ranks) and AdamW state tensors
-    (``{param name}.{exp_avg|exp_avg_sq|...}``) that hold NaN or infinity; one device sync when
-    none does."""
+    """Names of this process's trained parameters (its shards on N ranks; frozen ones, such as
+    a LoRA base, never change) and AdamW state tensors (``{param name}.{exp_avg|exp_avg_sq|...}``)
+    that hold NaN or infinity; one device sync when none does."""
     import torch
 
-    named = [(n, p) for n, p in model.named_parameters()]
-    tensors = [(n, _local(p)) for n, p in named]
-    if optimizer is not None:
-        for n, p in named:
-            for key, t in optimizer.state.get(p, {}).items():
-                if torch.is_tensor(t) and t.is_floating_point():
-                    tensors.append((f"{n}.{key}", _local(t)))
-    tensors = [(n, t) for n, t in tensors if t.numel()]
-    if not tensors:
-        return []
+    from serve_rft.trainer.sharding import reshard
+
+    reshard(model)  # sharded: the registered parameters must be the shards AdamW holds
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     with torch.no_grad():
-        flags = torch.stack([torch.isfinite(t).all() for _, t in tensors])
+        tensors = [(n, _local(p)) for n, p in named]
+        if optimizer is not None:
+            for n, p in named:
+                for key, t in optimizer.state.get(p, {}).items():
+                    if torch.is_tensor(t) and t.is_floating_point():
+                        tensors.append((f"{n}.{key}", _local(t)))
+        tensors = [(n, t) for n, t in tensors if t.numel()]
+        if not tensors:
+            return []
+        device = tensors[0][1].device  # AdamW's ``step`` is a CPU scalar beside CUDA moments
+        flags = torch.stack([torch.isfinite(t).all().to(device) for _, t in tensors])
         if bool(flags.all()):
             return []
         return [n for (n, _), ok in zip(tensors, flags.tolist()) if not ok]

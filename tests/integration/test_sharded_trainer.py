@@ -54,6 +54,35 @@ def test_two_ranks_take_the_single_process_step(ray_local, embedded_model, sets)
     assert any(not torch.equal(before[n], p.detach()) for n, p in single.model.named_parameters())
 
 
+def test_two_ranks_skip_a_non_finite_update_together(ray_local, embedded_model):
+    """A reward beyond float32 on a singleton (advantage inf) on two ranks: both skip the step
+    (neither waits in a collective the other left), the weights are unchanged and finite, and the
+    next step trains. A micro-batch per rank, so each rank runs its own part."""
+    from serve_rft.config import load_config
+    from serve_rft.trainer.worker_group import WorkerGroup
+
+    cfg = load_config(None, ["trainer.algorithm=grpo", "trainer.micro_batch_size=1", "trainer.lr=1e-3",
+                             "trainer.num_threads=1"])
+    batch = _batch()
+    huge = [b.model_copy(deep=True) for b in batch[:2]]
+    for i, b in enumerate(huge):
+        b.experience.group_id = f"single{i}"
+    huge[0].reward = 1e39
+    group = WorkerGroup(cfg, str(embedded_model), world=2)
+    try:
+        group.step(batch)
+        before = group.full_tensors("params")
+        stats = group.step(huge)
+        assert "advantage" in stats["skipped"]
+        after = group.full_tensors("params")
+        assert all(torch.equal(before[n], after[n]) for n in before)
+        group.call("check_finite")
+        assert "skipped" not in group.step(batch)
+        group.call("check_finite")
+    finally:
+        group.stop()
+
+
 def test_two_ranks_publish_save_and_resume(ray_local, embedded_model, tmp_path):
     """The sharded trainer's publish (gathered bucket by bucket) is the whole model: the CHECKPOINT
     folder loads with transformers and equals the ranks' parameters, the MEMORY buckets hold the

@@ -62,8 +62,12 @@ def _section(path: str, model: type, base: type) -> list[str]:
         sub = _model_of(field.annotation)
         if sub is not None:
             nested.append((f"{path}.{name}", sub))
+        kind = _type_name(field.annotation)
+        if sub is not None:  # a nested section: link to its own table
+            anchor = f"{path}.{name}".replace(".", "").lower()
+            kind = kind.replace("section (below)", f"[section `{path}.{name}`](#{anchor})")
         lines.append("| `{}` | {} | {} | {} | {} |".format(
-            name, _cell(_type_name(field.annotation)), _cell(_default(field)), _cell(_bounds(field)),
+            name, kind, _cell(_default(field)), _cell(_bounds(field)),
             _cell(" ".join((field.description or "").split()))))
     lines.append("")
     for sub_path, sub in nested:
@@ -82,15 +86,25 @@ def _model_of(annotation: Any) -> type | None:
 
 
 def _type_name(annotation: Any) -> str:
+    """Markdown for a field's type: one code span per alternative, joined by an escaped ``|``."""
+    import types
+
+    from pydantic import BaseModel
+
+    origin = typing.get_origin(annotation)
+    if origin is typing.Union or origin is types.UnionType:
+        return " \\| ".join(_type_name(arg) for arg in typing.get_args(annotation))
+    if origin is typing.Literal:
+        return " \\| ".join(f"`{json.dumps(v)}`" for v in typing.get_args(annotation))
+    if annotation is type(None):
+        return "`null`"
     if isinstance(annotation, type):
         if issubclass(annotation, enum.Enum):
-            return " \\| ".join(f"`{m.value}`" for m in annotation)
+            return " \\| ".join(f"`{json.dumps(m.value)}`" for m in annotation)
+        if issubclass(annotation, BaseModel):
+            return "section (below)"
         return f"`{annotation.__name__}`"
-    origin = typing.get_origin(annotation)
-    if origin is typing.Literal:
-        return " \\| ".join(f"`{v}`" for v in typing.get_args(annotation))
-    text = str(annotation).replace("typing.", "").replace("NoneType", "None")
-    return f"`{text}`"
+    return f"`{str(annotation).replace('typing.', '')}`"
 
 
 def _default(field: Any) -> str:
@@ -131,10 +145,16 @@ def _bounds(field: Any) -> str:
 
 
 def _cell(text: str) -> str:
-    return text.replace("|", "\\|").replace("\n", " ") if "\\|" not in text else text.replace("\n", " ")
+    """``text`` fit for one table cell: one line, its ``|`` escaped."""
+    return text.replace("\n", " ").replace("|", "\\|")
 
 
 # ---------------------------------------------------------------- HTTP
+
+SCHEMA_BOUNDS = {"minimum": ">=", "exclusiveMinimum": ">", "maximum": "<=", "exclusiveMaximum": "<",
+                 "minLength": "min length", "maxLength": "max length", "minItems": "min items",
+                 "maxItems": "max items"}
+
 
 def http_reference(doc: dict[str, Any]) -> str:
     """Markdown: every path and method of an OpenAPI document, its parameters, body and answers."""
@@ -142,35 +162,67 @@ def http_reference(doc: dict[str, Any]) -> str:
     for path, methods in doc["paths"].items():
         for method, op in methods.items():
             out += [f"## `{method.upper()} {path}`", ""]
-            if op.get("summary"):
-                out += [op["summary"], ""]
             if op.get("description"):
-                out += [op["description"].strip(), ""]
+                out += [" ".join(op["description"].split()), ""]
+            elif op.get("summary"):
+                out += [op["summary"], ""]
             params = op.get("parameters", [])
             if params:
                 out += ["| parameter | in | required | type |", "|---|---|---|---|"]
-                out += [f"| `{p['name']}` | {p['in']} | {p.get('required', False)} | "
-                        f"`{p.get('schema', {}).get('type', '')}` |" for p in params]
+                out += [f"| `{p['name']}` | {p['in']} | {'yes' if p.get('required') else 'no'} | "
+                        f"{_schema_type(p.get('schema', {}))} |" for p in params]
                 out.append("")
             body = op.get("requestBody", {}).get("content", {}).get("application/json", {}).get("schema")
             if body is not None:
-                out += [f"Request body: {_schema_name(body, doc)}", ""]
+                out += _body(body, doc)
             answers = ", ".join(f"{code} {resp.get('description', '')}".strip()
                                 for code, resp in op.get("responses", {}).items())
             if answers:
-                out += [f"Responses: {answers}.", ""]
+                out += [f"Documented responses: {answers}. Refusals are OpenAI error JSON "
+                        "([Errors](../api/errors.md)).", ""]
     return "\n".join(out)
 
 
-def _schema_name(schema: dict[str, Any], doc: dict[str, Any]) -> str:
+def _resolve(schema: dict[str, Any], doc: dict[str, Any]) -> dict[str, Any]:
+    ref = schema.get("$ref")
+    if ref is None:
+        return schema
+    return doc["components"]["schemas"][ref.rsplit("/", 1)[-1]]
+
+
+def _body(schema: dict[str, Any], doc: dict[str, Any]) -> list[str]:
+    """The request body: one field table per accepted form."""
+    forms = schema.get("anyOf") or schema.get("oneOf") or [schema]
+    out = ["Request body" + (f", one of {len(forms)} forms:" if len(forms) > 1 else ":"), ""]
+    for form in forms:
+        resolved = _resolve(form, doc)
+        title = resolved.get("title", "object")
+        out += [f"**`{title}`**" + (f": {' '.join(resolved['description'].split())}"
+                                    if resolved.get("description") else ""), ""]
+        props = resolved.get("properties", {})
+        if not props:
+            continue
+        required = set(resolved.get("required", []))
+        out += ["| field | type | required | default | bounds | description |", "|---|---|---|---|---|---|"]
+        for name, prop in props.items():
+            default = f"`{json.dumps(prop['default'])}`" if "default" in prop else ""
+            bounds = ", ".join(f"{sign} {prop[k]}" for k, sign in SCHEMA_BOUNDS.items() if k in prop)
+            desc = " ".join((prop.get("description") or "").split())
+            out.append(f"| `{name}` | {_schema_type(prop)} | {'yes' if name in required else 'no'} | "
+                       f"{_cell(default)} | {bounds} | {_cell(desc)} |")
+        out.append("")
+    return out
+
+
+def _schema_type(schema: dict[str, Any]) -> str:
     if "$ref" in schema:
         return f"`{schema['$ref'].rsplit('/', 1)[-1]}`"
-    title = schema.get("title")
-    props = schema.get("properties", {})
-    fields = ", ".join(f"`{k}`" for k in props)
-    if title and fields:
-        return f"`{title}` (fields: {fields})"
-    if "anyOf" in schema or "oneOf" in schema:
-        parts = schema.get("anyOf") or schema.get("oneOf")
-        return " or ".join(_schema_name(p, doc) for p in parts)
-    return f"`{title or 'object'}`"
+    alternatives = schema.get("anyOf") or schema.get("oneOf")
+    if alternatives:
+        return " \\| ".join(_schema_type(a) for a in alternatives)
+    if "enum" in schema:
+        return " \\| ".join(f"`{json.dumps(v)}`" for v in schema["enum"])
+    kind = schema.get("type", "any")
+    if kind == "array":
+        return f"array of {_schema_type(schema.get('items', {}))}"
+    return f"`{kind}`"

@@ -32,6 +32,9 @@ class PolicyTrainer:
         whole model, on the CPU) before the optimizer is built, so AdamW's state is sharded too.
 
         With LoRA the adapter is sharded with the layers it sits in (`serve_rft.trainer.sharding.shard`).
+
+        Raises:
+            NonFiniteState: the weights or AdamW state resumed from hold NaN or infinity.
         """
         import torch
 
@@ -89,6 +92,8 @@ class PolicyTrainer:
             self.baseline.value = self.resumed.baseline
             if self.baseline.value is not None and not math.isfinite(self.baseline.value):
                 self.baseline.value = None  # a state saved before the guard: start the EMA again
+            self.check_finite()  # a poisoned state stops the trainer at setup, visibly, instead of
+            # a restart loop that dead-letters every batch
         # version 0's probe (the replicas register the initial weights without one): what a reset
         # to the initial weights is checked against; unknown to a trainer that resumed
         self.initial_probe = None

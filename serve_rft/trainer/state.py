@@ -84,8 +84,14 @@ def save_state(root: str | Path, model, optimizer, version: int, step: int, base
         The committed folder.
     Raises:
         FileExistsError: a state of that version exists already.
+        ValueError: ``baseline`` is not finite (nothing is written).
     """
+    import math
+
     import torch
+
+    if baseline is not None and not math.isfinite(baseline):
+        raise ValueError(f"running baseline {baseline!r} is not finite: a trainer state must not carry it")
 
     def extra(folder: Path) -> None:
         if optimizer is not None:

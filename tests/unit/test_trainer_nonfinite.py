@@ -192,3 +192,19 @@ def test_a_skipped_step_dead_letters_its_batch_with_why_counted(redis_server):
         assert await store.delivered("trainer") == []  # acknowledged: never redelivered
         await store.close()
     asyncio.run(go())
+
+
+def test_a_state_holding_nan_is_refused_at_resume(trainer, tmp_path, embedded_model):
+    """A state saved before these guards (NaN weights or moments) stops the trainer at setup,
+    where the error stays visible, instead of a restart loop that dead-letters every batch."""
+    p = next(p for p in trainer.model.parameters() if p.requires_grad)
+    trainer.optimizer.state[p]["exp_avg"].view(-1)[0] = float("nan")
+    path = save_state(tmp_path, trainer.model, trainer.optimizer, 3, 3, trainer.baseline.value, [], embedded_model)
+    with pytest.raises(NonFiniteState, match="exp_avg"):
+        PolicyTrainer(trainer.run_cfg, str(embedded_model), resume=path)
+
+
+def test_a_state_with_a_non_finite_baseline_is_not_written(trainer, tmp_path):
+    with pytest.raises(ValueError, match="baseline"):
+        save_state(tmp_path, trainer.model, trainer.optimizer, 3, 3, float("inf"), [], None)
+    assert latest_state(tmp_path) is None

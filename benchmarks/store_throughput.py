@@ -1,7 +1,7 @@
-"""Experience store throughput and the latency logging adds to a request.
+"""Experience store throughput and the latency logging and rewards add to a request.
 
-In one run, on one freshly started embedded redis-server (AOF on, ``appendfsync everysec`` as
-the service runs it by default, or ``--durability always``: ``buffer.durability``):
+In one run, on one freshly started embedded redis-server (AOF on, ``--durability always`` as
+the service runs it by default, or ``everysec``: ``buffer.durability``):
 
 1. ``redis-benchmark`` raw rates: SET and XADD with a value the size of one logged experience,
    ``--clients`` connections, no pipelining: the ceiling of this Redis on this machine.
@@ -13,12 +13,17 @@ the service runs it by default, or ``--durability always``: ``buffer.durability`
 4. Latency of one ``log_experiences`` call, p50/p99, with 1 and with ``--clients`` callers at
    once. The explorer awaits this call before it returns a non-streaming response (before the
    last chunk of a stream), so it is exactly the time logging adds to a request.
+5. Latency of one ``post_reward`` call the same way: what the store adds to ``POST /v1/rewards``
+   (with ``always`` it includes the AOF's fsync: Redis answers after it).
+
+Compare the two durabilities on the same machine in one sitting (the fsync cost is the disk's).
 
 One Python process drives the store, as one explorer replica does; redis-benchmark is C. The
 experience is realistic for the embedded model's traffic: ``--prompt-tokens`` prompt ids and
 ``--response-tokens`` response ids with their logprobs.
 
-    .venv/bin/python benchmarks/store_throughput.py --out benchmarks/results/store_throughput.json
+    .venv/bin/python benchmarks/store_throughput.py --durability everysec \
+        --out benchmarks/results/store_throughput.json
     .venv/bin/python benchmarks/store_throughput.py --durability always \
         --out benchmarks/results/store_throughput_always.json
 """
@@ -28,6 +33,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import platform
 import random
 import re
@@ -135,15 +141,22 @@ async def store_rates(url: str, calls: int, clients: int, n: int, prompt_tokens:
             "log_call_p50_ms": 1000 * _pct(lat_log, 0.5), "log_call_p99_ms": 1000 * _pct(lat_log, 0.99)}
 
 
-async def log_latency(url: str, calls: int, clients: int, prompt_tokens: int, response_tokens: int) -> dict:
-    """p50/p99 of one ``log_experiences`` call (one answer) with ``clients`` callers at once."""
+def _latency(clients: int, lat: list[float]) -> dict:
+    return {"concurrent_callers": clients, "calls": len(lat),
+            "p50_ms": 1000 * _pct(lat, 0.5), "p99_ms": 1000 * _pct(lat, 0.99), "mean_ms": 1000 * sum(lat) / len(lat)}
+
+
+async def call_latency(url: str, calls: int, clients: int, prompt_tokens: int, response_tokens: int
+                       ) -> tuple[dict, dict]:
+    """p50/p99 of one ``log_experiences`` call (one answer), then of one ``post_reward`` call
+    for each of them, with ``clients`` callers at once: (log latency, reward latency)."""
     store = ExperienceStore(url, prefix=f"lat{clients}")
     cids = [f"chatcmpl-lat{clients}-{k}" for k in range(calls)]
     exps = {cid: [_experience(cid, 0, prompt_tokens, response_tokens)] for cid in cids}
     _, lat = await _run_concurrently(clients, cids, lambda cid: store.log_experiences(exps[cid]))
+    _, lat_rw = await _run_concurrently(clients, cids, lambda cid: store.post_reward(cid, 0, 1.0))
     await store.close()
-    return {"concurrent_callers": clients, "calls": calls,
-            "p50_ms": 1000 * _pct(lat, 0.5), "p99_ms": 1000 * _pct(lat, 0.99), "mean_ms": 1000 * sum(lat) / len(lat)}
+    return _latency(clients, lat), _latency(clients, lat_rw)
 
 
 def main() -> None:
@@ -153,13 +166,14 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=40)
     ap.add_argument("--response-tokens", type=int, default=64)
     ap.add_argument("--bench-requests", type=int, default=100000, help="redis-benchmark -n")
-    ap.add_argument("--durability", choices=["everysec", "always"], default="everysec",
+    ap.add_argument("--durability", choices=["everysec", "always"], default="always",
                     help="the AOF's appendfsync (buffer.durability)")
     ap.add_argument("--out", default="benchmarks/results/store_throughput.json")
     a = ap.parse_args()
 
     one = _experience("chatcmpl-size", 0, a.prompt_tokens, a.response_tokens)
     value_bytes = len(one.model_dump_json())
+    load0 = os.getloadavg()[0]  # other work on the machine: fsync and CPU timings vary with it
     with tempfile.TemporaryDirectory() as tmp:
         server = start_redis(Path(tmp) / "redis", appendfsync=a.durability)
         try:
@@ -169,21 +183,26 @@ def main() -> None:
                                              a.response_tokens)) for n in (1, 4)]
             for r in rates:
                 print("store", r, flush=True)
-            latency = [asyncio.run(log_latency(server.url, 2000, c, a.prompt_tokens, a.response_tokens))
-                       for c in (1, a.clients)]
+            both = [asyncio.run(call_latency(server.url, 2000, c, a.prompt_tokens, a.response_tokens))
+                    for c in (1, a.clients)]
+            latency, reward_latency = [b[0] for b in both], [b[1] for b in both]
             for r in latency:
-                print("latency", r, flush=True)
+                print("log latency", r, flush=True)
+            for r in reward_latency:
+                print("reward latency", r, flush=True)
         finally:
             server.stop()
     out = {
         "command": "python benchmarks/store_throughput.py " + " ".join(
             f"--{k.replace('_', '-')} {v}" for k, v in vars(a).items() if k != "out"),
-        "machine": f"{platform.machine()}, {platform.node()}",
+        "machine": f"{platform.machine()}, {platform.node()}, {os.cpu_count()} CPUs",
+        "load_average_1min_at_start_and_end": [load0, os.getloadavg()[0]],
         "durability": a.durability,
         "experience_json_bytes": value_bytes,
         "redis_benchmark_requests_per_s": raw,
         "store": rates,
         "log_latency": latency,
+        "reward_latency": reward_latency,
         "ratios": {
             "experiences_per_s_n1_over_xadd": rates[0]["experiences_per_s"] / raw["XADD"],
             "rewards_per_s_over_set": rates[0]["rewards_per_s"] / raw["SET"],

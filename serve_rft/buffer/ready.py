@@ -77,18 +77,21 @@ class ReadyStream:
             args=[self.p, consumer, count, int(newest_first), *sorted(held)], client=self._reader)
         return [(eid, dict(zip(f[::2], f[1::2]))) for eid, f in entries], last
 
-    async def drop_stale(self, threshold: int, version: int, limit: int = SWEEP_BATCH) -> int:
+    async def drop_stale(self, threshold: int, version: int, limit: int = SWEEP_BATCH,
+                         exclude: set[str] | None = None) -> int:
         """Drop the waiting experiences (ready, held by no trainer) whose oldest token's policy
         version is below ``threshold``, among the ``limit`` oldest: state ``stale-dropped`` with
         ``version``, counted in ``stale_dropped``. A trainer that reads the freshest first calls
         this so that what falls past its staleness bound leaves the store instead of waiting
-        for the ready bound (``max_ready``).
+        for the ready bound (``max_ready``). ``exclude``: stream ids the caller holds, never
+        dropped even when the consumer group's pending entries list lost them (as `read_ready`).
 
         Returns:
             How many were dropped.
         """
         return int(await self._drop_stale(args=[self.p, threshold, version,
-                                                 max(1, math.ceil(self.trained_ttl_s)), limit]))
+                                                 max(1, math.ceil(self.trained_ttl_s)), limit,
+                                                 *sorted(exclude or ())]))
 
     async def _parsed(self, raw: list[tuple[str, dict]]) -> list[RewardedExperience]:
         good, bad = parse_entries(raw)

@@ -285,14 +285,15 @@ return {redis.call('XCLAIM', rk, 'trainer', c, 0, unpack(ids)), last}
 """
 
 DROP_STALE = ALLOW_OOM + _COMMON + """
--- ARGV: P, threshold, version, trained_ttl_s, limit
+-- ARGV: P, threshold, version, trained_ttl_s, limit, then the stream ids the caller holds
 -- Of the `limit` oldest ready entries no trainer holds, drop those whose oldest token's policy
 -- version (field v) is below `threshold` (past the trainer's staleness bound): each choice
 -- marked stale-dropped with the trainer's `version`, counted. Returns how many.
 local P, thr, ver, ttl, lim = ARGV[1], tonumber(ARGV[2]), ARGV[3], tonumber(ARGV[4]), tonumber(ARGV[5])
 local rk = P..':ready'
-local n = 0
-for _, e in ipairs(free_entries(rk, lim, false)) do
+local n, also = 0, {}
+for j = 6, #ARGV do also[#also + 1] = ARGV[j] end
+for _, e in ipairs(free_entries(rk, lim, false, also)) do
   local f = entry_fields(e)
   local v, m = tonumber(f['v'] or ''), f['member'] or ''
   local sep = string.find(m, ':[^:]*$')

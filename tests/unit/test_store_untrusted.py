@@ -146,6 +146,23 @@ def test_a_lost_read_never_hands_out_an_entry_the_trainer_holds(redis_server):
     run(go())
 
 
+def test_a_lost_read_never_lets_drop_stale_take_an_entry_the_trainer_holds(redis_server):
+    async def go():
+        s = _store(redis_server.url)
+        await s.ensure_group()
+        for k in range(2):
+            await s.log_experiences([_exp(f"chatcmpl-s{k}", 0, versions=((1, 0, 3),))])
+            await s.post_reward(f"chatcmpl-s{k}", 0, 0.0)
+        held = {e.stream_id for e in await s.read_ready("t", 1, block_ms=10)}
+        ready = s._k("ready")
+        await s.redis.xgroup_destroy(ready, "trainer")
+        await s.redis.xgroup_create(ready, "trainer", id="0")
+        assert await s.drop_stale(threshold=5, version=7, exclude=held) == 1  # only the one not held
+        assert [e[0] for e in await s.redis.xrange(ready)] == sorted(held)
+        await s.close()
+    run(go())
+
+
 def test_a_late_sweep_leaves_no_key_without_a_ttl(redis_server):
     """The service was down past every TTL: the sweep that runs when it comes back finds the
     state and group hashes expired and does not re-create them (without a TTL, for good)."""

@@ -94,6 +94,12 @@ class TrainerConfig(StrictSection):
     clip_low: float = Field(0.2, ge=0, description="PPO ratio clip: 1 - clip_low.")
     clip_high: float = Field(0.28, ge=0, description="PPO ratio clip: 1 + clip_high.")
     grad_clip: float = Field(1.0, gt=0, description="Max global gradient norm.")
+    grad_norm_spike: float | None = Field(
+        None, gt=1, description="Skip (and dead-letter) a step whose gradient norm is more than this many "
+        "times the median norm of the last grad_norm_window steps (serve_rft.trainer.finite.GradNormGuard); "
+        "None: off. Every finite norm joins the window, so a lasting shift is accepted after about half a window.")
+    grad_norm_window: int = Field(32, ge=4, description="Steps whose gradient norms the spike guard's median "
+                                  "is taken over; the guard acts once it holds this many.")
     max_abs_reward: float = Field(
         1e6, gt=0, le=1e30, description="Rewards with a larger magnitude are dead-lettered by the trainer "
         "(serve_rft.trainer.intake), whatever range the API accepts: in float32 advantages (max ~3.4e38) one "

@@ -1,5 +1,5 @@
 """Trainer metrics: step time and loss / reward / advantage statistics, staleness of what was
-trained, stale-dropped experiences, steps skipped for a non-finite update.
+trained, stale-dropped experiences, skipped steps (a non-finite update, a gradient-norm spike).
 
 Owned by the `Trainer` actor; exported through Ray's metrics API (Prometheus).
 """
@@ -34,8 +34,9 @@ class TrainerMetrics:
                                description="Experiences trained on.")
         self.steps = Counter("serve_rft_trainer_steps_total", description="Optimizer steps taken.")
         self.skipped_steps = Counter("serve_rft_trainer_skipped_steps_total",
-                                     description="Steps skipped because their update was not finite "
-                                     "(non-finite advantage, loss or gradient norm); their batch is dead-lettered.")
+                                     description="Steps skipped: a non-finite advantage, loss or gradient "
+                                     "norm, or a gradient-norm spike (trainer.grad_norm_spike); their batch is "
+                                     "dead-lettered.")
         self.step_seconds = Histogram("serve_rft_trainer_step_seconds",
                                       description="Seconds of one optimizer step (forward, backward, update).",
                                       boundaries=STEP_SECONDS_BUCKETS)
@@ -57,7 +58,7 @@ class TrainerMetrics:
                 self.stat.set(float(stats[name]), tags={"stat": name})
 
     def skipped(self) -> None:
-        """One step skipped: its update was not finite (`serve_rft.trainer.finite`)."""
+        """One step skipped: a non-finite update or a gradient-norm spike (`serve_rft.trainer.finite`)."""
         self.skipped_steps.inc()
 
     def observe(self, staleness: list[int], dropped: int, ages_s: list[float] | None = None) -> None:

@@ -14,8 +14,9 @@ lost is repaired, never trained twice (`serve_rft.trainer.intake.TrainedLedger`)
 Never halts: an exception in the loop ends the process (Ray restarts the actor, which resumes
 from its state); entries that cannot be trained, or that were in the steps of too many crashed
 processes, go to the store's dead-letter stream, counted (`serve_rft.trainer.intake`). Never
-poisoned: a step whose update is not finite is skipped and its batch dead-lettered, counted
-(``skipped_nonfinite``), and nothing non-finite is published or saved (`serve_rft.trainer.finite`).
+poisoned: a step whose update is not finite (or, with ``trainer.grad_norm_spike``, a gradient-norm
+spike) is skipped and its batch dead-lettered, counted (``skipped_steps``), and nothing non-finite
+is published or saved (`serve_rft.trainer.finite`).
 
 This module is the loop; what goes into a step is `serve_rft.trainer.feed`, publishing and
 resuming `serve_rft.trainer.publishing`, the model and optimizer `serve_rft.trainer.policy`.
@@ -63,7 +64,7 @@ class Trainer(Publishing):
         self.publishes_since_save = 0
         self.steps_done = 0  # optimizer steps of this process (step_num also counts resumed ones)
         self.redelivered = 0  # entries delivered to an earlier process, trained again by this one
-        self.skipped_nonfinite = 0  # steps skipped: their update was not finite (batch dead-lettered)
+        self.skipped_steps = 0  # steps skipped: a non-finite update or a gradient-norm spike (batch dead-lettered)
         self.last_skipped: dict | None = None  # why, batch size, time
         self.resume_acked = 0  # entries an earlier process trained and saved, acknowledged by this one
         self.resumed_from: int | None = None
@@ -169,7 +170,7 @@ class Trainer(Publishing):
                 continue
             self.phase = "training"
             stats = await asyncio.to_thread(policy.step, batch)
-            if stats.get("skipped"):  # a non-finite update: nothing applied, the batch dead-lettered
+            if stats.get("skipped"):  # nothing applied (a non-finite update, a spike): dead-lettered
                 await self._skipped(batch, stats)
                 continue
             await feed.stepped(batch)
@@ -195,11 +196,12 @@ class Trainer(Publishing):
             await sync.set_trainer.remote(ComponentState.RUNNING.value, self.step_num)
 
     async def _skipped(self, batch: list[RewardedExperience], stats: dict) -> None:
-        """``batch``'s step was skipped, its update not finite (`serve_rft.trainer.finite`):
-        dead-letter the batch with why, count it (``skipped_nonfinite``, metrics)."""
+        """``batch``'s step was skipped, its update not finite or a gradient-norm spike
+        (`serve_rft.trainer.finite`): dead-letter the batch with why, count it (``skipped_steps``,
+        metrics)."""
         reason = f"step skipped: {stats['skipped']}"
         await self.feed.dead_letter(batch, reason)
-        self.skipped_nonfinite += 1
+        self.skipped_steps += 1
         self.last_skipped = {"reason": stats["skipped"], "batch_size": len(batch), "at": time.time()}
         self.metrics.skipped()
         log.error("%s; %d ready entries dead-lettered, weights and optimizer unchanged", reason, len(batch))
@@ -244,7 +246,7 @@ class Trainer(Publishing):
             "resets": self.reset_count,
             "last_reset": self.last_reset,
             "dead_lettered": self.feed.dead_lettered,
-            "skipped_nonfinite": self.skipped_nonfinite,
+            "skipped_steps": self.skipped_steps,
             "last_skipped": self.last_skipped,
             "reacked": self.feed.reacked,
             "constrained": self.feed.constrained,

@@ -17,11 +17,16 @@ replicas refuse every later version (the probe check). So:
   `NonFiniteState`, which ends the trainer process: Ray restarts it from its last saved state
   and the batch's entries, counted as a crashed attempt, are dead-lettered after
   ``trainer.max_entry_attempts``.
+
+Optionally (``trainer.grad_norm_spike``) a step whose gradient norm is a spike against the
+recent ones is skipped the same way (`GradNormGuard`).
 """
 
 from __future__ import annotations
 
 import math
+import statistics
+from collections import deque
 
 
 class NonFiniteState(RuntimeError):
@@ -94,3 +99,32 @@ def check_finite(model, optimizer, world: int = 1) -> None:
     if total:
         raise NonFiniteState(f"{int(total)} trainer tensors hold NaN or infinity (here: {bad[:5]}); "
                              "the trainer must not publish or save them")
+
+
+class GradNormGuard:
+    """Skips a step whose global gradient norm spikes: above ``ratio`` times the median norm of
+    the last ``window`` steps, once that many are known. Every finite norm joins the window,
+    the spikes too, so a lasting shift of the norms is accepted after about ``window / 2``
+    steps instead of skipping every step after it. The norm is the same on every rank, so is
+    the window. Kept in memory only: a restarted trainer fills it again.
+
+    Args:
+        ratio: ``trainer.grad_norm_spike`` (None: never skips).
+        window: ``trainer.grad_norm_window``.
+    """
+
+    def __init__(self, ratio: float | None, window: int):
+        self.ratio = ratio
+        self.norms: deque[float] = deque(maxlen=window)
+
+    def reason(self, grad_norm: float) -> str | None:
+        """Why the step with this (finite) gradient norm must be skipped, or None; records it."""
+        if self.ratio is None:
+            return None
+        full = len(self.norms) == self.norms.maxlen
+        median = statistics.median(self.norms) if full else 0.0
+        self.norms.append(grad_norm)
+        if median > 0 and grad_norm > self.ratio * median:
+            return (f"gradient norm {grad_norm:.4g} is {grad_norm / median:.1f} times the median {median:.4g} "
+                    f"of the last {len(self.norms) - 1} steps (trainer.grad_norm_spike={self.ratio:g})")
+        return None

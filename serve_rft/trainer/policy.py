@@ -39,6 +39,7 @@ class PolicyTrainer:
         import torch
 
         from serve_rft.trainer.algorithm import RunningBaseline
+        from serve_rft.trainer.finite import GradNormGuard
         from serve_rft.trainer.state import load_state
 
         torch.set_num_threads(cfg.trainer.num_threads)
@@ -85,6 +86,7 @@ class PolicyTrainer:
                                            lr=self.cfg.lr, weight_decay=self.cfg.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
         self.baseline = RunningBaseline(self.cfg.baseline_momentum)
+        self.spikes = GradNormGuard(self.cfg.grad_norm_spike, self.cfg.grad_norm_window)
         self.resumed = None
         if resume is not None:
             self.resumed = load_state(resume, self.optimizer, self.scheduler, self.model, rank, world)
@@ -308,8 +310,9 @@ class PolicyTrainer:
             batch's, `serve_rft.trainer.micro_batches.accumulate`), the learning rate,
             ``max_abs_logprob_diff`` (trainer vs behaviour logprobs), ``micro_batches`` (the
             number of parts), seconds. A step that would apply a non-finite update is skipped
-            (`serve_rft.trainer.finite.skip_reason`: weights, AdamW state, LR schedule and
-            running baseline unchanged): then only ``skipped`` (why), ``loss``, ``grad_norm``,
+            (`serve_rft.trainer.finite.skip_reason`; with ``grad_norm_spike`` also a gradient-norm
+            spike, `serve_rft.trainer.finite.GradNormGuard`: weights, AdamW state, LR schedule
+            and running baseline unchanged): then only ``skipped`` (why), ``loss``, ``grad_norm``,
             ``batch_size`` and seconds.
         Raises:
             NonFiniteState: the update left a weight or AdamW state non-finite (the process
@@ -354,6 +357,7 @@ class PolicyTrainer:
             grad_norm = grad_norm.full_tensor()
         lr = self.optimizer.param_groups[0]["lr"]
         why = skip_reason(adv, totals.get("loss", 0.0), float(grad_norm))  # the same on every rank
+        why = why or self.spikes.reason(float(grad_norm))
         if why is not None:
             self.optimizer.zero_grad(set_to_none=True)
             self.baseline.value = baseline_before

@@ -159,7 +159,7 @@ def test_the_trainer_refuses_rewards_beyond_its_bound():
 
 def test_a_skipped_step_dead_letters_its_batch_with_why_counted(redis_server):
     """The trainer actor's side (`Trainer._skipped`): the batch goes to ``P:dead`` with the
-    reason, the skip is counted in its status (``skipped_nonfinite``, shown by ``/v1/status``)."""
+    reason, the skip is counted in its status (``skipped_steps``, shown by ``/v1/status``)."""
     import types
     import uuid
 
@@ -181,11 +181,11 @@ def test_a_skipped_step_dead_letters_its_batch_with_why_counted(redis_server):
         await store.post_reward("chatcmpl-huge", 0, 1e39)
         batch = await store.read_ready("trainer", 10, block_ms=10)
         assert len(batch) == 1
-        actor = types.SimpleNamespace(feed=ExperienceFeed(Config().trainer, store, None), skipped_nonfinite=0,
+        actor = types.SimpleNamespace(feed=ExperienceFeed(Config().trainer, store, None), skipped_steps=0,
                                       last_skipped=None, metrics=_Metrics())
         skipped = Trainer.__ray_metadata__.modified_class._skipped
         await skipped(actor, batch, {"skipped": "non-finite advantage (1 of 1)"})
-        assert actor.skipped_nonfinite == 1 and actor.metrics.skips == 1 and actor.feed.dead_lettered == 1
+        assert actor.skipped_steps == 1 and actor.metrics.skips == 1 and actor.feed.dead_lettered == 1
         assert actor.last_skipped["reason"] == "non-finite advantage (1 of 1)"
         dead = await store.dead_letters()
         assert dead[0]["member"] == "chatcmpl-huge:0" and dead[0]["reason"].startswith("step skipped: non-finite")
@@ -208,3 +208,38 @@ def test_a_state_with_a_non_finite_baseline_is_not_written(trainer, tmp_path):
     with pytest.raises(ValueError, match="baseline"):
         save_state(tmp_path, trainer.model, trainer.optimizer, 3, 3, float("inf"), [], None)
     assert latest_state(tmp_path) is None
+
+
+def test_the_spike_guard_skips_a_norm_far_above_the_recent_median_and_accepts_a_lasting_shift():
+    from serve_rft.trainer.finite import GradNormGuard
+
+    off = GradNormGuard(None, 4)
+    assert all(off.reason(n) is None for n in [1.0, 1.0, 1.0, 1.0, 1e6])
+    g = GradNormGuard(10.0, 4)
+    assert [g.reason(n) for n in [1.0, 2.0, 1.5, 0.5]] == [None] * 4  # not full yet: never skips
+    assert g.reason(12.0) is None  # 12 <= 10 x median 1.25
+    assert "times the median" in g.reason(1000.0)
+    g = GradNormGuard(10.0, 4)
+    for _ in range(4):
+        g.reason(1.0)
+    shifted = [g.reason(50.0) is not None for _ in range(4)]  # the norms moved up for good
+    assert shifted == [True, True, False, False]  # accepted after half a window
+    zero = GradNormGuard(10.0, 4)
+    assert [zero.reason(n) for n in [0.0, 0.0, 0.0, 0.0, 3.0]] == [None] * 5  # a zero median never skips
+
+
+def test_a_spike_skips_the_step_with_everything_unchanged(embedded_model):
+    cfg = load_config(None, ["trainer.algorithm=grpo", "trainer.lr=1e-3", "trainer.grad_norm_spike=5",
+                             "trainer.grad_norm_window=4"])
+    p = PolicyTrainer(cfg, str(embedded_model))
+    for i in range(4):  # rewards above the running baseline: PPO-clip leaves a gradient
+        assert "skipped" not in p.step([_single(f"c{i}", float(i + 1))])
+    before = _snapshot(p)
+    real = p._micro_step
+
+    def spiking(*args, **kw):
+        loss, stats, tokens = real(*args, **kw)
+        return loss * 1e4, stats, tokens
+    p._micro_step = spiking
+    stats = p.step([_single("spike", 6.0)])
+    assert "times the median" in stats["skipped"] and _same(before, _snapshot(p))

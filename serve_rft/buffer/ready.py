@@ -168,7 +168,7 @@ class ReadyStream:
 
     async def begin_attempt(self, stream_ids: list[str]) -> list[int]:
         """Count one more training step begun with each entry (``P:attempts``; cleared by
-        `ack` and `dead_letter`).
+        `ack`, `dead_letter` and, once a step with the entry succeeded, `clear_attempts`).
 
         Returns:
             Each entry's attempts so far, this one included.

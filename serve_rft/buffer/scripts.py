@@ -119,7 +119,9 @@ _ACKNOWLEDGED = """
 -- no pending entries list (the list was lost: an AOF restored to an earlier point, a failover to
 -- a lagging replica) was delivered all the same, and is acknowledged now too; one acknowledged
 -- before is no longer in the stream (XDEL), so a retried acknowledgement counts nothing twice.
+-- A malformed id is no entry (XACK would raise midway through a list, after earlier writes).
 local function acknowledged(P, id)
+  if not string.find(id, '^%d+%-%d+$') then return false end
   if redis.call('XACK', P..':ready', 'trainer', id) == 1 then return true end
   return #redis.call('XRANGE', P..':ready', id, id) > 0
 end
@@ -322,11 +324,13 @@ for j = 0, k - 1 do
   if acknowledged(P, id) then
     redis.call('XDEL', P..':ready', id)
     local sep = string.find(m, ':[^:]*$')
-    local cid, i = string.sub(m, 1, sep - 1), string.sub(m, sep + 1)
-    local st = P..':st:'..cid
-    redis.call('HSET', st, i, state, 'v'..i, v)
-    -- readable trained_ttl_s from now (a state hash that had expired is not left without a TTL)
-    if redis.call('TTL', st) < ttl then redis.call('EXPIRE', st, ttl) end
+    if sep then  -- a member that names no choice ("{cid}:{i}") has no state to mark
+      local cid, i = string.sub(m, 1, sep - 1), string.sub(m, sep + 1)
+      local st = P..':st:'..cid
+      redis.call('HSET', st, i, state, 'v'..i, v)
+      -- readable trained_ttl_s from now (a state hash that had expired is not left without a TTL)
+      if redis.call('TTL', st) < ttl then redis.call('EXPIRE', st, ttl) end
+    end
     redis.call('HDEL', P..':attempts', id)
     if state == 'trained' then trained = trained + 1
     elseif state == 'constrained' then constrained = constrained + 1

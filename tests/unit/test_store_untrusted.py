@@ -217,3 +217,22 @@ def test_a_reward_the_store_answered_survives_kill_9_of_redis_with_the_default_d
         assert [(c.state, c.reward) for c in states] == [("ready", 0.75)]
     finally:
         server.stop()
+
+
+def test_an_ack_with_a_malformed_id_or_member_retires_the_rest_and_counts_them(redis_server):
+    """Nothing in a list of acknowledgements can fail the ACK script midway (the entries before
+    it would be acknowledged and deleted but never counted)."""
+    async def go():
+        s = _store(redis_server.url)
+        await s.ensure_group()
+        for k in range(2):
+            await s.log_experiences([_exp(f"chatcmpl-m{k}", 0)])
+            await s.post_reward(f"chatcmpl-m{k}", 0, 1.0)
+        got = sorted(await s.read_ready("t", 2, block_ms=10), key=lambda e: e.stream_id)
+        assert await s.ack_entries([(got[0].stream_id, got[0].member, 3), ("not-an-id", "x:0", 3),
+                                    (got[1].stream_id, "no-separator", 3)]) == (2, 0)
+        c = await s.counts()
+        assert (c.ready, c.trained) == (0, 2)
+        assert [x.state for x in await s.choices("chatcmpl-m0")] == ["trained"]
+        await s.close()
+    run(go())

@@ -69,9 +69,9 @@ class Publishing:
         version = self.step_num if version is None else version
         self.step_num = version
         self.phase = "publishing"
+        await asyncio.to_thread(policy.check_finite)  # never publish (nor then save) NaN weights
         await asyncio.to_thread(record_published, self.state_root, version)
         in_use = await sync.in_use_versions.remote()
-        await asyncio.to_thread(policy.check_finite)  # never publish (nor then save) NaN weights
         t0 = time.perf_counter()
         model = await asyncio.to_thread(policy.publish_model)
         handle = await asyncio.to_thread(method.send, model, version, in_use)

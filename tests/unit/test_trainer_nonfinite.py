@@ -17,7 +17,7 @@ from serve_rft.config import Config, load_config
 from serve_rft.trainer.algorithm import RunningBaseline
 from serve_rft.trainer.finite import NonFiniteState
 from serve_rft.trainer.policy import PolicyTrainer
-from serve_rft.trainer.state import latest_state, save_state
+from serve_rft.trainer.state import latest_state, published_floor, save_state
 from serve_rft.types import Experience, RewardedExperience, SamplingInfo
 
 
@@ -140,6 +140,7 @@ def test_a_publish_refuses_non_finite_weights_before_anything_is_sent_or_saved(t
     with pytest.raises(NonFiniteState):
         asyncio.run(trainer._publish(_Poisoned(), weights, _Sync(log), trainer.feed.store))
     assert log == [] and weights.latest_version() == 0 and latest_state(trainer.state_root) is None
+    assert published_floor(trainer.state_root) == 0  # not even the version number is taken
 
 
 def test_the_running_baseline_never_absorbs_a_non_finite_or_overflowing_reward():

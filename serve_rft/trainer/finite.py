@@ -16,7 +16,8 @@ replicas refuse every later version (the probe check). So:
   AdamW state tensor (each rank its shards, the verdict gathered); anything non-finite raises
   `NonFiniteState`, which ends the trainer process: Ray restarts it from its last saved state
   and the batch's entries, counted as a crashed attempt, are dead-lettered after
-  ``trainer.max_entry_attempts``.
+  ``trainer.max_entry_attempts``. Its cost: one read of the trained weights and AdamW's two
+  moments per step and one device sync.
 
 Optionally (``trainer.grad_norm_spike``) a step whose gradient norm is a spike against the
 recent ones is skipped the same way (`GradNormGuard`).

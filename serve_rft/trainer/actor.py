@@ -147,7 +147,7 @@ class Trainer(Publishing):
                 batch, backlog = backlog[:cfg.trainer.batch_size], backlog[cfg.trainer.batch_size:]
             else:
                 self.phase = "collecting"
-                await feed.shed_stale(self.version)
+                await feed.shed_stale(self.version, self._held())
                 batch = await feed.collect(partial(self._between_reads, policy, method, sync, store), self._held)
             batch = await feed.admit(batch, policy.vocab_size, self.version)
             batch = await feed.drop_stale(batch, self.version)

@@ -145,13 +145,15 @@ class ExperienceFeed:
             self.metrics.observe([], dropped)
         return [b for b in batch if self.staleness(b.experience.min_version) <= limit]
 
-    async def shed_stale(self, version: int) -> None:
+    async def shed_stale(self, version: int, held: set[str] | None = None) -> None:
         """Drop from the store, before they are read, the waiting experiences already past
         ``max_staleness`` (counted as `drop_stale` does): read freshest first under more traffic
-        than the trainer trains, they would otherwise wait until the ready bound sheds them."""
+        than the trainer trains, they would otherwise wait until the ready bound sheds them.
+        ``held``: stream ids the trainer holds (trained, not acknowledged), never dropped even
+        when the consumer group's pending entries list lost them."""
         threshold = stale_threshold(self.published_versions, self.cfg.max_staleness)
         if threshold is not None:
-            dropped = await self.store.drop_stale(threshold, version)
+            dropped = await self.store.drop_stale(threshold, version, exclude=held)
             self.stale_dropped += dropped
             if dropped:
                 self.metrics.observe([], dropped)

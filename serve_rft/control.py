@@ -24,13 +24,12 @@ def preflight(cfg: Config) -> None:
         from serve_rft.config.explorer import check_known
 
         check_known(cfg.explorer.engine_args)
-    if cfg.synchronizer.sync_method.value == "nccl":
-        from serve_rft.weights.nccl import NcclUnavailable, check_available
+    from serve_rft.weights import MethodUnavailable, method_class
 
-        try:
-            check_available()
-        except NcclUnavailable as e:
-            raise ValueError(str(e)) from None
+    try:
+        method_class(cfg.synchronizer.sync_method).check_available()
+    except MethodUnavailable as e:
+        raise ValueError(str(e)) from None
     if cfg.trainer.device == "cuda":
         import torch
 

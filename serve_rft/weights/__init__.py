@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from serve_rft.config import Config, SyncMethod
-from serve_rft.weights.base import EngineBroken, EngineUnchanged, WeightSyncMethod
+from serve_rft.weights.base import EngineBroken, EngineUnchanged, MethodUnavailable, WeightSyncMethod
 from serve_rft.weights.checkpoint import CheckpointMethod
 from serve_rft.weights.memory import MemoryMethod
 from serve_rft.weights.nccl import NcclMethod
@@ -21,7 +21,12 @@ from serve_rft.weights.nccl_sender import NcclSender
 
 
 __all__ = ["CheckpointMethod", "EngineBroken", "EngineUnchanged", "LoadFailed", "MemoryMethod",
-           "NcclMethod", "WeightSyncMethod", "load_or_restore", "make_method", "receiver_for"]
+           "MethodUnavailable", "NcclMethod", "WeightSyncMethod", "load_or_restore", "make_method",
+           "method_class", "receiver_for"]
+
+METHODS: dict[SyncMethod, type[WeightSyncMethod]] = {
+    SyncMethod.CHECKPOINT: CheckpointMethod, SyncMethod.MEMORY: MemoryMethod, SyncMethod.NCCL: NcclMethod}
+"""The class behind each configured ``synchronizer.sync_method``."""
 
 
 class LoadFailed(Exception):
@@ -50,6 +55,20 @@ async def load_or_restore(engine, handle: dict, version: int, previous_handle: d
     except Exception as e:
         await receiver_for(previous_handle).receive(engine, previous_handle, previous_version)
         raise LoadFailed(f"loading version {version} failed: {e!r}") from e
+
+
+def method_class(method: SyncMethod) -> type[WeightSyncMethod]:
+    """The class of a configured sync method, for what callers outside this package ask of it
+    without an instance: ``check_available()`` (preflight), ``engine_transfer`` (the vLLM
+    weight-transfer backend a replica's engine enables), ``handshake``, ``durable``.
+
+    Raises:
+        ValueError: a method this build cannot run.
+    """
+    try:
+        return METHODS[method]
+    except KeyError:
+        raise ValueError(f"sync_method {method.value} is not available") from None
 
 
 def make_method(cfg: Config) -> WeightSyncMethod:

@@ -23,6 +23,10 @@ class EngineBroken(Exception):
     in a broken collective): the replica must be replaced."""
 
 
+class MethodUnavailable(RuntimeError):
+    """The configured sync method cannot run on this machine (the message says what to use)."""
+
+
 class WeightSyncMethod(ABC):
     """One way of moving weights: trainer side (``prepare``/``send``/``serve_window``/
     ``finalize``) and replica side (``receive``)."""
@@ -35,6 +39,19 @@ class WeightSyncMethod(ABC):
     durable: ClassVar[bool] = False
     """True when a published version stays loadable after the trainer process that published
     it died (CHECKPOINT folders); a restarted trainer republishes otherwise."""
+
+    engine_transfer: ClassVar[str | None] = None
+    """The vLLM weight-transfer backend (``weight_transfer_config``) a replica's engine must
+    enable to receive this method's versions (NCCL: ``"nccl"``); None: the engine loads them
+    through its worker extension alone."""
+
+    @classmethod
+    def check_available(cls) -> None:
+        """Fail fast, before anything starts, if this machine cannot run the method.
+
+        Raises:
+            MethodUnavailable: a prerequisite (a device, a vLLM feature) is missing.
+        """
 
     def prepare(self) -> None:
         """Trainer side, once before the first ``send`` (folders, process groups)."""

@@ -40,10 +40,10 @@ import asyncio
 import time
 from typing import Any, Awaitable, Callable, Collection
 
-from serve_rft.weights.base import EngineBroken, EngineUnchanged, WeightSyncMethod
+from serve_rft.weights.base import EngineBroken, EngineUnchanged, MethodUnavailable, WeightSyncMethod
 from serve_rft.weights.nccl_sender import RANK_OFFSET, NcclSender
 
-class NcclUnavailable(RuntimeError):
+class NcclUnavailable(MethodUnavailable):
     """``sync_method=nccl`` cannot run here (no CUDA device, or a vLLM build without NCCL)."""
 
 
@@ -97,6 +97,12 @@ class NcclMethod(WeightSyncMethod):
 
     name = "nccl"
     handshake = True
+    engine_transfer = "nccl"
+
+    @classmethod
+    def check_available(cls) -> None:
+        """The module's `check_available` (raises `NcclUnavailable`)."""
+        check_available()
 
     def __init__(self, timeout_s: float = 300.0, peers=None, sender: NcclSender | None = None):
         self.timeout_s = timeout_s

@@ -1,7 +1,7 @@
 """kill -9 of the front door: how long a one-node `serve-rft up` answers nothing after its HAProxy
 is killed, until Ray Serve replaces it.
 
-Closed-loop users (`tests.integration.load.Users`: chat with n=2, reward both answers, a 0.2 s
+Closed-loop users (`tests.support.load.Users`: chat with n=2, reward both answers, a 0.2 s
 pause after a failed chat) run on a `serve-rft up` stack; after a warm-up the HAProxy process that
 listens on the service port gets SIGKILL. Nothing else is touched. Serve's controller
 health-checks each node's proxy actor every ``RAY_SERVE_PROXY_HEALTH_CHECK_PERIOD_S`` (Ray's
@@ -33,8 +33,8 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tests.integration.conftest import kill_all, launch, stack_command  # noqa: E402
-from tests.integration.load import Users, haproxy_on  # noqa: E402
+from tests.support.load import Users, haproxy_on  # noqa: E402
+from tests.support.stack import kill_all, launch, stack_command  # noqa: E402
 
 
 def _kind(chat: dict) -> str:

@@ -10,8 +10,8 @@ import httpx
 import pytest
 import torch
 
-from tests.integration import test_stack as loop
-from tests.integration.conftest import start_stack
+from tests.support.stack import stack_fixture
+from tests.support.stack_checks import check_training_rolls_new_versions
 
 
 def _nccl_runnable() -> bool:
@@ -30,20 +30,18 @@ pytestmark = [pytest.mark.integration,
               pytest.mark.skipif(not _nccl_runnable(), reason="needs 3 CUDA GPUs and vLLM with NCCL")]
 
 
-@pytest.fixture(scope="module")
-def stack(redis_server, embedded_model, tmp_path_factory):
-    yield from start_stack(redis_server.url, embedded_model, tmp_path_factory.mktemp("run-nccl"),
-                           ["synchronizer.sync_method=nccl", "trainer.device=cuda",
-                            "explorer.num_gpus_per_replica=1", "explorer.kv_cache_gib=1",
-                            "synchronizer.sync_style=trainer_driven"])
+stack = stack_fixture("run-nccl", ["synchronizer.sync_method=nccl", "trainer.device=cuda",
+                                   "explorer.num_gpus_per_replica=1", "explorer.kv_cache_gib=1",
+                                   "synchronizer.sync_style=trainer_driven"])
 
 
 def test_nccl_rolls_versions_with_the_two_way_handshake(stack):
-    loop.test_training_rolls_new_versions_across_replicas_without_failures(stack)
+    check_training_rolls_new_versions(stack)
     st = httpx.get(f"{stack.url}/v1/status").json()
     assert all(r["last_sync"] and r["last_sync"]["bytes"] > 0 for r in st["replicas"]), st
     assert not (stack.run_dir / "checkpoints").exists(), "NCCL must not write checkpoints"
     events = httpx.get(f"{stack.url}/v1/sync/events").json()["events"]
     trainer_states = {e["state"] for e in events if e["component"] == "trainer"}
-    assert "REQUIRE_SYNC" in trainer_states  # seed 000: both sides toggle for NCCL
+    # both sides toggle for NCCL (Trinity-RFT Synchronizer documentation, "Three Key States")
+    assert "REQUIRE_SYNC" in trainer_states
 

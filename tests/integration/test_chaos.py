@@ -30,9 +30,9 @@ import httpx
 import psutil
 import pytest
 
-from tests.integration.conftest import start_stack
-from tests.integration.load import (Users, every_accepted_reward_is_kept, get_status, haproxy_on, live_replicas,
-                                    wait_for)
+from tests.support.load import (Users, every_accepted_reward_is_kept, get_status, haproxy_on, live_replicas,
+                                wait_for)
+from tests.support.stack import start_stack
 
 pytestmark = pytest.mark.integration
 

@@ -20,8 +20,8 @@ import pytest
 
 from serve_rft.buffer.redis_server import start_redis
 from serve_rft.buffer.store import ExperienceStore
-from tests.integration.conftest import start_stack
-from tests.integration.load import get_status
+from tests.support.load import get_status
+from tests.support.stack import start_stack
 
 pytestmark = pytest.mark.integration
 TRAIN_SETTINGS = ["trainer.min_batch_size=2", "trainer.batch_size=16", "trainer.batch_wait_s=1.0"]

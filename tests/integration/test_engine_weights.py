@@ -11,24 +11,15 @@ import logging.handlers
 import pytest
 import torch
 
+from tests.support.weights import perturbed
+
 pytestmark = pytest.mark.integration
 
 PROMPT = [1, 87, 306, 201, 343, 78, 316, 308, 275, 691, 2, 201, 1, 347, 829, 935, 201]
 
 
-def _perturbed(model_dir, seed):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * 0.05)
-    return model
-
-
 def _hf_logprobs(model, ids):
-    from serve_rft.trainer.algorithm import response_logprobs
+    from serve_rft.trainer.token_logprobs import response_logprobs
 
     with torch.no_grad():
         lp, _ = response_logprobs(model, [PROMPT], [ids], [1.0])
@@ -81,7 +72,7 @@ def test_checkpoint_and_memory_loads_give_exactly_the_new_policy(embedded_model,
                 ids0, lp0, _ = await _sample(engine, "v0")
                 base = AutoModelForCausalLM.from_pretrained(str(embedded_model), dtype=torch.float32)
                 results["v0"] = float((lp0 - _hf_logprobs(base, ids0)).abs().max())
-                ck_model = _perturbed(embedded_model, 1)
+                ck_model = perturbed(embedded_model, 1)
                 ck = CheckpointMethod(tmp_path / "ck")
                 ck.prepare()
                 handle = ck.send(ck_model, 1)
@@ -92,7 +83,7 @@ def test_checkpoint_and_memory_loads_give_exactly_the_new_policy(embedded_model,
                 results["checkpoint"] = float((lp1 - _hf_logprobs(ck_model, ids1)).abs().max())
                 assert info["bytes"] > 0 and spans1[0].version == "1"
 
-                mem_model = _perturbed(embedded_model, 2)
+                mem_model = perturbed(embedded_model, 2)
                 mem = MemoryMethod(bucket_bytes=1 << 18)  # several buckets for the tiny model
                 handle = mem.send(mem_model, 2)
                 assert len(handle["buckets"]) > 2

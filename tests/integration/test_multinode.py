@@ -1,7 +1,7 @@
 """The service on a real multi-node Ray cluster, deployed as an operator would (deployments/README.md).
 
 Three Ray nodes on this machine, each its own ``ray start`` (raylet, object store, ports;
-`tests.integration.ray_cluster`): the head (label ``serve-rft.io/role=trainer``, one CPU: the
+`tests.support.ray_cluster`): the head (label ``serve-rft.io/role=trainer``, one CPU: the
 trainer, the Serve controller) and two explorer nodes (``serve-rft.io/role=explorer``; B with one
 CPU, C with two). Redis first (the ``redis_server`` fixture), then ``serve deploy`` of
 deployments/serve_config.yaml with a ``runtime_env`` whose ``working_dir`` is a zip of this
@@ -37,8 +37,8 @@ import httpx
 import pytest
 import yaml
 
-from tests.integration.load import Users, every_accepted_reward_is_kept, get_status, live_replicas, wait_for
-from tests.integration.ray_cluster import RayCluster, RayNode
+from tests.support.load import Users, every_accepted_reward_is_kept, get_status, live_replicas, wait_for
+from tests.support.ray_cluster import RayCluster, RayNode
 
 pytestmark = pytest.mark.integration
 

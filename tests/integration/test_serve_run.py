@@ -18,7 +18,7 @@ import httpx
 import pytest
 import yaml
 
-from tests.integration.load import get_status
+from tests.support.load import get_status
 
 pytestmark = pytest.mark.integration
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.unit.test_micro_batches import _batch
+from tests.support.batches import uneven_batch
 
 pytestmark = pytest.mark.integration
 
@@ -34,10 +34,10 @@ def test_two_ranks_take_the_single_process_step(ray_local, embedded_model, sets)
     cfg = load_config(None, sets + ["trainer.lr=1e-3", "trainer.num_threads=1"])
     single = PolicyTrainer(cfg, str(embedded_model))
     before = {n: p.detach().clone() for n, p in single.model.named_parameters()}
-    want = single.step(_batch())
+    want = single.step(uneven_batch())
     group = WorkerGroup(cfg, str(embedded_model), world=2)
     try:
-        got = group.step(_batch())
+        got = group.step(uneven_batch())
         assert got["micro_batches"] == want["micro_batches"] >= 3
         for k in want.keys() - {"step_seconds"}:
             assert got[k] == pytest.approx(want[k], rel=1e-5, abs=1e-6), k
@@ -63,7 +63,7 @@ def test_two_ranks_skip_a_non_finite_update_together(ray_local, embedded_model):
 
     cfg = load_config(None, ["trainer.algorithm=grpo", "trainer.micro_batch_size=1", "trainer.lr=1e-3",
                              "trainer.num_threads=1"])
-    batch = _batch()
+    batch = uneven_batch()
     huge = [b.model_copy(deep=True) for b in batch[:2]]
     for i, b in enumerate(huge):
         b.experience.group_id = f"single{i}"
@@ -93,7 +93,7 @@ def test_two_ranks_publish_save_and_resume(ray_local, embedded_model, tmp_path):
     from transformers import AutoModelForCausalLM
 
     from serve_rft.config import load_config
-    from serve_rft.trainer.algorithm import trainer_probe
+    from serve_rft.trainer.token_logprobs import trainer_probe
     from serve_rft.trainer.sharded_policy import ShardedPolicy
     from serve_rft.trainer.state import latest_state
     from serve_rft.weights import make_method
@@ -104,7 +104,7 @@ def test_two_ranks_publish_save_and_resume(ray_local, embedded_model, tmp_path):
     cfg = load_config(None, sets + ["synchronizer.sync_method=checkpoint"])
     policy = ShardedPolicy(cfg, str(embedded_model))
     try:
-        policy.step(_batch())
+        policy.step(uneven_batch())
         params = policy.group.full_tensors("params")
         model = policy.publish_model()
         assert len(model.buckets) > 3  # several buckets at this bucket size
@@ -127,7 +127,7 @@ def test_two_ranks_publish_save_and_resume(ray_local, embedded_model, tmp_path):
         policy.save(tmp_path / "trainer_state", model, 1, 1, [("0-1", "g:0", 1)], str(embedded_model), 2, [0, 1])
         state = latest_state(tmp_path / "trainer_state")
         assert (state / "optimizer").is_dir() and (state / "rng-rank1.pt").is_file()
-        next_batch = list(reversed(_batch()))
+        next_batch = list(reversed(uneven_batch()))
         want_stats = policy.step(next_batch)
         want_params = policy.group.full_tensors("params")
     finally:
@@ -164,7 +164,7 @@ def test_two_ranks_reset_to_a_published_version(ray_local, embedded_model, tmp_p
     cfg = load_config(None, sets + ["synchronizer.sync_method=checkpoint"])
     policy = ShardedPolicy(cfg, str(embedded_model))
     try:
-        policy.step(_batch())
+        policy.step(uneven_batch())
         v1 = policy.group.full_tensors("params")
         model = policy.publish_model()
         handles = {}
@@ -173,8 +173,8 @@ def test_two_ranks_reset_to_a_published_version(ray_local, embedded_model, tmp_p
             sender.prepare()
             handles[method] = {**sender.send(model, 1), "probe": policy.probe(model, 1)}
         for method, handle in handles.items():
-            policy.step(_batch())
-            policy.step(list(reversed(_batch())))
+            policy.step(uneven_batch())
+            policy.step(list(reversed(uneven_batch())))
             moved = policy.group.full_tensors("params")
             assert any(not torch.equal(moved[n], v1[n]) for n in v1)
             diff = policy.reset_to(handle, 1)
@@ -182,7 +182,7 @@ def test_two_ranks_reset_to_a_published_version(ray_local, embedded_model, tmp_p
             now = policy.group.full_tensors("params")
             assert all(torch.equal(now[n], v1[n]) for n in v1), method
             assert ray.get([r.optimizer_state_size.remote() for r in policy.group.ranks]) == [0, 0]
-        policy.step(_batch())
+        policy.step(uneven_batch())
         diff = policy.reset_to({"method": "checkpoint", "path": str(embedded_model)}, 0)
         assert diff is not None and diff <= 1e-5
         now = policy.group.full_tensors("params")
@@ -206,7 +206,7 @@ def test_two_ranks_train_lora_publish_merged_and_resume(ray_local, embedded_mode
     from transformers import AutoModelForCausalLM
 
     from serve_rft.config import load_config
-    from serve_rft.trainer.algorithm import trainer_probe
+    from serve_rft.trainer.token_logprobs import trainer_probe
     from serve_rft.trainer.policy import PolicyTrainer
     from serve_rft.trainer.sharded_policy import ShardedPolicy
     from serve_rft.trainer.state import latest_state
@@ -215,10 +215,10 @@ def test_two_ranks_train_lora_publish_merged_and_resume(ray_local, embedded_mode
     sets = LORA + ["trainer.precision=bf16", "trainer.kl_coef=0.1", "synchronizer.sync_method=checkpoint",
                    f"service.run_dir={tmp_path}"]
     single = PolicyTrainer(load_config(None, sets), str(embedded_model))
-    want = single.step(_batch())
+    want = single.step(uneven_batch())
     policy = ShardedPolicy(load_config(None, sets + ["trainer.num_workers=2"]), str(embedded_model))
     try:
-        got = policy.step(_batch())
+        got = policy.step(uneven_batch())
         for k in want.keys() - {"step_seconds"}:
             assert got[k] == pytest.approx(want[k], rel=1e-5, abs=1e-6), k
         model = policy.publish_model()
@@ -234,7 +234,7 @@ def test_two_ranks_train_lora_publish_merged_and_resume(ray_local, embedded_mode
         policy.save(tmp_path / "trainer_state", model, 1, 1, [("0-1", "g:0", 1)], str(embedded_model), 2, [0, 1])
         state = latest_state(tmp_path / "trainer_state")
         assert (state / "adapter" / "adapter_model.safetensors").is_file()
-        next_batch = list(reversed(_batch()))
+        next_batch = list(reversed(uneven_batch()))
         want_next = policy.step(next_batch)
         want_params = policy.group.full_tensors("params")
     finally:
@@ -267,11 +267,11 @@ def test_two_ranks_publish_the_lora_adapter_alone_and_reset_to_it(ray_local, emb
     sets = LORA + ["trainer.lora.merge_and_sync=false", "synchronizer.sync_method=memory",
                    "synchronizer.rollout=canary", "synchronizer.canary.on_reject=reset", f"service.run_dir={tmp_path}"]
     single = PolicyTrainer(load_config(None, sets), str(embedded_model))
-    single.step(_batch())
+    single.step(uneven_batch())
     want, _ = adapter_tensors(single.model)
     policy = ShardedPolicy(load_config(None, sets + ["trainer.num_workers=2"]), str(embedded_model))
     try:
-        policy.step(_batch())
+        policy.step(uneven_batch())
         model = policy.publish_model()
         handle = {**make_method(load_config(None, sets)).send(model, 1), "probe": policy.probe(model, 1)}
         assert handle["adapter"]
@@ -279,8 +279,8 @@ def test_two_ranks_publish_the_lora_adapter_alone_and_reset_to_it(ray_local, emb
         assert tensors.keys() == want.keys()
         assert all(torch.allclose(tensors[k], want[k], rtol=0, atol=1e-6) for k in want)
         v1 = policy.group.full_tensors("params")
-        policy.step(_batch())
-        policy.step(list(reversed(_batch())))
+        policy.step(uneven_batch())
+        policy.step(list(reversed(uneven_batch())))
         moved = policy.group.full_tensors("params")
         assert any(not torch.equal(moved[n], v1[n]) for n in v1 if ".lora_" in n)
         diff = policy.reset_to(handle, 1)

@@ -24,7 +24,7 @@ import pytest
 
 from serve_rft.buffer.store import ExperienceStore
 from serve_rft.types import Experience, SamplingInfo
-from tests.integration.conftest import start_stack
+from tests.support.stack import start_stack
 
 pytestmark = pytest.mark.integration
 

@@ -25,8 +25,8 @@ import httpx
 import psutil
 import pytest
 
-from tests.integration.conftest import kill_all, launch, stack_command
-from tests.integration.load import get_status
+from tests.support.load import get_status
+from tests.support.stack import kill_all, launch, stack_command
 
 pytestmark = pytest.mark.integration
 STOP_BOUND_S = 25 + 3 + 2  # grace, the keeper's SIGTERM wait, slack for reaping

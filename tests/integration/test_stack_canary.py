@@ -13,19 +13,15 @@ import httpx
 import pytest
 
 from benchmarks.canary_run import CANARY_OVERRIDES, scenario
-from tests.integration.conftest import start_stack
-from tests.integration.load import get_status
+from tests.support.load import get_status
+from tests.support.stack import stack_fixture
+from tests.support.stack_checks import ADMIN
 
 pytestmark = pytest.mark.integration
 
-ADMIN = {"Authorization": "Bearer x"}
 
-
-@pytest.fixture(scope="module")
-def stack(redis_server, embedded_model, tmp_path_factory):
-    # on_reject=reset: after the rollback the trainer continues from the incumbent's weights
-    yield from start_stack(redis_server.url, embedded_model, tmp_path_factory.mktemp("canary"),
-                           [*CANARY_OVERRIDES, "synchronizer.canary.on_reject=reset"])
+# on_reject=reset: after the rollback the trainer continues from the incumbent's weights
+stack = stack_fixture("canary", [*CANARY_OVERRIDES, "synchronizer.canary.on_reject=reset"])
 
 
 def test_a_bad_candidate_is_rolled_back_and_a_good_one_promoted(stack):

@@ -27,12 +27,12 @@ import httpx
 import openai
 import pytest
 
-from tests.integration.conftest import start_stack
-from tests.integration.load import get_status, live_replicas
+from tests.support.load import get_status, live_replicas
+from tests.support.stack import stack_fixture
+from tests.support.stack_checks import ADMIN
 
 pytestmark = pytest.mark.integration
 
-ADMIN = {"Authorization": "Bearer x"}
 LAG_S = 10.0
 OVERRIDES = [
     "explorer.autoscaling={min_replicas: 2, max_replicas: 3, target_ongoing_requests: 3, "
@@ -41,9 +41,7 @@ OVERRIDES = [
 ]
 
 
-@pytest.fixture(scope="module")
-def stack(redis_server, embedded_model, tmp_path_factory):
-    yield from start_stack(redis_server.url, embedded_model, tmp_path_factory.mktemp("faults"), OVERRIDES)
+stack = stack_fixture("faults", OVERRIDES)
 
 
 def _status(stack) -> dict:

@@ -10,20 +10,17 @@ import httpx
 import openai
 import pytest
 
-from tests.integration import test_stack as loop
-from tests.integration.conftest import start_stack
-from tests.integration.load import get_status
+from tests.support.load import get_status
+from tests.support.stack import stack_fixture
+from tests.support.stack_checks import ADMIN, check_training_rolls_new_versions, read_experience
 
 pytestmark = pytest.mark.integration
 
 
-@pytest.fixture(scope="module")
-def stack(redis_server, embedded_model, tmp_path_factory):
-    yield from start_stack(redis_server.url, embedded_model, tmp_path_factory.mktemp("run-keep"),
-                           ["synchronizer.sync_style=trainer_driven", "synchronizer.drain_mode=keep",
-                            "trainer.max_staleness=1", "explorer.tool_strict_level=parameter",
-                            "service.admin_keys=[x]", "service.api_keys=[inference-key]",
-                            "service.reward_keys=[reward-key]"])
+stack = stack_fixture("run-keep", ["synchronizer.sync_style=trainer_driven", "synchronizer.drain_mode=keep",
+                                   "trainer.max_staleness=1", "explorer.tool_strict_level=parameter",
+                                   "service.admin_keys=[x]", "service.api_keys=[inference-key]",
+                                   "service.reward_keys=[reward-key]"])
 
 
 def test_keep_mode_requests_span_versions_and_none_fail(stack):
@@ -44,7 +41,7 @@ def test_keep_mode_requests_span_versions_and_none_fail(stack):
         client = openai.AsyncOpenAI(base_url=f"{stack.url}/v1", api_key="x", max_retries=0, timeout=300)
         stop = asyncio.Event()
         tasks = [asyncio.create_task(long_user(client, stop)) for _ in range(4)]
-        await asyncio.to_thread(loop.test_training_rolls_new_versions_across_replicas_without_failures, stack)
+        await asyncio.to_thread(check_training_rolls_new_versions, stack)
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline and len(long_ids) < 8:
             await asyncio.sleep(1)
@@ -54,20 +51,20 @@ def test_keep_mode_requests_span_versions_and_none_fail(stack):
 
     asyncio.run(go())
     assert not failures, failures[:5]
-    spans = [asyncio.run(loop._experience(stack, cid, 0)).token_versions for cid in long_ids]
+    spans = [asyncio.run(read_experience(stack, cid, 0)).token_versions for cid in long_ids]
     multi = [s for s in spans if len({v for v, _, _ in s}) > 1]
     assert multi, f"no request spanned a sync: {spans[:5]}"
     for s in multi:  # contiguous spans covering every token, versions increasing
         assert s[0][1] == 0 and all(a[2] == b[1] for a, b in zip(s, s[1:]))
         assert [v for v, _, _ in s] == sorted(v for v, _, _ in s)
-    st = get_status(stack.url, loop.ADMIN)
+    st = get_status(stack.url, ADMIN)
     assert st["sync_style"] == "trainer_driven"
 
 
 def test_max_staleness_drops_old_experiences_and_status_shows_staleness(stack):
     """With max_staleness=1 nothing older than one version behind is trained; what was dropped
     is counted; `/v1/status` shows the staleness distribution of what was trained."""
-    st = get_status(stack.url, loop.ADMIN)
+    st = get_status(stack.url, ADMIN)
     trained = {int(k): v for k, v in st["trainer"]["staleness_trained"].items()}
     assert trained and sum(trained.values()) > 0, st["trainer"]
     assert max(trained) <= 1, trained
@@ -97,11 +94,11 @@ def test_api_keys_inference_key_serves_reward_and_admin_keys_reward(stack):
     assert httpx.get(f"{u}/v1/status", headers=rewarder).status_code == 403
     assert httpx.post(f"{u}/v1/sync/rollback", json={}, headers=rewarder).status_code == 403
     assert httpx.post(f"{u}/v1/rewards", json=reward, headers=rewarder).status_code == 200
-    assert httpx.post(f"{u}/v1/rewards", json=reward, headers=loop.ADMIN).status_code == 200
+    assert httpx.post(f"{u}/v1/rewards", json=reward, headers=ADMIN).status_code == 200
     assert httpx.post(f"{u}/v1/sync/rollback", json={}).status_code == 401  # before its body is read
     assert httpx.get(f"{u}/openapi.json").status_code == 401
     assert httpx.get(f"{u}/openapi.json", headers=rewarder).status_code == 403
-    assert httpx.get(f"{u}/openapi.json", headers=loop.ADMIN, timeout=60).status_code == 200
+    assert httpx.get(f"{u}/openapi.json", headers=ADMIN, timeout=60).status_code == 200
     assert httpx.get(f"{u}/health").status_code == 200
 
 

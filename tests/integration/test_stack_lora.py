@@ -1,6 +1,7 @@
-"""The loop with adapter-only LoRA sync (``trainer.lora.merge_and_sync=false``, seed 004): the
-trainer publishes only its adapter (CHECKPOINT folders), replicas started with vLLM's LoRA
-support register each version's adapter without pausing, and serve exactly base + adapter."""
+"""The loop with adapter-only LoRA sync (``trainer.lora.merge_and_sync=false``; Twinkle's
+CheckpointEngine documentation, "merge_and_sync"): the trainer publishes only its adapter
+(CHECKPOINT folders), replicas started with vLLM's LoRA support register each version's adapter
+without pausing, and serve exactly base + adapter."""
 
 from __future__ import annotations
 
@@ -9,22 +10,19 @@ import asyncio
 import httpx
 import pytest
 
-from tests.integration import test_stack as loop
-from tests.integration.conftest import start_stack
-from tests.integration.load import get_status
+from tests.support.load import get_status
+from tests.support.stack import stack_fixture
+from tests.support.stack_checks import check_served_logprobs, check_training_rolls_new_versions
 
 pytestmark = pytest.mark.integration
 
 
-@pytest.fixture(scope="module")
-def stack(redis_server, embedded_model, tmp_path_factory):
-    yield from start_stack(redis_server.url, embedded_model, tmp_path_factory.mktemp("run-lora"),
-                           ["trainer.lora={rank: 8, alpha: 32, merge_and_sync: false}",
-                            "trainer.keep_states=1000", "trainer.keep_checkpoints=1000"])
+stack = stack_fixture("run-lora", ["trainer.lora={rank: 8, alpha: 32, merge_and_sync: false}",
+                                   "trainer.keep_states=1000", "trainer.keep_checkpoints=1000"])
 
 
 def test_adapter_versions_roll_without_pause_or_failures(stack):
-    loop.test_training_rolls_new_versions_across_replicas_without_failures(stack)
+    check_training_rolls_new_versions(stack)
     from serve_rft.weights.folders import committed_versions, version_dir
 
     st = get_status(stack.url)
@@ -46,7 +44,7 @@ def test_each_response_is_one_adapter_version_with_its_exact_logprobs(stack):
     holds the merged weights)."""
     from serve_rft.buffer.store import ExperienceStore
 
-    loop.check_served_logprobs(stack, "trainer_state")
+    check_served_logprobs(stack, "trainer_state")
 
     async def spans():
         s = ExperienceStore(stack.redis_url, stack.prefix)

@@ -1,30 +1,28 @@
 """The loop with the MEMORY sync method (versions travel through Ray's object store in
 buckets), the EXPLORER_DRIVEN style (replicas ask; the trainer answers), and LoRA training with
-merge_and_sync (each version is base + adapter merged, seed 004)."""
+merge_and_sync (each version is base + adapter merged: Twinkle's CheckpointEngine documentation,
+"merge_and_sync")."""
 
 from __future__ import annotations
 
 import pytest
 
-from tests.integration import test_stack as loop
-from tests.integration.conftest import start_stack
-from tests.integration.load import get_status
+from tests.support.load import get_status
+from tests.support.stack import stack_fixture
+from tests.support.stack_checks import check_served_logprobs, check_training_rolls_new_versions
 
 pytestmark = pytest.mark.integration
 
 
-@pytest.fixture(scope="module")
-def stack(redis_server, embedded_model, tmp_path_factory):
-    yield from start_stack(redis_server.url, embedded_model, tmp_path_factory.mktemp("run-memory"),
-                           ["synchronizer.sync_method=memory", "synchronizer.bucket_bytes=262144",
-                            "synchronizer.sync_style=explorer_driven", "synchronizer.sync_interval=2",
-                            "trainer.lora={rank: 8, alpha: 32}", "trainer.keep_states=1000"])
+stack = stack_fixture("run-memory", ["synchronizer.sync_method=memory", "synchronizer.bucket_bytes=262144",
+                                     "synchronizer.sync_style=explorer_driven", "synchronizer.sync_interval=2",
+                                     "trainer.lora={rank: 8, alpha: 32}", "trainer.keep_states=1000"])
 
 
 def test_memory_method_rolls_versions_without_failures(stack):
     # 0 failed requests is the claim; whether a request happens to reach a draining replica is
     # timing (one CI run here saw none), so refusals are only required on the default stack.
-    loop.test_training_rolls_new_versions_across_replicas_without_failures(stack)
+    check_training_rolls_new_versions(stack)
     import httpx
 
     st = get_status(stack.url)
@@ -86,4 +84,4 @@ def test_lora_versions_serve_the_merged_weights_the_trainer_trained(stack):
     states = committed_versions(stack.run_dir / "trainer_state")
     assert states and (version_dir(stack.run_dir / "trainer_state", states[-1]) / "adapter"
                        / "adapter_model.safetensors").is_file()
-    loop.check_served_logprobs(stack, "trainer_state")
+    check_served_logprobs(stack, "trainer_state")

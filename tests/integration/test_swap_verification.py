@@ -9,7 +9,7 @@ import asyncio
 
 import pytest
 
-from tests.integration.test_engine_weights import _perturbed
+from tests.support.weights import perturbed
 
 pytestmark = pytest.mark.integration
 
@@ -51,7 +51,7 @@ def test_swap_verifies_before_serving_and_never_reuses_another_versions_cache(em
     from serve_rft.explorer.engine import ExplorerEngine
     from serve_rft.explorer.weight_swap import WeightSwap
     from serve_rft.weights import CheckpointMethod
-    from serve_rft.trainer.algorithm import trainer_probe
+    from serve_rft.trainer.token_logprobs import trainer_probe
     from serve_rft.types import SyncOrder
 
     cfg = Config(synchronizer=SynchronizerConfig(verify_tolerance=0.01))
@@ -71,7 +71,7 @@ def test_swap_verifies_before_serving_and_never_reuses_another_versions_cache(em
 
                 # 1. a good version: loaded, probe agrees, served. ``keep`` keeps vLLM's cache
                 # across the pause (``wait`` clears it): only the version salt stops the reuse
-                m1 = _perturbed(embedded_model, 1)
+                m1 = perturbed(embedded_model, 1)
                 h1 = ck.send(m1, 1)
                 h1["probe"] = trainer_probe(m1, 1)
                 await swap._apply(SyncOrder(version=1, handle=h1, drain_mode="keep"))
@@ -80,7 +80,7 @@ def test_swap_verifies_before_serving_and_never_reuses_another_versions_cache(em
                 out["after_sync_warm"] = await _cached_tokens(engine, prompt, "d")
 
                 # 2. a corrupt folder (one byte flipped): refused before any drain or pause
-                m2 = _perturbed(embedded_model, 2)
+                m2 = perturbed(embedded_model, 2)
                 h2 = ck.send(m2, 2)
                 h2["probe"] = trainer_probe(m2, 2)
                 f = tmp_path / "ck" / "v000002" / "model.safetensors"
@@ -99,9 +99,9 @@ def test_swap_verifies_before_serving_and_never_reuses_another_versions_cache(em
                 out["corrupt"] = (engine.policy_version, sync.log[-1][0], "checksum" in sync.log[-1][1][2], paused[:])
 
                 # 3. loaded but not the published weights (the probe of other weights): restored
-                m3 = _perturbed(embedded_model, 3)
+                m3 = perturbed(embedded_model, 3)
                 h3 = ck.send(m3, 3)
-                h3["probe"] = trainer_probe(_perturbed(embedded_model, 4), 3)
+                h3["probe"] = trainer_probe(perturbed(embedded_model, 4), 3)
                 await swap._apply(SyncOrder(version=3, handle=h3, drain_mode="wait"))
                 probe_v1 = await engine.probe_logprobs(h1["probe"]["token_ids"])
                 out["mismatch"] = (engine.policy_version, sync.log[-1][0], "verification" in sync.log[-1][1][2],

@@ -1,6 +1,6 @@
-"""The JSON shape diff behind the vLLM conformance test (tests/integration/conformance.py)."""
+"""The JSON shape diff behind the vLLM conformance test (tests/support/conformance.py)."""
 
-from tests.integration.conformance import differences, shape
+from tests.support.conformance import differences, shape
 
 
 def test_shape_diff_finds_missing_and_mistyped_fields():

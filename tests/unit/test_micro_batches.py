@@ -6,6 +6,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from serve_rft.trainer.micro_batches import accumulate, padded_tokens, partition
+from tests.support.batches import PROMPT_LENS, RESPONSE_LENS, uneven_batch
 
 
 def test_without_a_token_budget_parts_are_consecutive_runs():
@@ -67,32 +68,7 @@ def test_accumulate_weights_tokens_answers_and_maxima():
 
 # --- a trainer step: the partition changes neither the gradient nor the statistics ---
 
-PROMPT_LENS = [2, 14, 3, 1, 9, 5, 30, 2]
-RESPONSE_LENS = [12, 1, 0, 3, 7, 15, 6, 2]
 BUDGET = 30  # five parts: [6] (36 tokens, over the budget), [5], [4], [1, 0], [3, 7, 2]
-
-
-def _batch():
-    """Eight experiences of 3 to 36 tokens (one with an empty response) in four groups of two,
-    ``i`` and ``7 - i``, whose members land in different micro-batches; varied behaviour
-    logprobs, temperatures and top_p."""
-    from serve_rft.types import Experience, RewardedExperience, SamplingInfo
-
-    out = []
-    for i, (p, r) in enumerate(zip(PROMPT_LENS, RESPONSE_LENS)):
-        g = f"g{min(i, 7 - i)}"
-        out.append(RewardedExperience(
-            experience=Experience(
-                completion_id=g, choice_index=int(i > 3), group_id=g, replica_id="r",
-                prompt_token_ids=[(7 * i + 3 * k) % 50 + 1 for k in range(p)],
-                response_token_ids=[(11 * i + 5 * k) % 50 + 1 for k in range(r)],
-                behaviour_logprobs=[-3.0 - 0.4 * ((i + k) % 5) for k in range(r)],
-                token_versions=[(0, 0, r)] if r else [],
-                sampling=SamplingInfo(temperature=[1.0, 0.7, 1.3, 0.0][i % 4], top_p=[1.0, 0.9][i % 2],
-                                      max_tokens=16),
-                finish_reason="length"),
-            reward=[0.0, 1.0, 0.25, 2.0, 0.5, -1.0, 1.5, 0.75][i], stream_id=f"0-{i}"))
-    return out
 
 
 @pytest.mark.parametrize("algorithm,agg", [("grpo", "token_mean"), ("grpo", "seq_mean_token_mean"),
@@ -113,7 +89,7 @@ def test_token_budget_micro_batches_give_the_whole_batch_step(embedded_model, al
 
     whole = PolicyTrainer(load_config(None, sets), str(embedded_model))
     split = PolicyTrainer(load_config(None, sets + [f"trainer.micro_batch_tokens={BUDGET}"]), str(embedded_model))
-    a, b = whole.step(_batch()), split.step(_batch())
+    a, b = whole.step(uneven_batch()), split.step(uneven_batch())
     assert a["micro_batches"] == 1 and b["micro_batches"] == len(parts)
     assert a.keys() == b.keys()
     for k in a.keys() - {"micro_batches", "step_seconds"}:
@@ -131,7 +107,7 @@ def test_both_limits_apply_in_a_step(embedded_model):
 
     lengths = [p + r for p, r in zip(PROMPT_LENS, RESPONSE_LENS)]
     sets = ["trainer.lr=0", "trainer.micro_batch_size=2", "trainer.micro_batch_tokens=100"]
-    stats = PolicyTrainer(load_config(None, sets), str(embedded_model)).step(_batch())
+    stats = PolicyTrainer(load_config(None, sets), str(embedded_model)).step(uneven_batch())
     assert stats["micro_batches"] == len(partition(lengths, 2, 100)) == 4
 
 
@@ -147,7 +123,7 @@ def test_a_micro_batch_of_empty_responses_steps(embedded_model, impl):
     sets = ["trainer.lr=0", f"trainer.logprob_impl={impl}"]
     whole = PolicyTrainer(load_config(None, sets), str(embedded_model))
     split = PolicyTrainer(load_config(None, sets + ["trainer.micro_batch_size=1"]), str(embedded_model))
-    a, b = whole.step(_batch()), split.step(_batch())
+    a, b = whole.step(uneven_batch()), split.step(uneven_batch())
     assert b["micro_batches"] == len(RESPONSE_LENS)
     assert b["loss"] == pytest.approx(a["loss"], rel=1e-5, abs=1e-6)
     for x, y in zip(whole.model.parameters(), split.model.parameters()):

@@ -1,6 +1,8 @@
-"""Load and bookkeeping shared by the fault tests that kill parts of a running service
-(test_chaos.py, test_multinode.py): closed-loop users that chat and reward, a bounded wait, and
-the end-of-run check that every accepted reward was kept and none trained twice."""
+"""Load and bookkeeping for tests and benchmarks that run a service: closed-loop users that chat
+and reward (`Users`: the fault tests that kill parts of a running service,
+tests/integration/test_chaos.py and test_multinode.py, and benchmarks/front_door_kill.py), a
+``/v1/status`` read with a bounded retry, a bounded wait, and the end-of-run check that every
+accepted reward was kept and none trained twice."""
 
 from __future__ import annotations
 
@@ -81,10 +83,11 @@ class Users:
     def failed(self, since: float, until: float) -> list[dict]:
         """The failed chats in flight at any moment of [since, until] (started before its end,
         ended after its start): a request sent seconds before a kill and cut by it belongs to the
-        kill (CI once counted one, 6.8 s in flight, as a failure before the kill)."""
+        kill (a chat may be in flight for several seconds before the kill cuts it)."""
         return [c for c in self.chats if not c["ok"] and c["t"] <= until and c["end"] >= since]
 
     def answered_after(self, t: float) -> bool:
+        """Whether a chat sent after ``t`` (``time.time()``, s) was answered."""
         return any(c["ok"] and c["t"] > t for c in self.chats)
 
 
@@ -129,6 +132,9 @@ def live_replicas(status: dict) -> list[dict]:
 
 
 def wait_for(pred, timeout_s: float, what: str, period_s: float = 0.5):
+    """``pred()``'s first truthy value, polled every ``period_s`` s for up to ``timeout_s`` s (an
+    ``httpx.HTTPError`` counts as not yet). Fails the test naming ``what`` (a string, or a
+    callable giving one) when the time runs out."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:

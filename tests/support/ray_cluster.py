@@ -81,6 +81,7 @@ class RayNode:
             self.proc.wait()
 
     def log_tail(self, chars: int = 3000) -> str:
+        """The last ``chars`` characters of the node's ``ray start`` log ("" before it exists)."""
         return self.log_path.read_text(errors="replace")[-chars:] if self.log_path.exists() else ""
 
 
@@ -107,10 +108,12 @@ class RayCluster:
 
     @property
     def address(self) -> str:
+        """The head's GCS address, ``host:port``."""
         return f"127.0.0.1:{self.gcs_port}"
 
     @property
     def dashboard_url(self) -> str:
+        """The head's Ray dashboard, ``http://host:port``."""
         return f"http://127.0.0.1:{self.dashboard_port}"
 
     def add_node(self, name: str, num_cpus: int, labels: dict[str, str] | None = None) -> RayNode:

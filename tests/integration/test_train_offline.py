@@ -1,4 +1,5 @@
-"""Train-only on a store collected earlier (seed 002's train-only mode): no explorer runs.
+"""Train-only on a store collected earlier (the Trinity-RFT technical report's train-only
+mode, §2.1): no explorer runs.
 
 A run directory's embedded redis-server holds rewarded experiences (written through the store's
 own code, then stopped); ``serve-rft up --mode train --max-steps 1`` restarts that redis-server

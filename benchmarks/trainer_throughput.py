@@ -164,7 +164,7 @@ def main(argv: list[str] | None = None) -> dict:
     import transformers
 
     from serve_rft.config import load_config
-    from serve_rft.trainer.algorithm import response_logprobs
+    from serve_rft.trainer.token_logprobs import response_logprobs
     from serve_rft.trainer.policy import PolicyTrainer
 
     device = ("cuda" if torch.cuda.is_available() else "cpu") if a.device == "auto" else a.device

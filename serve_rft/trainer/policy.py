@@ -244,9 +244,9 @@ class PolicyTrainer:
         return self.full_model()
 
     def probe(self, model, version: int) -> dict[str, list]:
-        """The probe a published handle carries (`serve_rft.trainer.algorithm.trainer_probe`) of
+        """The probe a published handle carries (`serve_rft.trainer.token_logprobs.trainer_probe`) of
         ``model``, what `publish_model` returned for this publish."""
-        from serve_rft.trainer.algorithm import trainer_probe
+        from serve_rft.trainer.token_logprobs import trainer_probe
         from serve_rft.trainer.gathered import GatheredModel
         from serve_rft.trainer.sharding import reshard
 
@@ -395,7 +395,7 @@ class PolicyTrainer:
         """Loss of one micro-batch, normalised by the whole batch's ``n_tokens`` / ``n_seqs``."""
         import torch
 
-        from serve_rft.trainer.algorithm import response_logprobs
+        from serve_rft.trainer.token_logprobs import response_logprobs
         from serve_rft.trainer.losses import aggregate, kl_k3, opmd_kimi_loss, opmd_loss, ppo_clip_loss
         from serve_rft.trainer.sharding import reshard
 

@@ -1,26 +1,41 @@
-"""The trainer's logprobs of sampled tokens without a full ``[B, L, V]`` logits tensor: the LM
-head applied to the response positions only, in chunks of tokens, with a backward that
-recomputes each chunk's softmax (`serve_rft.trainer.algorithm.response_logprobs` calls it).
+"""The trainer's logprobs of sampled tokens, all in this module: `response_logprobs` (what the
+loss, the KL reference, the probe `trainer_probe` and the logprob-agreement check use) and the
+two paths under it, which give the same values and gradients (tests/unit/test_algorithm.py):
 
-Shapes: ``N`` response tokens of a batch (packed), ``H`` hidden size, ``V`` vocabulary, ``c``
-tokens per chunk. Memory: forward and backward hold one chunk's ``[c, V]`` fp32 logits (and
-their few element-wise temporaries) at a time; what autograd keeps between them is the packed
-``[N, H]`` hidden states, ``[N]`` vectors and, for tokens sampled with top_p < 1, their
+- chunked (the default): the decoder alone, then the LM head applied to the response positions
+  only, in chunks of tokens, with a backward that recomputes each chunk's softmax
+  (`chunked_token_logprobs`), without a full ``[B, L, V]`` logits tensor;
+- full: ``model(...).logits.float()``, then per-token log-softmax (`_response_logprobs_full`):
+  any causal LM, and the reference the chunked path is tested against.
+
+Both apply vLLM's sampler processing: logits / T, then the nucleus mask of
+`serve_rft.trainer.nucleus` renormalised.
+
+Shapes: ``B`` experiences, ``T`` response tokens (right-padded), ``L`` prompt + response tokens,
+``N`` response tokens of a batch (packed), ``H`` hidden size, ``V`` vocabulary, ``c`` tokens per
+chunk. Memory of the chunked path: forward and backward hold one chunk's ``[c, V]`` fp32 logits
+(and their few element-wise temporaries) at a time; what autograd keeps between them is the
+packed ``[N, H]`` hidden states, ``[N]`` vectors and, for tokens sampled with top_p < 1, their
 nucleus masks as bits (``V / 8`` bytes a token), not ``[N, V]`` floats.
 
-Numerics (the same as the full path, ``model(...).logits.float()`` then per-token log-softmax):
-the logits are the LM head's matmul in the dtype the head would run in (under autocast the
-autocast dtype, e.g. bf16 operands with fp32 accumulation, rounded to bf16 like ``lm_head``'s
-own output; else the weight's dtype), then cast to fp32; temperature, nucleus mask,
-log-sum-exp and entropy are fp32. Rounding the logits to bf16 under bf16 autocast is
-deliberate: it is what the full path and a vLLM replica serving the model in bf16 compute,
-and the matmul runs on bf16 tensor cores (an fp32 head matmul over 151,936 words costs about
-as much as the rest of a 0.5B model).
+Numerics (the same as the full path): the logits are the LM head's matmul in the dtype the head
+would run in (under autocast the autocast dtype, e.g. bf16 operands with fp32 accumulation,
+rounded to bf16 like ``lm_head``'s own output; else the weight's dtype), then cast to fp32;
+temperature, nucleus mask, log-sum-exp and entropy are fp32. Rounding the logits to bf16 under
+bf16 autocast is deliberate: it is what the full path and a vLLM replica serving the model in
+bf16 compute, and the matmul runs on bf16 tensor cores (an fp32 head matmul over 151,936 words
+costs about as much as the rest of a 0.5B model).
 """
 
 from __future__ import annotations
 
+from functools import partial
+from typing import Literal
+
 import torch
+
+from serve_rft.trainer.nucleus import nucleus_keep
+from serve_rft.weights.verify import probe_ids
 
 PLAIN_HEAD_MODEL_TYPES = frozenset({"qwen2", "qwen3", "llama", "mistral"})
 """``config.model_type`` of causal LMs whose ``forward`` is exactly ``lm_head(decoder(...))``
@@ -30,73 +45,9 @@ NUCLEUS_ROWS = 256
 """Rows sorted at once for the nucleus mask (a sort holds ``[rows, V]`` fp32 + int64)."""
 
 
-def top_p_keep(logits: torch.Tensor, top_p: float | torch.Tensor) -> torch.Tensor:
-    """Which tokens nucleus sampling keeps, exactly as vLLM's sampler decides it
-    (``vllm.v1.sample.ops.topk_topp_sampler.apply_top_k_top_p_pytorch``): sort ascending, drop
-    the tokens whose cumulative probability is ``<= 1 - top_p``, always keep the most likely.
-
-    Args:
-        logits: ``[T, V]`` temperature-scaled logits.
-        top_p: one value for every row, or ``[T]`` fp32 per row (vLLM's form: ``1 - p`` is
-            then computed in fp32, as vLLM does).
-    Returns:
-        ``[T, V]`` bool, True = kept.
-    """
-    sorted_logits, idx = logits.sort(dim=-1, descending=False)
-    cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
-    threshold = (1 - top_p).unsqueeze(-1) if isinstance(top_p, torch.Tensor) else 1 - top_p
-    drop_sorted = cum <= threshold
-    drop_sorted[:, -1] = False
-    drop = torch.zeros_like(drop_sorted).scatter_(-1, idx, drop_sorted)
-    return ~drop
-
-
 SHARDED_HEAD = "serve_rft_head_logprobs"
 """The method `install_sharded_head` puts on an FSDP2-sharded model: `decoder_head_logprobs` run
 as one of the root's forwards, so its parameters (embeddings, final norm, head) are gathered."""
-
-
-NUCLEUS_TOPK = 1024
-"""Words `nucleus_keep` looks at before it falls back to a full sort of a row."""
-
-
-def nucleus_keep(logits: torch.Tensor, top_p: float | torch.Tensor, k: int = NUCLEUS_TOPK) -> torch.Tensor:
-    """`top_p_keep` without sorting the vocabulary where the nucleus lies within the ``k`` most
-    likely words (nearly always at top_p <= 0.99: sampled distributions are peaked).
-
-    vLLM's rule drops a word when the ascending cumulative probability up to it is ``<= 1 - p``.
-    For the ``k`` most likely words that cumulative is (the probability of every word outside
-    them) + (the ascending cumulative within them): a ``topk`` and a ``[rows, k]`` cumsum. When
-    the least likely of the ``k`` is dropped, every word outside them is too (their cumulatives
-    are smaller); rows where it is kept are sorted in full (`top_p_keep`). The result equals
-    `top_p_keep` up to float rounding of the cumulative sums: a word whose cumulative lies within
-    ~1e-6 of ``1 - p`` may fall on the other side (tests/unit/test_losses.py).
-
-    Args:
-        logits: ``[T, V]`` temperature-scaled logits.
-        top_p: one value, or ``[T]`` fp32 per row.
-        k: words looked at per row before the fallback.
-    Returns:
-        ``[T, V]`` bool, True = kept.
-    """
-    t, v = logits.shape
-    k = min(k, v)
-    probs = logits.float().softmax(dim=-1)
-    top, idx = probs.topk(k, dim=-1)  # descending
-    asc = top.flip(-1)
-    tail = (probs.sum(-1) - top.sum(-1)).clamp_min(0.0)
-    cum = asc.cumsum(-1) + tail.unsqueeze(-1)
-    threshold = (1 - top_p).unsqueeze(-1) if isinstance(top_p, torch.Tensor) else 1 - top_p
-    drop_asc = cum <= threshold
-    drop_asc[:, -1] = False  # the most likely word is always kept
-    keep = torch.zeros((t, v), dtype=torch.bool, device=logits.device)
-    keep.scatter_(-1, idx, ~drop_asc.flip(-1))
-    wide = ~drop_asc[:, 0]  # the k-th word is kept: the nucleus may reach beyond the k
-    if k < v and bool(wide.any()):
-        rows = wide.nonzero().squeeze(1)
-        tp = top_p.index_select(0, rows) if isinstance(top_p, torch.Tensor) else top_p
-        keep[rows] = top_p_keep(logits.index_select(0, rows), tp)
-    return keep
 
 
 def lm_parts(model) -> tuple[torch.nn.Module, torch.Tensor] | None:
@@ -147,7 +98,7 @@ def _tempered(h: torch.Tensor, w: torch.Tensor, temp: torch.Tensor) -> torch.Ten
 
 
 def _nucleus(z: torch.Tensor, rows: torch.Tensor, top_p: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """``[len(rows), V]`` bool: `top_p_keep` of ``z``'s ``rows``, the sampled token kept;
+    """``[len(rows), V]`` bool: `serve_rft.trainer.nucleus.top_p_keep` of ``z``'s ``rows``, the sampled token kept;
     sorted `NUCLEUS_ROWS` rows at a time."""
     keeps = []
     for k in range(0, len(rows), NUCLEUS_ROWS):
@@ -253,7 +204,7 @@ def chunked_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, tokens: t
                            temperatures: torch.Tensor, top_ps: torch.Tensor, chunk_tokens: int = 1024,
                            with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Logprobs of ``tokens`` under the head ``weight`` applied to ``hidden``, after vLLM's
-    sampler processing (logits / T, then the nucleus mask of `top_p_keep` renormalised).
+    sampler processing (logits / T, then the nucleus mask of `serve_rft.trainer.nucleus.top_p_keep` renormalised).
 
     Args:
         hidden: ``[N, H]`` final hidden states of the positions that predict ``tokens``.
@@ -309,3 +260,137 @@ def install_sharded_head(model) -> bool:
     setattr(model, SHARDED_HEAD, types.MethodType(head_logprobs, model))
     register_fsdp_forward_method(model, SHARDED_HEAD)
     return True
+
+
+def _padded_batch(prompts: list[list[int]], responses: list[list[int]], pad_id: int, device
+                  ) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """``[B, L]`` right-padded prompt+response ids, their ``[B, L]`` attention mask (built on
+    the host, one copy each to ``device``), and ``T`` (the longest response, at least 1)."""
+    seqs = [p + r for p, r in zip(prompts, responses)]
+    L = max(len(s) for s in seqs)
+    T = max(max((len(r) for r in responses), default=0), 1)
+    ids = torch.full((len(seqs), L), pad_id, dtype=torch.long)
+    attn = torch.zeros((len(seqs), L), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, : len(s)] = torch.tensor(s, dtype=torch.long)
+        attn[i, : len(s)] = 1
+    return ids.to(device), attn.to(device), T
+
+
+def response_logprobs(model, prompts: list[list[int]], responses: list[list[int]],
+                      temperatures: list[float], pad_id: int = 0, with_entropy: bool = False,
+                      top_ps: list[float] | None = None, *, chunk_tokens: int = 1024,
+                      impl: Literal["chunked", "full"] = "chunked"):
+    """Logprobs of the response tokens under ``model``, as vLLM's ``processed_logprobs``.
+
+    Runs ``[B, L]`` right-padded prompt+response ids through the model, and per response token
+    takes ``log_softmax`` of the position before it after vLLM's sampler processing, in vLLM's
+    order: logits / T (T = the request's temperature; greedy requests use 1), then the top-p
+    mask (`serve_rft.trainer.nucleus.top_p_keep`, computed by `nucleus_keep`) renormalised. The
+    sampled token is always kept: at the weights that
+    sampled it, it was in the nucleus, so this changes nothing there, and on later weights it
+    keeps its logprob finite (its exact truncated value would be -inf).
+
+    ``impl="chunked"`` (the default) runs the decoder alone and the LM head on the response
+    positions only, ``chunk_tokens`` at a time, with a backward that recomputes each chunk
+    (`chunked_token_logprobs`); a model without the plain decoder + linear head
+    structure (`lm_parts`) takes ``impl="full"``: ``[B, L, V]`` fp32 logits.
+    Both give the same values and gradients (tests/unit/test_algorithm.py).
+
+    Returns:
+        (``[B, T]`` logprobs, ``[B, T]`` float mask of real response tokens), and with
+        ``with_entropy`` a third ``[B, T]``: the entropy (nats) of each position's tempered
+        distribution, without grad.
+    Raises:
+        ValueError: a non-empty response after an empty prompt (no position predicts its
+            first token).
+    """
+    if any(r and not p for p, r in zip(prompts, responses)):
+        raise ValueError("a response needs at least one prompt token before it")
+    run = getattr(model, SHARDED_HEAD, None) if impl == "chunked" else None  # FSDP2: gathers the root
+    if run is None:
+        parts = lm_parts(model) if impl == "chunked" else None
+        if parts is None:
+            return _response_logprobs_full(model, prompts, responses, temperatures, pad_id, with_entropy, top_ps)
+        run = partial(decoder_head_logprobs, *parts)
+    device = next(model.parameters()).device
+    ids, attn, T = _padded_batch(prompts, responses, pad_id, device)
+    rows, pos, cols, toks, temps, tps = [], [], [], [], [], []
+    for i, (p, r) in enumerate(zip(prompts, responses)):
+        rows += [i] * len(r)
+        pos += range(len(p) - 1, len(p) - 1 + len(r))  # position t predicts token t + 1
+        cols += range(len(r))
+        toks += r
+        temps += [temperatures[i] if temperatures[i] > 1e-5 else 1.0] * len(r)
+        tps += [top_ps[i] if top_ps is not None else 1.0] * len(r)
+    out = torch.zeros((len(prompts), T), dtype=torch.float32, device=device)
+    mask, ent = torch.zeros_like(out), torch.zeros_like(out)
+    if not toks:  # no response token: one position at weight 0, so the forward and backward still run
+        # (a sharded rank must make the collectives its peers make; one process needs a loss with a graph)
+        lp, _ = run(ids, attn, torch.zeros((4, 1), dtype=torch.long, device=device),
+                    torch.ones((2, 1), dtype=torch.float32, device=device), chunk_tokens, False)
+        out = out + 0.0 * lp.sum()
+        return (out, mask, ent) if with_entropy else (out, mask)
+    index = torch.tensor([rows, pos, cols, toks], dtype=torch.long).to(device)
+    scalars = torch.tensor([temps, tps], dtype=torch.float32).to(device)
+    lp, e = run(ids, attn, index, scalars, chunk_tokens, with_entropy)
+    where = (index[0], index[2])
+    out = out.index_put(where, lp)
+    mask = mask.index_put_(where, torch.ones_like(lp))
+    return (out, mask, ent.index_put_(where, e)) if with_entropy else (out, mask)
+
+
+def _response_logprobs_full(model, prompts, responses, temperatures, pad_id=0, with_entropy=False,
+                            top_ps=None):
+    """`response_logprobs` from the full ``[B, L, V]`` fp32 logits of ``model(...)``: any
+    causal LM; the reference the chunked path is tested against."""
+    from serve_rft.trainer.losses import token_entropy
+
+    device = next(model.parameters()).device
+    ids, attn, T = _padded_batch(prompts, responses, pad_id, device)
+    logits = model(input_ids=ids, attention_mask=attn).logits.float()
+    out = torch.zeros((len(prompts), T), dtype=torch.float32, device=device)
+    if not any(responses):  # keep the graph (`response_logprobs`, the chunked path's empty case)
+        out = out + 0.0 * logits[:, :1, :1].sum()
+    mask = torch.zeros((len(prompts), T), dtype=torch.float32, device=device)
+    ent = torch.zeros((len(prompts), T), dtype=torch.float32, device=device)
+    for i, (p, r) in enumerate(zip(prompts, responses)):
+        if not r:
+            continue
+        temp = temperatures[i] if temperatures[i] > 1e-5 else 1.0
+        # logits at position t predict token t+1: response token j sits at len(p)+j.
+        step_logits = logits[i, len(p) - 1 : len(p) - 1 + len(r)] / temp
+        tok = torch.tensor(r, dtype=torch.long, device=device)
+        top_p = top_ps[i] if top_ps is not None else 1.0
+        if top_p < 1.0:
+            with torch.no_grad():
+                keep = nucleus_keep(step_logits.detach(), top_p)
+                keep[torch.arange(len(r), device=device), tok] = True
+            step_logits = step_logits.masked_fill(~keep, float("-inf"))
+        lp = torch.log_softmax(step_logits, dim=-1)
+        out[i, : len(r)] = lp.gather(1, tok.unsqueeze(1)).squeeze(1)
+        mask[i, : len(r)] = 1.0
+        if with_entropy:
+            with torch.no_grad():
+                ent[i, : len(r)] = token_entropy(step_logits)
+    return (out, mask, ent) if with_entropy else (out, mask)
+
+
+def trainer_probe(model, version: int) -> dict[str, list]:
+    """The probe a handle carries: ``{"token_ids", "logprobs"}`` of ``model`` (a transformers or
+    peft model, as published) at temperature 1.
+
+    ``logprobs[t] = log_softmax(logits[t])[token_ids[t + 1]]`` for t < n - 1 (the prompt
+    logprobs vLLM returns), computed by `response_logprobs`; the ids are
+    `serve_rft.weights.verify.probe_ids`, which the replica's check uses too.
+    """
+    vocab = model.get_input_embeddings().weight.shape[0]
+    ids = probe_ids(min(vocab, getattr(model.config, "vocab_size", vocab)), version)
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            lp, _ = response_logprobs(model, [ids[:1]], [ids[1:]], [1.0], pad_id=0)
+    finally:
+        model.train(was_training)
+    return {"token_ids": ids, "logprobs": [float(x) for x in lp[0, : len(ids) - 1].float().cpu()]}

@@ -91,7 +91,7 @@ def _tiny(kind: str):
 
 def _run(model, impl: str, chunk: int = 3, top_ps=TOP_PS):
     """Logprobs, mask, entropy, and the gradients of ``sum(logp * adv * mask)`` by parameter name."""
-    from serve_rft.trainer.algorithm import response_logprobs
+    from serve_rft.trainer.token_logprobs import response_logprobs
 
     model.zero_grad(set_to_none=True)
     lp, mask, ent = response_logprobs(model, PROMPTS, RESPONSES, TEMPS, with_entropy=True, top_ps=top_ps,
@@ -126,7 +126,7 @@ def test_chunked_logprobs_and_gradients_equal_the_full_logits_path(kind, chunk):
 
 
 def test_lora_reference_with_the_adapter_disabled_is_the_base():
-    from serve_rft.trainer.algorithm import response_logprobs
+    from serve_rft.trainer.token_logprobs import response_logprobs
 
     model = _tiny("lora")
     with torch.no_grad():
@@ -154,7 +154,7 @@ def test_chunked_under_bf16_autocast_matches_the_full_path(kind):
 
 
 def test_all_empty_responses_and_an_empty_prompt():
-    from serve_rft.trainer.algorithm import response_logprobs
+    from serve_rft.trainer.token_logprobs import response_logprobs
 
     model = _tiny("qwen2")
     lp, mask, ent = response_logprobs(model, [[1, 2], [3]], [[], []], [1.0, 1.0], with_entropy=True)
@@ -164,7 +164,7 @@ def test_all_empty_responses_and_an_empty_prompt():
 
 
 def test_models_without_the_plain_structure_take_the_full_path():
-    from serve_rft.trainer.algorithm import response_logprobs
+    from serve_rft.trainer.token_logprobs import response_logprobs
     from serve_rft.trainer.token_logprobs import lm_parts
 
     model = _tiny("qwen2")
@@ -177,7 +177,7 @@ def test_models_without_the_plain_structure_take_the_full_path():
 
 
 def test_per_row_top_p_is_the_single_value_rule():
-    from serve_rft.trainer.token_logprobs import top_p_keep
+    from serve_rft.trainer.nucleus import top_p_keep
 
     g = torch.Generator().manual_seed(1)
     logits = torch.randn(6, 300, generator=g) * 3

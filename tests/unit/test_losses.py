@@ -144,7 +144,7 @@ def test_config_defaults_per_algorithm():
 def test_top_p_keeps_exactly_what_vllms_sampler_keeps(top_p):
     from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p_pytorch
 
-    from serve_rft.trainer.algorithm import top_p_keep
+    from serve_rft.trainer.nucleus import top_p_keep
 
     g = torch.Generator().manual_seed(int(top_p * 100))
     logits = torch.randn(16, 500, generator=g) * 3
@@ -160,7 +160,7 @@ def test_nucleus_without_a_full_sort_keeps_what_vllms_sampler_keeps(top_p, k):
     differently; on these 3 x 64 rows x 5,000 words no word falls on the other side)."""
     from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p_pytorch
 
-    from serve_rft.trainer.token_logprobs import nucleus_keep
+    from serve_rft.trainer.nucleus import nucleus_keep
 
     g = torch.Generator().manual_seed(int(top_p * 100) + k)
     logits = torch.randn(64, 5000, generator=g) * torch.tensor([1.0, 3.0, 8.0, 12.0]).repeat(16).unsqueeze(1)
@@ -175,7 +175,7 @@ def test_only_response_tokens_are_in_the_mask(embedded_model):
     assistant) is context only; the mask covers exactly its own response tokens."""
     from transformers import AutoModelForCausalLM
 
-    from serve_rft.trainer.algorithm import response_logprobs
+    from serve_rft.trainer.token_logprobs import response_logprobs
 
     model = AutoModelForCausalLM.from_pretrained(str(embedded_model), dtype=torch.float32)
     prompts = [[1, 2, 3, 4, 5, 6, 7], [1, 2]]

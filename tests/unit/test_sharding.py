@@ -68,7 +68,7 @@ def test_a_sharded_model_takes_the_chunked_path_with_the_full_paths_values_and_g
     import torch.distributed as dist
 
     from serve_rft.buffer.redis_server import free_port
-    from serve_rft.trainer.algorithm import response_logprobs
+    from serve_rft.trainer.token_logprobs import response_logprobs
     from serve_rft.trainer.sharding import init_process_group, shard
     from serve_rft.trainer.token_logprobs import SHARDED_HEAD
     from tests.unit.test_algorithm import PROMPTS, RESPONSES, TEMPS, TOP_PS, _tiny

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from serve_rft.trainer.algorithm import trainer_probe
+from serve_rft.trainer.token_logprobs import trainer_probe
 from serve_rft.weights.verify import (ProbeMismatch, VersionCorrupt, check_folder, check_probe, folder_checksums,
                                       probe_ids, tensors_checksum)
 

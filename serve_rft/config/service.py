@@ -1,13 +1,17 @@
-"""Settings of the service: ports, ingress, run directory, Ray, API keys, shutdown; and the rule
-that an exposed service is never open by accident (`check_exposure`)."""
+"""Settings of the service: ports, ingress, run directory, Ray, API keys and tenants, per-key
+quotas, shutdown; and the rule that an exposed service is never open by accident
+(`check_exposure`)."""
 
 from __future__ import annotations
 
 import ipaddress
+import json
+import math
 import os
+import re
 from typing import Literal
 
-from pydantic import Field
+from pydantic import ConfigDict, Field, model_validator
 
 from serve_rft.config.base import StrictSection
 
@@ -16,7 +20,96 @@ def _env_list(name: str) -> list[str]:
     return [k.strip() for k in os.environ.get(name, "").split(",") if k.strip()]
 
 
+DEFAULT_TENANT = "default"
+"""The tenant of the flat key lists (``api_keys``, ``reward_keys``), of admin keys' own
+completions and of a service without keys: its ids are stored unprefixed."""
+TENANT_NAME = r"^[A-Za-z0-9_.-]{1,64}$"
+"""A tenant's name: 1-64 letters, digits, ``_ . -`` (it becomes part of Redis keys and group ids)."""
+
+
+def _env_tenants() -> dict:
+    """``SERVE_RFT_TENANTS``: a JSON object name -> {"api_keys": [...], "reward_keys": [...]}."""
+    raw = os.environ.get("SERVE_RFT_TENANTS", "").strip()
+    return json.loads(raw) if raw else {}
+
+
+class TenantKeys(StrictSection):
+    """The keys of one tenant: its inference keys and its reward keys (a grader's)."""
+
+    api_keys: list[str] = Field(default_factory=list, description="The tenant's inference keys.")
+    reward_keys: list[str] = Field(default_factory=list, description="The tenant's reward keys: "
+                                   "POST /v1/rewards and GET /v1/experiences/{id} of its own completions.")
+
+
+class ScopeQuota(StrictSection):
+    """One scope's per-key token buckets (`serve_rft.buffer.quota`): a request takes one request
+    token and its body's bytes in byte tokens; a key short of either gets 429 with Retry-After.
+    A rate of 0 leaves that dimension unlimited."""
+
+    requests_per_s: float = Field(
+        0.0, ge=0, le=1e6, description="Requests per second one key may make on this scope's routes, "
+        "sustained (the bucket's refill rate); 0: unlimited.")
+    request_burst: int = Field(
+        0, ge=0, le=10_000_000, description="Requests one key may make at once after idling (the "
+        "bucket's size); 0: one second's worth, ceil(requests_per_s).")
+    bytes_per_s: float = Field(
+        0.0, ge=0, le=1e12, description="Request-body bytes per second one key may send to this "
+        "scope's routes, sustained; 0: unlimited.")
+    bytes_burst: int = Field(
+        0, ge=0, le=2**40, description="Request-body bytes one key may send at once after idling, bytes; "
+        "0: one second's worth, ceil(bytes_per_s). A single body larger than this is refused (413, "
+        "code body_over_quota), so keep it at least the largest body a client needs (at most 8 MiB "
+        "is accepted at all).")
+
+    @property
+    def limited(self) -> bool:
+        """Whether either dimension has a limit."""
+        return self.requests_per_s > 0 or self.bytes_per_s > 0
+
+    @property
+    def request_capacity(self) -> int:
+        """The request bucket's size: ``request_burst``, or one second's worth when 0."""
+        return self.request_burst or max(1, math.ceil(self.requests_per_s))
+
+    @property
+    def bytes_capacity(self) -> int:
+        """The byte bucket's size: ``bytes_burst``, or one second's worth when 0, bytes."""
+        return self.bytes_burst or max(1, math.ceil(self.bytes_per_s))
+
+
+class QuotasConfig(StrictSection):
+    """Per-key quotas by the scope of the route (`serve_rft.explorer.auth`): a key's chat,
+    completions and models requests draw on its inference buckets, its rewards on its rewards
+    buckets, whatever key kind sends them (an admin key chatting is held to the inference quota).
+    Buckets live in the store's Redis, shared by every replica. Off by default (every rate 0):
+    a fitting rate depends on the deployment (replicas, GPUs, clients), and the demo, load tests
+    and benchmarks must never be throttled by a default. Quotas apply only with keys configured:
+    without keys there is no caller identity (and the service binds loopback only)."""
+
+    inference: ScopeQuota = Field(default_factory=ScopeQuota, description="Chat, completions, "
+                                  "responses and models routes, per key.")
+    rewards: ScopeQuota = Field(default_factory=ScopeQuota, description="POST /v1/rewards, per key.")
+    admin: ScopeQuota = Field(default_factory=ScopeQuota, description="Admin routes (status, "
+                              "experiences, sync operations, API document), per key; unlimited by default.")
+    timeout_s: float = Field(
+        0.25, gt=0, le=5.0, description="Bound of one quota check's Redis call, s. Past it (or with "
+        "Redis unreachable) the request is let through unchecked (fail open, counted: "
+        "serve_rft_quota_unchecked_total) and checks pause for a second.")
+
+    def scope(self, name: str) -> ScopeQuota:
+        """The quota of scope ``name`` (inference / rewards / admin)."""
+        return getattr(self, name)
+
+    @property
+    def limited(self) -> bool:
+        """Whether any scope has a limit."""
+        return self.inference.limited or self.rewards.limited or self.admin.limited
+
+
 class ServiceConfig(StrictSection):
+    # keys are secrets: a refused config's error never echoes them
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, hide_input_in_errors=True)
+
     host: str = Field("127.0.0.1", description="Address the HTTP front door binds (serve-rft up). A "
                       "non-loopback address needs keys (api_keys / reward_keys / admin_keys) or "
                       "allow_unauthenticated: true.")
@@ -47,15 +140,49 @@ class ServiceConfig(StrictSection):
         default_factory=lambda: _env_list("SERVE_RFT_ADMIN_KEYS"),
         description="Admin keys (env SERVE_RFT_ADMIN_KEYS): every route (rewards, experiences, "
         "status, sync operations, /docs and /openapi.json) and inference too.")
+    tenants: dict[str, TenantKeys] = Field(
+        default_factory=_env_tenants, validate_default=True,
+        description="Tenants (env SERVE_RFT_TENANTS as JSON): name -> {api_keys, reward_keys}. A tenant's "
+        "keys reach only its own completions (rewards and experience reads of another tenant's get "
+        "404), its group_id / conversation_id values are its own, and its prompts never share the "
+        "prefix cache with another tenant. The flat api_keys / reward_keys belong to the tenant "
+        "'default'; admin keys belong to none and reach every tenant. A key may belong to one tenant "
+        "only, and an admin key to no tenant.")
     allow_unauthenticated: bool = Field(
         False, description="Serve with no keys on a non-loopback address (anyone who reaches the port "
         "may chat, post rewards, pin, roll back and read every experience). Without it such a start "
         "is refused; with it every start logs a warning.")
+    quotas: QuotasConfig = Field(
+        default_factory=QuotasConfig, description="Per-key token-bucket quotas (requests and bytes) "
+        "per scope, answered with 429 + Retry-After; off by default (QuotasConfig).")
 
     @property
     def has_keys(self) -> bool:
         """Whether any key of any scope is configured (auth is on)."""
-        return any(k for k in (*self.api_keys, *self.reward_keys, *self.admin_keys))
+        return any(k for k in (*self.api_keys, *self.reward_keys, *self.admin_keys,
+                               *(k for t in self.tenants.values() for k in (*t.api_keys, *t.reward_keys))))
+
+    def tenant_keys(self) -> dict[str, TenantKeys]:
+        """Every tenant's keys: ``tenants`` with the flat lists joined to `DEFAULT_TENANT`."""
+        out = dict(self.tenants)
+        flat = out.get(DEFAULT_TENANT, TenantKeys())
+        out[DEFAULT_TENANT] = TenantKeys(api_keys=[*self.api_keys, *flat.api_keys],
+                                         reward_keys=[*self.reward_keys, *flat.reward_keys])
+        return out
+
+    @model_validator(mode="after")
+    def _one_owner_per_key(self) -> "ServiceConfig":
+        # a key in two tenants would reach both tenants' completions; an admin key listed as a
+        # tenant's too would be both every tenant's and one tenant's
+        owner: dict[str, str] = {k: "admin_keys" for k in self.admin_keys if k}
+        for name, keys in self.tenant_keys().items():
+            if not re.match(TENANT_NAME, name):
+                raise ValueError(f"service.tenants: tenant name {name!r} must be 1-64 letters, digits, '_', '.' or '-'")
+            for k in {*keys.api_keys, *keys.reward_keys} - {""}:
+                if owner.setdefault(k, f"tenant {name!r}") != f"tenant {name!r}":
+                    raise ValueError(f"a key of tenant {name!r} is also in {owner[k]}: a key belongs to one "
+                                     "tenant, an admin key to none (keys are not shown)")
+        return self
 
 
 def is_loopback(host: str | None) -> bool:

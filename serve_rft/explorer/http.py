@@ -5,7 +5,8 @@ Routes raise `ApiError` and never build an error response themselves: the except
 below answer it (with ``Retry-After`` where the client should try again), and FastAPI's own
 404 / 405 / 422 answers get the same JSON shape. Routes that need a key declare
 ``dependencies=AUTHORIZED``; the dependency asks the replica serving the request
-(`ExplorerReplica.authorize`: key scopes in `serve_rft.explorer.auth`). FastAPI's own
+(`ExplorerReplica.authorize`: key scopes in `serve_rft.explorer.auth`; then
+`ExplorerReplica.check_quota`: per-key quotas in `serve_rft.explorer.quota`). FastAPI's own
 ``/openapi.json``, ``/docs`` and ``/redoc`` are replaced by routes behind the same check
 (`serve_rft.explorer.openapi.install`: the admin scope when keys are on).
 """
@@ -35,14 +36,18 @@ def error_response(e: ApiError) -> JSONResponse:
 
 
 async def authorize(request: Request) -> None:
-    """FastAPI dependency: the replica serving this request checks its key.
+    """FastAPI dependency: the replica serving this request checks its key, then charges the
+    key's quota (before the route reads the body or generates anything).
 
     Raises:
-        ApiError: 401 / 403 (`serve_rft.explorer.auth.ApiKeys.check`).
+        ApiError: 401 / 403 (`serve_rft.explorer.auth.ApiKeys.check`); 429 / 413 (the key's quota:
+            `serve_rft.explorer.quota.QuotaCheck.check`).
     """
     from ray import serve
 
-    serve.get_replica_context().servable_object.authorize(request)
+    replica = serve.get_replica_context().servable_object
+    replica.authorize(request)
+    await replica.check_quota(request)
 
 
 AUTHORIZED = [Depends(authorize)]

@@ -37,6 +37,7 @@ from serve_rft.explorer.openai_routes import OpenAIRoutes
 from serve_rft.explorer.openai_serving import build_serving
 from serve_rft.explorer.http import REPLICA_HEADER, VERSION_HEADER, app
 from serve_rft.explorer.protocol import ApiError
+from serve_rft.explorer.quota import QuotaCheck
 from serve_rft.explorer.weight_swap import WeightSwap
 from serve_rft.observability.explorer_metrics import ExplorerMetrics
 
@@ -75,6 +76,7 @@ class ExplorerReplica(OpenAIRoutes, AdminRoutes):
                                                   weight_transfer="nccl" if nccl else None,
                                                   lora_rank=lora_rank)
         self.metrics = ExplorerMetrics(self.replica_id)
+        self.quota = QuotaCheck.from_config(self.cfg, self.api_keys, self.metrics)
         self.experience_log = ExperienceLog(self.store, self.replica_id, self.metrics, self.cfg.buffer.store_wait_s)
         self.serving = build_serving(self.cfg, EngineTap(self.engine, self.experience_log, self.metrics.first_token),
                                      model_path)
@@ -115,7 +117,8 @@ class ExplorerReplica(OpenAIRoutes, AdminRoutes):
 
     # -- HTTP ----------------------------------------------------------------------------
     def authorize(self, request: Request) -> None:
-        """The API-key check of every route but /health (`serve_rft.explorer.http.authorize`).
+        """The API-key check of every route but /health (`serve_rft.explorer.http.authorize`);
+        the caller's `serve_rft.explorer.auth.Identity` is kept on ``request.state.identity``.
         A request reached this replica, so the ingress routes to it (`WeightSwap.reached`).
 
         Raises:
@@ -123,7 +126,21 @@ class ExplorerReplica(OpenAIRoutes, AdminRoutes):
         """
         self.swap.reached = True
         try:
-            self.api_keys.check(request.url.path, request.headers.get("authorization"))
+            # the caller's tenant and scopes, for the route (`serve_rft.explorer.auth.identity_of`)
+            request.state.identity = self.api_keys.check(request.url.path, request.headers.get("authorization"))
+        except ApiError as e:
+            if request.url.path in METERED:
+                self.metrics.request(METERED[request.url.path], e.status, 0.0)
+            raise
+
+    async def check_quota(self, request: Request) -> None:
+        """The key's quota (`serve_rft.explorer.quota.QuotaCheck.check`), after `authorize`.
+
+        Raises:
+            ApiError: 429 / 413; counted by the request metrics of `METERED` paths.
+        """
+        try:
+            await self.quota.check(request)
         except ApiError as e:
             if request.url.path in METERED:
                 self.metrics.request(METERED[request.url.path], e.status, 0.0)

@@ -2,7 +2,8 @@
 
 Owned by each `ExplorerReplica`; exported through Ray's metrics API (Ray's Prometheus endpoint,
 names prefixed ``ray_``). Tags are low-cardinality: the replica id (a handful), the route
-(chat / chat_stream / rewards), the HTTP status, the token kind, the experience state. The policy
+(chat / chat_stream / rewards), the HTTP status, the token kind, the experience state, the quota
+scope and limit (never the API key or its hash). The policy
 version is not a tag (it grows without bound): it is the `serve_rft_replica_policy_version` gauge
 (`serve_rft.observability.sync_metrics`), and each response carries it in a header.
 """
@@ -42,11 +43,27 @@ class ExplorerMetrics:
         self.experiences = Gauge("serve_rft_experiences",
                                  description="Store counts by state (each replica reports the same "
                                  "store: aggregate with max by (state)).", tag_keys=("replica", "state"))
+        self.throttled = Counter("serve_rft_throttled_total",
+                                 description="Requests refused by a per-key quota (429, or 413 for a "
+                                 "body over the byte burst), by scope (inference / rewards / admin) "
+                                 "and limit (requests / bytes).", tag_keys=("replica", "scope", "limit"))
+        self.quota_unchecked = Counter("serve_rft_quota_unchecked_total",
+                                       description="Requests let through without a quota check because "
+                                       "Redis was unreachable or slow (fail open), by scope.",
+                                       tag_keys=("replica", "scope"))
 
     def request(self, route: str, status: int, seconds: float) -> None:
         self.requests.inc(tags={**self.tags, "route": route, "status": str(status)})
         if status < 400:
             self.latency.observe(seconds, tags={**self.tags, "route": route})
+
+    def quota(self, scope: str, limit: str | None) -> None:
+        """A quota refusal on ``scope`` by ``limit`` (requests / bytes); None: a request let
+        through unchecked (Redis away)."""
+        if limit is None:
+            self.quota_unchecked.inc(tags={**self.tags, "scope": scope})
+        else:
+            self.throttled.inc(tags={**self.tags, "scope": scope, "limit": limit})
 
     def first_token(self, seconds: float) -> None:
         self.ttft.observe(seconds, tags=self.tags)

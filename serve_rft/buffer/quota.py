@@ -1,0 +1,134 @@
+"""Per-key token buckets in the shared Redis: every replica draws on the same bucket, so a
+quota does not multiply by the replica count.
+
+One bucket per (scope, key identity) is the hash ``P:quota:{scope}:{identity}`` (``P`` =
+``buffer.key_prefix``; ``identity`` = `key_identity`, a SHA-256 prefix: the API key itself is
+never stored) with fields ``r`` (request tokens), ``b`` (byte tokens) and ``t`` (Redis ``TIME``
+of the last take, unix s). A bucket holds at most ``burst`` tokens and refills at ``rate``
+tokens per second by the time elapsed on the Redis server's clock (the token bucket of RFC 2697
+§1 / RFC 4115: a burst of ``burst`` at once, ``rate`` per second sustained). `QUOTA` takes a
+request's cost from both buckets or from neither, atomically (one Lua script). A bucket's key
+expires when it would be full again, so an idle key leaves nothing behind (a full bucket and a
+missing one are the same).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+
+QUOTA = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+local rr, rb = tonumber(ARGV[1]), tonumber(ARGV[2])
+local br, bb = tonumber(ARGV[3]), tonumber(ARGV[4])
+local cost = tonumber(ARGV[5])
+if br > 0 and cost > bb then return {0, 0, 3} end
+local st = redis.call('HMGET', KEYS[1], 'r', 'b', 't')
+local elapsed = math.max(0, now - (tonumber(st[3]) or now))
+local function level(v, rate, burst)
+  local x = tonumber(v)
+  if x == nil then return burst end
+  return math.min(burst, x + elapsed * rate)
+end
+local r, b = 0, 0
+if rr > 0 then r = level(st[1], rr, rb) end
+if br > 0 then b = level(st[2], br, bb) end
+local wait, which = 0, 0
+if rr > 0 and r < 1 then wait = (1 - r) / rr; which = 1 end
+if br > 0 and b < cost then
+  local w = (cost - b) / br
+  if w > wait then wait = w; which = 2 end
+end
+if which ~= 0 then return {0, math.ceil(wait * 1000), which} end
+local full = 0
+if rr > 0 then r = r - 1; full = math.max(full, (rb - r) / rr) end
+if br > 0 then b = b - cost; full = math.max(full, (bb - b) / br) end
+redis.call('HSET', KEYS[1], 'r', string.format('%.17g', r), 'b', string.format('%.17g', b),
+           't', string.format('%.6f', now))
+redis.call('PEXPIRE', KEYS[1], math.ceil(full * 1000) + 1000)
+return {1, 0, 0}
+"""
+"""KEYS: the bucket. ARGV: requests/s, request burst, bytes/s, byte burst, this request's bytes
+(a rate of 0: that dimension is unlimited). Returns ``{allowed, wait_ms, limit}``: ``{1, 0, 0}``
+taken; ``{0, wait_ms, 1 | 2}`` refused, nothing taken, enough tokens in ``wait_ms`` ms (1: the
+request bucket is short, 2: the byte bucket); ``{0, 0, 3}`` the bytes exceed the byte burst (never
+allowed). Expiry: when both buckets would be full again, plus 1 s."""
+
+LIMITS = {1: "requests", 2: "bytes", 3: "bytes"}
+
+
+def key_identity(api_key: str) -> str:
+    """The bucket name of ``api_key``: the first 32 hex digits (128 bits) of its SHA-256."""
+    return hashlib.sha256(api_key.encode()).hexdigest()[:32]
+
+
+@dataclass(frozen=True)
+class Rates:
+    """One scope's limits: ``requests_per_s`` / ``bytes_per_s`` refill rates (0: unlimited) and
+    ``request_burst`` / ``bytes_burst`` bucket sizes (requests, bytes)."""
+
+    requests_per_s: float
+    request_burst: float
+    bytes_per_s: float
+    bytes_burst: float
+
+    @property
+    def limited(self) -> bool:
+        return self.requests_per_s > 0 or self.bytes_per_s > 0
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What `QuotaBuckets.take` answered: ``allowed``; if not, ``wait_s`` until the cost would be
+    available (s) and ``limit`` the bucket that is short (``requests`` / ``bytes``);
+    ``too_large``: the bytes exceed the byte burst, so waiting never helps."""
+
+    allowed: bool
+    wait_s: float = 0.0
+    limit: str | None = None
+    too_large: bool = False
+
+
+class QuotaBuckets:
+    """The buckets on one Redis server, through a client of its own that never waits long: a
+    command times out after ``timeout_s`` and is not retried (the caller decides what an
+    unreachable Redis means: `serve_rft.explorer.quota`).
+
+    Args:
+        url: ``redis://host:port`` (``buffer.redis_url``).
+        prefix: key prefix (``buffer.key_prefix``).
+        timeout_s: connect and command timeout, s.
+    """
+
+    def __init__(self, url: str, prefix: str = "srft", timeout_s: float = 0.25):
+        self.redis = aioredis.from_url(url, decode_responses=True, socket_timeout=timeout_s,
+                                       socket_connect_timeout=timeout_s, retry=Retry(NoBackoff(), 0))
+        self.p = prefix
+        self._take = self.redis.register_script(QUOTA)
+
+    def key(self, scope: str, identity: str) -> str:
+        """The Redis key of a bucket."""
+        return f"{self.p}:quota:{scope}:{identity}"
+
+    async def take(self, scope: str, identity: str, rates: Rates, cost_bytes: int) -> Decision:
+        """Take one request and ``cost_bytes`` bytes from the bucket of (``scope``, ``identity``),
+        both or neither.
+
+        Raises:
+            redis.exceptions.RedisError: Redis unreachable, too slow (``timeout_s``) or refusing.
+        """
+        allowed, wait_ms, which = await self._take(
+            keys=[self.key(scope, identity)],
+            args=[repr(float(rates.requests_per_s)), repr(float(rates.request_burst)),
+                  repr(float(rates.bytes_per_s)), repr(float(rates.bytes_burst)), str(int(cost_bytes))])
+        if allowed:
+            return Decision(True)
+        return Decision(False, int(wait_ms) / 1000.0, LIMITS[int(which)], too_large=int(which) == 3)
+
+    async def close(self) -> None:
+        await self.redis.aclose()

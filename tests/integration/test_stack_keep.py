@@ -20,7 +20,11 @@ pytestmark = pytest.mark.integration
 stack = stack_fixture("run-keep", ["synchronizer.sync_style=trainer_driven", "synchronizer.drain_mode=keep",
                                    "trainer.max_staleness=1", "explorer.tool_strict_level=parameter",
                                    "service.admin_keys=[x]", "service.api_keys=[inference-key]",
-                                   "service.reward_keys=[reward-key]"])
+                                   "service.reward_keys=[reward-key,quota-hog-key]",
+                                   # the rewards byte quota: 1 MiB at once, 256 KiB/s per key; the other
+                                   # tests' reward bodies (under 1 KB each, 6 users at most: tens of KB/s) never reach it
+                                   "service.quotas.rewards.bytes_per_s=262144",
+                                   "service.quotas.rewards.bytes_burst=1048576"])
 
 
 def test_keep_mode_requests_span_versions_and_none_fail(stack):
@@ -121,3 +125,34 @@ def test_tool_strict_level_parameter_pins_arguments_of_tools_not_marked_strict(s
             break
     assert comp.choices[0].finish_reason == "stop", comp
     assert json.loads(comp.choices[0].message.tool_calls[0].function.arguments)["city"] in CITIES
+
+
+def test_a_key_over_its_byte_quota_gets_429_with_retry_after_while_another_key_is_served(stack):
+    """Per-key quotas (service.quotas): a reward key that sends 800 KB bodies empties its byte
+    bucket (1 MiB, 256 KiB/s) on the second; that one gets 429 rate_limit_exceeded with a
+    Retry-After of whole seconds before its body is parsed (the chunked-body path: charged as
+    read), the admin key is served meanwhile (its own bucket), and after Retry-After the first
+    key is served again."""
+    u = stack.url
+    hog = {"Authorization": "Bearer quota-hog-key"}
+    padded = b'{"rewards": [], "pad": "' + b"a" * 800_000 + b'"}'
+    # sent chunked (an iterator: no Content-Length), so the replica reads each body whole before
+    # charging it and a refusal never leaves an unread body on the connection
+    first = httpx.post(f"{u}/v1/rewards", content=iter([padded]), headers=hog, timeout=60)
+    assert first.status_code in (400, 422), first.text  # charged, then refused by the route
+    r = httpx.post(f"{u}/v1/rewards", content=iter([padded]), headers=hog, timeout=60)
+    assert r.status_code == 429, r.text
+    err = r.json()["error"]
+    assert err["code"] == "rate_limit_exceeded" and err["type"] == "bytes", err
+    wait = int(r.headers["retry-after"])
+    assert 1 <= wait <= 4, wait  # ~550 KB short at 256 KiB/s
+    client = openai.OpenAI(base_url=f"{u}/v1", api_key="inference-key", max_retries=0, timeout=300)
+    comp = client.chat.completions.create(model="serve-rft", messages=[{"role": "user", "content": "q"}],
+                                          max_tokens=2, n=2)
+    r = httpx.post(f"{u}/v1/rewards", json={"completion_id": comp.id, "choice_index": 0, "reward": 1.0},
+                   headers=ADMIN)
+    assert r.status_code == 200, r.text
+    time.sleep(wait)
+    r = httpx.post(f"{u}/v1/rewards", json={"completion_id": comp.id, "choice_index": 1, "reward": 0.0},
+                   headers=hog)
+    assert r.status_code == 200, r.text

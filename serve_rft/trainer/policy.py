@@ -189,7 +189,9 @@ class PolicyTrainer:
             ValueError: a handle this trainer cannot take (merged LoRA publishes full weights).
             ProbeMismatch: the weights now held are not the version's (beyond 1e-5).
         """
-        self._load_handle(handle)
+        from serve_rft.trainer.reset import load_handle
+
+        load_handle(self.model, handle, self.cfg.lora, self.rank, self.world)
         self.optimizer.state.clear()
         expected = handle.get("probe") or (self.initial_probe if version == 0 else None)
         if not expected:
@@ -198,42 +200,6 @@ class PolicyTrainer:
 
         got = self.probe(self.publish_model(), version)["logprobs"]
         return check_probe(expected, got, tolerance=1e-5)
-
-    def _load_handle(self, handle: dict) -> None:
-        """Load the tensors behind ``handle`` into the model (see `reset_to`); on N ranks rank 0
-        reads them and each rank keeps its shards (`serve_rft.trainer.sharding.load_full`)."""
-        import torch
-
-        from serve_rft.trainer.handles import check_fits, handle_tensors
-
-        lora = self.cfg.lora is not None
-        if lora and self.cfg.lora.merge_and_sync:
-            raise ValueError("reset needs adapter-only LoRA sync (merged publishes lose the adapter)")
-        if lora and not handle.get("adapter"):  # the initial weights: the adapter's B = 0
-            with torch.no_grad():
-                for name, p in self.model.named_parameters():
-                    if "lora_B" in name:
-                        p.zero_()
-            return
-        if self.world > 1:
-            from serve_rft.trainer.sharding import load_full
-
-            from serve_rft.trainer.lora import root_adapter_names
-
-            def read() -> dict:  # rank 0; an adapter's peft checkpoint names -> the sharded root's
-                tensors = handle_tensors(handle)
-                return root_adapter_names(tensors) if lora else tensors
-            load_full(self.model, read if self.rank == 0 else None, self.rank, partial=lora)
-            return
-        tensors = handle_tensors(handle)
-        with torch.no_grad():
-            if lora:
-                from peft import set_peft_model_state_dict
-
-                set_peft_model_state_dict(self.model, tensors)
-            else:
-                missing, unexpected = self.model.load_state_dict(tensors, strict=False)
-                check_fits(missing, unexpected)
 
     def publish_model(self):
         """What a publish carries: `full_model`, or with adapter-only LoRA sync
@@ -392,48 +358,8 @@ class PolicyTrainer:
         return bf16_autocast(self.device.type, enabled=self.bf16, recast=self.world == 1)
 
     def _micro_step(self, exps, adv, rewards, tlz, n_tokens: float, n_seqs: float):
-        """Loss of one micro-batch, normalised by the whole batch's ``n_tokens`` / ``n_seqs``."""
-        import torch
+        """Loss of one micro-batch of this policy (`serve_rft.trainer.objective.micro_batch_loss`)."""
+        from serve_rft.trainer.objective import micro_batch_loss
 
-        from serve_rft.trainer.token_logprobs import response_logprobs
-        from serve_rft.trainer.losses import aggregate, kl_k3, opmd_kimi_loss, opmd_loss, ppo_clip_loss
-        from serve_rft.trainer.sharding import reshard
-
-        c = self.cfg
-        agg = c.aggregation
-        prompts = [e.prompt_token_ids for e in exps]
-        responses = [e.response_token_ids for e in exps]
-        temps = [e.sampling.temperature for e in exps]
-        top_ps = [e.sampling.top_p for e in exps]
-        how = dict(chunk_tokens=c.logprob_chunk_tokens, impl=c.logprob_impl)
-        with self._autocast():
-            logp, mask, ent = response_logprobs(self.model, prompts, responses, temps, self.pad_id,
-                                                with_entropy=True, top_ps=top_ps, **how)
-        behaviour = torch.zeros_like(logp)
-        for i, e in enumerate(exps):
-            behaviour[i, : len(e.behaviour_logprobs)] = torch.tensor(e.behaviour_logprobs)
-        if c.algorithm in ("grpo", "reinforce"):
-            loss, stats = ppo_clip_loss(logp, behaviour, adv, mask, c.clip_low, c.clip_high, agg, n_tokens, n_seqs)
-        elif c.algorithm == "opmd":
-            loss, stats = opmd_loss(logp, adv, mask, c.opmd_tau, agg, n_tokens, n_seqs)
-        else:
-            loss, stats = opmd_kimi_loss((logp * mask).sum(1), (behaviour * mask).sum(1),
-                                         torch.tensor(rewards, device=logp.device), tlz, c.opmd_tau, n_seqs)
-        tokens = float(mask.sum())
-        here = max(tokens, 1.0)
-        if c.kl_coef > 0:
-            with torch.no_grad(), self._autocast():
-                if self.ref_model is not None:
-                    ref, _ = response_logprobs(self.ref_model, prompts, responses, temps, self.pad_id,
-                                               top_ps=top_ps, **how)
-                    reshard(self.ref_model)  # sharded: no backward will free the gathered root
-                else:
-                    with self.model.disable_adapter():
-                        ref, _ = response_logprobs(self.model, prompts, responses, temps, self.pad_id,
-                                                   top_ps=top_ps, **how)
-            kl = kl_k3(logp, ref)
-            loss = loss + c.kl_coef * aggregate(kl, mask, agg, n_tokens, n_seqs)
-            stats["kl_ref"] = float((kl.detach() * mask).sum() / here)
-        stats["entropy"] = float((ent * mask).sum() / here)
-        stats["max_abs_logprob_diff"] = float(((logp.detach() - behaviour).abs() * mask).max())
-        return loss, stats, tokens
+        return micro_batch_loss(self.cfg, self.model, self.ref_model, self.pad_id, self._autocast, exps, adv,
+                                rewards, tlz, n_tokens, n_seqs)

@@ -1,0 +1,79 @@
+"""The loss of one micro-batch of a policy-gradient step (`serve_rft.trainer.policy.PolicyTrainer.step`
+sums its gradients over the micro-batches): the trainer's logprobs of the sampled tokens
+(`serve_rft.trainer.token_logprobs.response_logprobs`), the configured algorithm's loss against
+the behaviour logprobs (`serve_rft.trainer.losses`), the KL penalty to a reference, and the
+step's statistics.
+
+Shapes: ``B`` experiences in the micro-batch, ``T`` response tokens (right-padded).
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager
+from typing import Callable
+
+from serve_rft.config.trainer import TrainerConfig
+
+
+def micro_batch_loss(cfg: TrainerConfig, model, ref_model, pad_id: int,
+                     autocast: Callable[[], AbstractContextManager], exps, adv, rewards, tlz,
+                     n_tokens: float, n_seqs: float):
+    """Loss of one micro-batch, normalised by the whole batch's ``n_tokens`` / ``n_seqs``.
+
+    Args:
+        cfg: the trainer settings (algorithm, clip range, aggregation, KL coefficient, logprob path).
+        model: the policy (a transformers or peft causal LM, possibly FSDP2-sharded).
+        ref_model: the frozen KL reference, or None (LoRA: the policy with its adapter disabled).
+        pad_id: the token id right-padding uses.
+        autocast: a new context manager for each forward (`PolicyTrainer._autocast`).
+        exps: the micro-batch's ``B`` `serve_rft.types.Experience`.
+        adv: ``[B]`` fp32 advantages; rewards: ``B`` floats; tlz: ``[B]`` OPMD-Kimi's
+            ``tau log Z`` of each experience's group, or None.
+        n_tokens, n_seqs: response tokens and experiences of the whole batch.
+    Returns:
+        (scalar loss with grad, statistics of this micro-batch, its response token count).
+    """
+    import torch
+
+    from serve_rft.trainer.losses import aggregate, kl_k3, opmd_kimi_loss, opmd_loss, ppo_clip_loss
+    from serve_rft.trainer.sharding import reshard
+    from serve_rft.trainer.token_logprobs import response_logprobs
+
+    c = cfg
+    agg = c.aggregation
+    prompts = [e.prompt_token_ids for e in exps]
+    responses = [e.response_token_ids for e in exps]
+    temps = [e.sampling.temperature for e in exps]
+    top_ps = [e.sampling.top_p for e in exps]
+    how = dict(chunk_tokens=c.logprob_chunk_tokens, impl=c.logprob_impl)
+    with autocast():
+        logp, mask, ent = response_logprobs(model, prompts, responses, temps, pad_id,
+                                            with_entropy=True, top_ps=top_ps, **how)
+    behaviour = torch.zeros_like(logp)
+    for i, e in enumerate(exps):
+        behaviour[i, : len(e.behaviour_logprobs)] = torch.tensor(e.behaviour_logprobs)
+    if c.algorithm in ("grpo", "reinforce"):
+        loss, stats = ppo_clip_loss(logp, behaviour, adv, mask, c.clip_low, c.clip_high, agg, n_tokens, n_seqs)
+    elif c.algorithm == "opmd":
+        loss, stats = opmd_loss(logp, adv, mask, c.opmd_tau, agg, n_tokens, n_seqs)
+    else:
+        loss, stats = opmd_kimi_loss((logp * mask).sum(1), (behaviour * mask).sum(1),
+                                     torch.tensor(rewards, device=logp.device), tlz, c.opmd_tau, n_seqs)
+    tokens = float(mask.sum())
+    here = max(tokens, 1.0)
+    if c.kl_coef > 0:
+        with torch.no_grad(), autocast():
+            if ref_model is not None:
+                ref, _ = response_logprobs(ref_model, prompts, responses, temps, pad_id,
+                                           top_ps=top_ps, **how)
+                reshard(ref_model)  # sharded: no backward will free the gathered root
+            else:
+                with model.disable_adapter():
+                    ref, _ = response_logprobs(model, prompts, responses, temps, pad_id,
+                                               top_ps=top_ps, **how)
+        kl = kl_k3(logp, ref)
+        loss = loss + c.kl_coef * aggregate(kl, mask, agg, n_tokens, n_seqs)
+        stats["kl_ref"] = float((kl.detach() * mask).sum() / here)
+    stats["entropy"] = float((ent * mask).sum() / here)
+    stats["max_abs_logprob_diff"] = float(((logp.detach() - behaviour).abs() * mask).max())
+    return loss, stats, tokens

@@ -19,7 +19,8 @@ spike) is skipped and its batch dead-lettered, counted (``skipped_steps``), and 
 is published or saved (`serve_rft.trainer.finite`).
 
 This module is the loop; what goes into a step is `serve_rft.trainer.feed`, publishing and
-resuming `serve_rft.trainer.publishing`, the model and optimizer `serve_rft.trainer.policy`.
+resuming `serve_rft.trainer.publishing` (a `Publishing` the actor owns, which also holds the step
+count, the published version and the phase), the model and optimizer `serve_rft.trainer.policy`.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ log = logging.getLogger("serve_rft.trainer")
 
 
 @ray.remote(num_cpus=1, max_concurrency=256)  # NCCL: every replica may wait in nccl_reserve
-class Trainer(Publishing):
+class Trainer:
     """Named actor ``serve_rft_trainer``: runs `PolicyTrainer` in the background.
 
     The training loop starts in the constructor, so a trainer Ray restarts after its process
@@ -56,32 +57,24 @@ class Trainer(Publishing):
         self.cfg = Config.model_validate_json(cfg_json)
         self.model_path = model_path
         self.state_root = Path(self.cfg.service.run_dir) / "trainer_state"
-        self.step_num = 0
-        self.version = 0
         self.last_stats: dict | None = None
-        self.unpublished: list[RewardedExperience] = []  # trained, in no published version yet
-        self.unsaved: list[tuple[str, str, int]] = []  # published, no saved state covers them
-        self.publishes_since_save = 0
         self.steps_done = 0  # optimizer steps of this process (step_num also counts resumed ones)
         self.redelivered = 0  # entries delivered to an earlier process, trained again by this one
         self.skipped_steps = 0  # steps skipped: a non-finite update or a gradient-norm spike (batch dead-lettered)
         self.last_skipped: dict | None = None  # why, batch size, time
-        self.resume_acked = 0  # entries an earlier process trained and saved, acknowledged by this one
         self.resumed_from: int | None = None
-        self._resumed_version: int | None = None
-        self.phase = "starting"
         self.staleness_trained: dict[int, int] = {}  # staleness (sync cycles) -> experiences trained
         from serve_rft.observability.trainer_metrics import TrainerMetrics
 
         self.metrics = TrainerMetrics()
         self._task: asyncio.Task | None = None
         self.error: str | None = None
-        self.published: PublishedVersion | None = None
         self.resets: list[tuple[int, dict | None]] = []  # canary rejections to reset to (on_reject=reset)
         self.reset_count = 0
         self.last_reset: dict | None = None  # version, probe max |diff| (None: no probe), time
         self.method = None  # the sync method, once the loop built it
         self.feed = ExperienceFeed(self.cfg.trainer, ExperienceStore.from_config(self.cfg.buffer), self.metrics)
+        self.publishing = Publishing(self.cfg, self.state_root, model_path, self.feed)
         self.started = False
         self.rank_pids: list[int] = []  # trainer.num_workers > 1: the rank actors' processes
         self._task = asyncio.get_running_loop().create_task(self._run())
@@ -92,7 +85,7 @@ class Trainer(Publishing):
         Raises:
             RuntimeError: setting up failed (model, store, resume); the cause is in the message.
         """
-        while self.phase == "starting" and not self._task.done():
+        while self.publishing.phase == "starting" and not self._task.done():
             await asyncio.sleep(0.05)
         if self._task.done() and self._task.exception() is not None:
             raise RuntimeError(f"the trainer failed to start: {self.error}")
@@ -116,9 +109,9 @@ class Trainer(Publishing):
             if self.started:  # never halt: Ray restarts the process, which resumes from its state
                 log.exception("trainer loop failed; exiting for Ray to restart it")
                 os._exit(1)
-            self.phase = "stopped"  # setting up failed (model, store, resume): stays visible
+            self.publishing.phase = "stopped"  # setting up failed (model, store, resume): stays visible
             log.exception("trainer stopped")
-            await sync.set_trainer.remote(ComponentState.STOPPED.value, self.step_num)
+            await sync.set_trainer.remote(ComponentState.STOPPED.value, self.publishing.step_num)
             raise
 
     async def _loop(self, sync) -> None:
@@ -126,7 +119,7 @@ class Trainer(Publishing):
         from serve_rft.synchronizer.styles import trainer_publishes
         from serve_rft.trainer.state import latest_state
 
-        cfg = self.cfg
+        cfg, pub = self.cfg, self.publishing
         store, feed = self.feed.store, self.feed
         resume = latest_state(self.state_root)
         policy = await asyncio.to_thread(make_policy, cfg, self.model_path, resume)
@@ -135,22 +128,22 @@ class Trainer(Publishing):
         method.prepare()
         self.method = method
         await store.ensure_group()
-        await self._resume(policy, method, sync, store)
-        await sync.set_trainer.remote(ComponentState.RUNNING.value, self.step_num)
+        await pub._resume(policy, method, sync, store)
+        await sync.set_trainer.remote(ComponentState.RUNNING.value, pub.step_num)
         backlog = await store.delivered(TRAINER_NAME)  # delivered before a restart, not acked
         self.redelivered = len(backlog)
-        self.resumed_from = self._resumed_version  # status now tells the whole resume at once
+        self.resumed_from = pub.resumed_version  # status now tells the whole resume at once
         self.started = True
         scfg = cfg.synchronizer
         while True:
             if backlog:
                 batch, backlog = backlog[:cfg.trainer.batch_size], backlog[cfg.trainer.batch_size:]
             else:
-                self.phase = "collecting"
-                await feed.shed_stale(self.version, self._held())
-                batch = await feed.collect(partial(self._between_reads, policy, method, sync, store), self._held)
-            batch = await feed.admit(batch, policy.vocab_size, self.version)
-            batch = await feed.drop_stale(batch, self.version)
+                pub.phase = "collecting"
+                await feed.shed_stale(pub.version, pub.held())
+                batch = await feed.collect(partial(self._between_reads, policy, method, sync, store), pub.held)
+            batch = await feed.admit(batch, policy.vocab_size, pub.version)
+            batch = await feed.drop_stale(batch, pub.version)
             if self.resets:
                 version, handle = self.resets.pop()
                 self.resets.clear()
@@ -168,15 +161,14 @@ class Trainer(Publishing):
             batch = await feed.count_attempts(batch)
             if not batch:
                 continue
-            self.phase = "training"
+            pub.phase = "training"
             stats = await asyncio.to_thread(policy.step, batch)
             if stats.get("skipped"):  # nothing applied (a non-finite update, a spike): dead-lettered
                 await self._skipped(batch, stats)
                 continue
             await feed.stepped(batch)
-            self.step_num += 1
+            pub.stepped(batch)
             self.steps_done += 1
-            self.unpublished.extend(batch)
             cycles = [feed.staleness(b.experience.min_version) for b in batch]
             for c in cycles:
                 self.staleness_trained[c] = self.staleness_trained.get(c, 0) + 1
@@ -184,16 +176,16 @@ class Trainer(Publishing):
             ages_s = [max(0.0, now - b.experience.finished_at) for b in batch]
             self.metrics.observe(cycles, 0, ages_s)
             stats.update(sample_age_s_mean=sum(ages_s) / len(ages_s), sample_age_s_max=max(ages_s))
-            stats["step"] = self.step_num
+            stats["step"] = pub.step_num
             stats["t"] = time.time()
             requested = await sync.sync_requested.remote()
-            if trainer_publishes(scfg.sync_style, self.step_num, scfg.sync_interval, requested):
-                stats["publish_seconds"] = await self._publish(policy, method, sync, store)
-                stats["window_seconds"] = await self._handshake(method, sync)
-            stats["policy_version"] = self.version
+            if trainer_publishes(scfg.sync_style, pub.step_num, scfg.sync_interval, requested):
+                stats["publish_seconds"] = await pub._publish(policy, method, sync, store)
+                stats["window_seconds"] = await pub._handshake(method, sync)
+            stats["policy_version"] = pub.version
             self.metrics.step(stats)
             self.last_stats = stats
-            await sync.set_trainer.remote(ComponentState.RUNNING.value, self.step_num)
+            await sync.set_trainer.remote(ComponentState.RUNNING.value, pub.step_num)
 
     async def _skipped(self, batch: list[RewardedExperience], stats: dict) -> None:
         """``batch``'s step was skipped, its update not finite or a gradient-norm spike
@@ -206,19 +198,16 @@ class Trainer(Publishing):
         self.metrics.skipped()
         log.error("%s; %d ready entries dead-lettered, weights and optimizer unchanged", reason, len(batch))
 
-    def _held(self) -> set[str]:
-        """Stream ids this trainer trained and has not acknowledged yet (never read again)."""
-        return {b.stream_id for b in self.unpublished} | {sid for sid, _, _ in self.unsaved}
-
     async def _between_reads(self, policy, method, sync, store: ExperienceStore, idle: bool) -> None:
         """While the trainer waits for data it answers the explorer side (the Trinity-RFT
         Synchronizer documentation: the trainer syncs during sampling so the explorer can keep
         producing data): an NCCL replica waiting for the published weights gets its window; after
         an ``idle`` wait, trained but unpublished weights are published if a replica asked."""
-        if method.peer_waiting() and self.step_num == self.version:
-            await self._handshake(method, sync)
-        if idle and self.step_num > self.version and await sync.sync_requested.remote():
-            await self._publish(policy, method, sync, store)
+        pub = self.publishing
+        if method.peer_waiting() and pub.step_num == pub.version:
+            await pub._handshake(method, sync)
+        if idle and pub.step_num > pub.version and await sync.sync_requested.remote():
+            await pub._publish(policy, method, sync, store)
 
     def reset_to(self, version: int, handle: dict | None) -> None:
         """A canary rolled back (``canary.on_reject=reset``): train on from ``version``'s
@@ -228,21 +217,22 @@ class Trainer(Publishing):
     def status(self) -> dict:
         """Step, published version, error, last step's stats, and the staleness (versions
         behind the latest published one) of every experience trained so far."""
+        pub = self.publishing
         return {
-            "step": self.step_num,
-            "policy_version": self.version,
+            "step": pub.step_num,
+            "policy_version": pub.version,
             "error": self.error,
             "last": self.last_stats,
             "staleness_trained": {str(k): v for k, v in sorted(self.staleness_trained.items())},
             "stale_dropped": self.feed.stale_dropped,
-            "phase": self.phase,
+            "phase": pub.phase,
             "steps_done": self.steps_done,
             "pid": os.getpid(),
             "rank_pids": self.rank_pids,
             "resumed_from": self.resumed_from,
-            "unacked": len(self.unpublished) + len(self.unsaved),
+            "unacked": len(pub.unpublished) + len(pub.unsaved),
             "redelivered": self.redelivered,
-            "resume_acked": self.resume_acked,
+            "resume_acked": pub.resume_acked,
             "resets": self.reset_count,
             "last_reset": self.last_reset,
             "dead_lettered": self.feed.dead_lettered,
@@ -264,7 +254,31 @@ class Trainer(Publishing):
 
     def latest_published(self) -> PublishedVersion | None:
         """The last version this trainer published (a restarted synchronizer rebuilds from it)."""
-        return self.published
+        return self.publishing.published
+
+    # -- NCCL (serve_rft.weights.nccl): the trainer's side of each group ---------
+    def _nccl(self):
+        """The sync method's trainer-side peer. Raises RuntimeError: not started, or not NCCL."""
+        if self.method is None:
+            raise RuntimeError("the trainer has not started its sync method yet")
+        return self.method.trainer_peer()
+
+    def nccl_endpoint(self, world_size: int) -> dict:
+        """The worker init info of a new group: a rendezvous address and free port on this
+        trainer's node (rank 0 hosts the store), ``world_size``, the bucket size."""
+        return self._nccl().endpoint(world_size)
+
+    async def nccl_connect(self, replica_id: str, init_info: dict) -> dict:
+        """Join ``replica_id``'s group as rank 0; returns the update info its workers need."""
+        return await self._nccl().connect(replica_id, init_info)
+
+    async def nccl_reserve(self, replica_id: str) -> int:
+        """Wait for a sync window and reserve the broadcast; returns the version it carries."""
+        return await self._nccl().reserve(replica_id)
+
+    async def nccl_broadcast(self, replica_id: str) -> dict:
+        """Broadcast the reserved version to ``replica_id``'s group (seconds, bytes)."""
+        return await self._nccl().broadcast(replica_id)
 
 
 def make_policy(cfg: Config, model_path: str, resume: Path | None):

@@ -1,14 +1,14 @@
-"""The trainer's side of a sync: publishing versions, resuming after a restart, NCCL windows.
+"""The trainer's side of a sync: publishing versions and resuming after a restart.
 
-A mixin of `serve_rft.trainer.actor.Trainer`. A publish sends the current weights through the
-configured method (`serve_rft.weights`, with the probe replicas verify against), registers the
-version with the synchronizer, and every ``save_interval`` publishes saves a trainer state and
-only then acknowledges what it covers (exactly-once: the actor module's docstring). With NCCL
-the trainer also serves each replica's group (rank 0) and holds sync windows.
-
-Uses of the actor: ``cfg``, ``state_root``, ``model_path``, ``step_num``, ``version``,
-``phase``, ``published``, ``unpublished``, ``unsaved``, ``publishes_since_save``, ``feed``,
-``method``, ``_resumed_version``, ``resume_acked``.
+`Publishing` is a component the `serve_rft.trainer.actor.Trainer` owns: it holds where the
+trainer stands (optimizer steps, the published version, the phase, the trained entries no
+published version or no saved state covers yet) and is called with what each operation needs
+(the policy, the sync method, the synchronizer, the store). A publish sends the current weights
+through the configured method (`serve_rft.weights`, with the probe replicas verify against),
+registers the version with the synchronizer, and every ``save_interval`` publishes saves a
+trainer state and only then acknowledges what it covers (exactly-once: the actor module's
+docstring). With a method that needs the trainer in each transfer (NCCL) it also holds the sync
+windows (`Publishing._handshake`).
 """
 
 from __future__ import annotations
@@ -19,13 +19,48 @@ import time
 
 from serve_rft.buffer.store import ExperienceStore
 from serve_rft.trainer.feed import PUBLISHED_KEPT
-from serve_rft.types import ComponentState, PublishedVersion
+from serve_rft.types import ComponentState, PublishedVersion, RewardedExperience
 
 log = logging.getLogger("serve_rft.trainer")
 
 
 class Publishing:
-    """`Trainer`'s publishing, resume and NCCL sides (module docstring)."""
+    """The trainer's version ledger and its publish and resume steps (module docstring).
+
+    Args:
+        cfg: the service configuration (``trainer.save_interval``, ``trainer.keep_states``,
+            ``synchronizer.verify``, ``synchronizer.sync_timeout_s``).
+        state_root: the folder of the trainer states (`serve_rft.trainer.state`).
+        model_path: the model folder (its tokenizer is saved with each state).
+        feed: the trainer's `serve_rft.trainer.feed.ExperienceFeed` (its ledger of trained
+            entries and the published versions it measures staleness against).
+    """
+
+    def __init__(self, cfg, state_root, model_path: str, feed):
+        self.cfg, self.state_root, self.model_path, self.feed = cfg, state_root, model_path, feed
+        self.step_num = 0  # optimizer steps, resumed ones included
+        self.version = 0  # the last version published
+        self.phase = "starting"
+        self.published: PublishedVersion | None = None
+        self.unpublished: list[RewardedExperience] = []  # trained, in no published version yet
+        self.unsaved: list[tuple[str, str, int]] = []  # published, no saved state covers them
+        self.publishes_since_save = 0
+        self.resume_acked = 0  # entries an earlier process trained and saved, acknowledged by this one
+        self._resumed_version: int | None = None
+
+    def stepped(self, batch: list[RewardedExperience]) -> None:
+        """An optimizer step trained ``batch``: count it; its entries wait for a publish."""
+        self.step_num += 1
+        self.unpublished.extend(batch)
+
+    def held(self) -> set[str]:
+        """Stream ids trained and not acknowledged yet (never read again)."""
+        return {b.stream_id for b in self.unpublished} | {sid for sid, _, _ in self.unsaved}
+
+    @property
+    def resumed_version(self) -> int | None:
+        """The version of the saved state this process resumed from (None: it started fresh)."""
+        return self._resumed_version
 
     async def _resume(self, policy, method, sync, store: ExperienceStore) -> None:
         """Continue after a restart: acknowledge what the kept states cover, number new versions
@@ -110,27 +145,3 @@ class Publishing:
                                            self.cfg.synchronizer.sync_timeout_s)
         await sync.set_trainer.remote(ComponentState.RUNNING.value, self.step_num)
         return waited
-
-    # -- NCCL (serve_rft.weights.nccl): the trainer's side of each group ---------
-    def _nccl(self):
-        """The sync method's trainer-side peer. Raises RuntimeError: not started, or not NCCL."""
-        if self.method is None:
-            raise RuntimeError("the trainer has not started its sync method yet")
-        return self.method.trainer_peer()
-
-    def nccl_endpoint(self, world_size: int) -> dict:
-        """The worker init info of a new group: a rendezvous address and free port on this
-        trainer's node (rank 0 hosts the store), ``world_size``, the bucket size."""
-        return self._nccl().endpoint(world_size)
-
-    async def nccl_connect(self, replica_id: str, init_info: dict) -> dict:
-        """Join ``replica_id``'s group as rank 0; returns the update info its workers need."""
-        return await self._nccl().connect(replica_id, init_info)
-
-    async def nccl_reserve(self, replica_id: str) -> int:
-        """Wait for a sync window and reserve the broadcast; returns the version it carries."""
-        return await self._nccl().reserve(replica_id)
-
-    async def nccl_broadcast(self, replica_id: str) -> dict:
-        """Broadcast the reserved version to ``replica_id``'s group (seconds, bytes)."""
-        return await self._nccl().broadcast(replica_id)

@@ -8,9 +8,10 @@ default). A request costs one request and its body's bytes: ``Content-Length``, 
 without one (chunked) the body as read, bounded first (`serve_rft.explorer.body.read_body`) and
 kept for the route. A key short of either gets 429 with ``Retry-After`` (whole seconds, rounded
 up) and OpenAI's rate-limit error JSON: ``type`` the limit reached (``requests``; ``bytes`` where
-OpenAI says ``tokens``), ``code`` ``rate_limit_exceeded`` (OpenAI's answer,
-https://platform.openai.com/docs/guides/error-codes: "429 - Rate limit reached for requests"). A
-body larger than the byte burst can never fit: 413 ``body_over_quota``.
+OpenAI says ``tokens``), ``code`` ``rate_limit_exceeded`` (OpenAI's error codes guide,
+https://platform.openai.com/docs/guides/error-codes, "429 - Rate limit reached for requests"; the
+body's shape as OpenAI sends it is quoted in github.com/Huanshere/VideoLingo/issues/34). A body
+larger than the byte burst can never fit: 413 ``body_over_quota``.
 
 Redis away: fail open. The quota keeps one caller from filling the store the tenants share and
 from starving them; while Redis is unreachable nothing is being stored (chat is answered unlogged,

@@ -273,3 +273,20 @@ def test_over_the_replicas_app_a_throttled_key_gets_429_json_and_another_key_is_
             assert client.get("/docs").status_code == 401  # the key check comes first
     finally:
         http.app.dependency_overrides.clear()
+
+
+def test_quota_settings_are_bounded_and_a_burst_of_0_is_one_seconds_worth():
+    from pydantic import ValidationError
+
+    from serve_rft.config import load_config
+
+    cfg = load_config(None, ["service.quotas.inference.requests_per_s=2.5",
+                             "service.quotas.rewards.bytes_per_s=1000", "service.quotas.rewards.bytes_burst=4096"])
+    q = cfg.service.quotas
+    assert q.limited and not q.admin.limited
+    assert (q.inference.request_capacity, q.rewards.bytes_capacity, q.rewards.request_capacity) == (3, 4096, 1)
+    for bad in ({"requests_per_s": -1}, {"bytes_burst": -5}, {"requests_per_s": 1e9}, {"rps": 1}):
+        with pytest.raises(ValidationError):
+            QuotasConfig.model_validate({"inference": bad})
+    with pytest.raises(ValidationError):
+        QuotasConfig.model_validate({"timeout_s": 0})

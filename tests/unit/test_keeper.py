@@ -39,15 +39,13 @@ SERVICE = textwrap.dedent("""
     while not (os.path.exists("child.pid") and os.path.exists("orphan.pid")):
         time.sleep(0.01)
     time.sleep(0.05)
-    if os.environ.get("IGNORE"):
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # the SIGINT handler is in place before "up": a SIGINT that comes at once exits with EXIT too
+    stop = lambda signum, frame: sys.exit(int(os.environ.get("EXIT", "0")))
+    signal.signal(signal.SIGINT, signal.SIG_IGN if os.environ.get("IGNORE") else stop)
     if os.environ.get("IGNORE_TERM"):
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
     print("up", flush=True)
-    try:
-        time.sleep(600)
-    except KeyboardInterrupt:
-        sys.exit(int(os.environ.get("EXIT", "0")))
+    time.sleep(600)
 """)
 
 
@@ -100,6 +98,24 @@ def test_a_stop_signal_to_the_keeper_or_its_group_ends_every_process(tmp_path, s
     (os.killpg if to_group else os.kill)(proc.pid, sig)
     assert proc.wait(timeout=30) == 0  # the service exited 0 on the forwarded SIGINT
     assert time.monotonic() - t0 < 10  # no grace needed: the leftovers get SIGTERM, then SIGKILL at 3 s
+    assert _marked(mark) == []
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP])
+def test_a_group_stop_after_a_descendant_was_killed_9_ends_every_process(tmp_path, sig):
+    """The keeper's part of tests/integration/test_shutdown.py's real-stack case (a replica killed
+    -9, then a stop signal to the group), for each stop signal: the dead child changes nothing."""
+    proc, mark = _run_keeper(tmp_path, grace_s=10)
+    child = psutil.Process(int((tmp_path / "child.pid").read_text()))
+    child.kill()
+    deadline = time.monotonic() + 5
+    while child.status() != psutil.STATUS_ZOMBIE:  # dead, not reaped: the service never waits for it
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    t0 = time.monotonic()
+    os.killpg(proc.pid, sig)
+    assert proc.wait(timeout=30) == 0  # the service exited 0 on the forwarded SIGINT
+    assert time.monotonic() - t0 < 10
     assert _marked(mark) == []
 
 

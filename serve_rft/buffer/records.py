@@ -9,7 +9,33 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
+from serve_rft.config.service import DEFAULT_TENANT
 from serve_rft.types import Experience, RewardedExperience
+
+
+def client_group(tenant: str, group_id: str) -> str:
+    """The stored group id (`Experience.group_id`, ``P:grp:{gid}``) of a client's ``group_id``:
+    ``u:{group_id}`` for `DEFAULT_TENANT`, ``t:{tenant}/{group_id}`` for any other tenant. The
+    prefixes keep it apart from completion ids (a completion's own group) and from every other
+    tenant's groups (tenant names have no ``/``), so the trainer never mixes two tenants' answers
+    in one group."""
+    return f"u:{group_id}" if tenant == DEFAULT_TENANT else f"t:{tenant}/{group_id}"
+
+
+def shown_group(gid: str, tenant: str) -> str:
+    """The ``group_id`` a client of ``tenant`` named for stored group ``gid`` (`client_group`
+    undone); a completion's own group (its id) as is."""
+    for prefix in ("u:", f"t:{tenant}/"):
+        if gid.startswith(prefix):
+            return gid[len(prefix):]
+    return gid
+
+
+def conversation_key(tenant: str, conversation_id: str) -> str:
+    """The key (under the store's prefix) of a conversation's turn list: ``conv:{id}`` for
+    `DEFAULT_TENANT`, ``tconv:{tenant}/{id}`` for any other (a key family of its own, so no
+    default-tenant id can name another tenant's conversation)."""
+    return f"conv:{conversation_id}" if tenant == DEFAULT_TENANT else f"tconv:{tenant}/{conversation_id}"
 
 
 class RewardError(Exception):
@@ -35,6 +61,14 @@ class RewardConflict(RewardError):
 
 class RewardExpired(RewardError):
     """The choice expired (``reward_timeout_s``) before its reward came."""
+
+
+class GroupSizeConflict(Exception):
+    """A request's ``group_size`` differs from the size already recorded for its group."""
+
+
+class ConversationFull(Exception):
+    """The conversation has ``buffer.max_conversation_turns`` turns: no more may join it."""
 
 
 class StoreFull(Exception):

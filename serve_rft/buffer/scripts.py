@@ -84,14 +84,16 @@ end
 """
 
 LOG = """
--- ARGV: P, cid, n, gid, group_size, ttl_pending, ttl_long, now, deadline, conv, version, prompt,
+-- ARGV: P, cid, n, gid, group_size, ttl_pending, ttl_long, now, deadline, conv (the key of its
+-- turn list under P, '' for none), version, prompt, tenant, max_turns,
 -- exp_1..exp_n (the prompt's token ids once per completion; each choice's JSON without them)
 local P, cid, n, gid = ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4]
 local ttl_p, ttl_l = tonumber(ARGV[6]), tonumber(ARGV[7])
 local cmp = P..':cmp:'..cid
 -- a completion is logged once: a call re-sent after a lost reply (client retry) changes nothing
 if redis.call('EXISTS', cmp) == 1 then return 0 end
-redis.call('HSET', cmp, 'n', n, 'group', gid, 'conv', ARGV[10], 'created', ARGV[8], 'ver', ARGV[11])
+redis.call('HSET', cmp, 'n', n, 'group', gid, 'conv', ARGV[10], 'created', ARGV[8], 'ver', ARGV[11],
+           'tenant', ARGV[13])
 redis.call('EXPIRE', cmp, ttl_l)
 local st = P..':st:'..cid
 local g = P..':grp:'..gid
@@ -99,15 +101,17 @@ redis.call('HSETNX', g, 'size', ARGV[5])
 redis.call('HINCRBY', g, 'logged', n)
 redis.call('EXPIRE', g, ttl_l)
 for i = 0, n - 1 do
-  redis.call('SET', P..':exp:'..cid..':'..i, ARGV[13 + i], 'EX', ttl_p)
+  redis.call('SET', P..':exp:'..cid..':'..i, ARGV[15 + i], 'EX', ttl_p)
   redis.call('ZADD', P..':pending', ARGV[9], cid..':'..i)
   redis.call('HSET', st, tostring(i), 'pending')
 end
 redis.call('EXPIRE', st, ttl_l)
 redis.call('SET', P..':pr:'..cid, ARGV[12], 'EX', ttl_l)
 if ARGV[10] ~= '' then
-  local ck = P..':conv:'..ARGV[10]
-  redis.call('RPUSH', ck, cid)
+  -- bounded: a turn that raced past the request check of a full conversation is logged (its
+  -- choices can be rewarded one by one) but does not join the list a conversation reward reads
+  local ck = P..':'..ARGV[10]
+  if redis.call('LLEN', ck) < tonumber(ARGV[14]) then redis.call('RPUSH', ck, cid) end
   redis.call('EXPIRE', ck, ttl_l)
 end
 redis.call('HINCRBY', P..':stat', 'logged', n)
@@ -132,7 +136,9 @@ end
 ALLOW_OOM = "#!lua flags=allow-oom\n"
 
 REWARD = _COMMON + """
--- ARGV: P, cid, i, reward, info, now, group_timeout_s, ttl_rewarded
+-- ARGV: P, cid, i, reward, info, now, group_timeout_s, ttl_rewarded, tenant ('' any: an admin)
+-- A completion of another tenant than `tenant` answers 404, as one never logged (a record
+-- without a tenant was logged for the default tenant)
 -- ttl_rewarded = reward_timeout_s + trained_ttl_s: a held member outlives the longest hold of its
 -- group (released at the latest reward_timeout_s after the first reward) by trained_ttl_s
 -- returns {status, previous reward or ''}; 201 recorded, 200 same reward again, 404, 409, 410,
@@ -146,6 +152,8 @@ local function finite(x) return x ~= nil and x == x and x ~= math.huge and x ~= 
 local cmp = P..':cmp:'..cid
 local n = redis.call('HGET', cmp, 'n')
 if not n then return {404, ''} end
+local caller = ARGV[9] or ''
+if caller ~= '' and (redis.call('HGET', cmp, 'tenant') or 'default') ~= caller then return {404, ''} end
 if tonumber(i) >= tonumber(n) then return {404, ''} end
 local gid = redis.call('HGET', cmp, 'group')
 if not gid then return {404, ''} end

@@ -18,8 +18,10 @@ key                    type    meaning
                                ``reward_timeout_s + trained_ttl_s`` from its reward (a
                                held member outlives its group's longest hold); deleted when it
                                expires.
-``P:cmp:{cid}``        hash    ``n`` choices, ``group`` id, ``conv`` conversation id,
-                               ``created`` (unix s). Tells 404 (never logged) from 410.
+``P:cmp:{cid}``        hash    ``n`` choices, ``group`` id, ``conv`` its conversation's key,
+                               ``created`` (unix s), ``ver``, ``tenant`` (whose keys may reward
+                               and read it; none: the default tenant). Tells 404 (never logged,
+                               or another tenant's) from 410.
 ``P:st:{cid}``         hash    Per choice: ``{i}`` state (pending / rewarded / ready /
                                trained / expired / stale-dropped), ``r{i}`` reward (repr of
                                a float), ``info{i}`` the reward's info JSON, ``v{i}`` the
@@ -31,7 +33,9 @@ key                    type    meaning
 ``P:gdl``              zset    Group ids scored by their timeout (first reward +
                                ``group_timeout_s``; then + ``reward_timeout_s``).
 ``P:pending``          zset    ``{cid}:{i}`` awaiting a reward, scored by its deadline.
-``P:conv:{conv}``      list    Completion ids of a conversation's turns, in order.
+``P:conv:{conv}``      list    Completion ids of a conversation's turns, in order, at most
+                               ``max_conversation_turns`` (default tenant; another tenant's:
+                               ``P:tconv:{tenant}/{conv}``, `records.conversation_key`).
 ``P:ready``            stream  Released experiences (fields ``exp``, ``reward``, ``member``,
                                ``prompt``, ``v`` the policy version of the oldest token);
                                consumer group ``trainer`` (entries delivered by XCLAIM
@@ -55,7 +59,9 @@ key                    type    meaning
 
 Groups (GRPO compares the answers of one group): a completion with ``n`` choices is a group of
 ``n``; a client can put several requests in one group with the ``group_id`` request field
-(``group_size`` = the number of answers to expect, optional). A group's rewarded members are
+(``group_size`` = the number of answers to expect, optional), stored per tenant
+(`serve_rft.buffer.records.client_group`: ``u:{id}`` for the default tenant, ``t:{tenant}/{id}``
+for another, so two tenants naming the same group stay apart). A group's rewarded members are
 *held* (state ``rewarded``) and released to the ready stream together when every member is
 rewarded or expired, or ``group_timeout_s`` after the first reward if at least two are
 rewarded, or at the latest ``reward_timeout_s`` after the first reward. A reward for a member
@@ -81,8 +87,10 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from serve_rft.buffer import scripts
 from serve_rft.buffer.ready import SWEEP_BATCH, ReadyStream
-from serve_rft.buffer.records import (ChoiceState, RewardConflict, RewardExpired, RewardNotFinite,
-                                      RewardOutOfRange, StoreCounts, StoreFull, UnknownChoice, experience_from)
+from serve_rft.buffer.records import (ChoiceState, ConversationFull, GroupSizeConflict, RewardConflict,
+                                      RewardExpired, RewardNotFinite, RewardOutOfRange, StoreCounts, StoreFull,
+                                      UnknownChoice, conversation_key, experience_from)
+from serve_rft.config.service import DEFAULT_TENANT
 from serve_rft.types import Experience
 
 REWARD_BUCKET_S = 5
@@ -103,12 +111,14 @@ class ExperienceStore(ReadyStream):
             entries not yet delivered to the trainer.
         reward_range: rewards accepted, (low, high) inclusive (None: any finite reward whose
             square is finite); `post_reward` refuses the rest before anything is written.
+        max_conversation_turns: turns one conversation's list keeps (`check_request` refuses a
+            request past it; a turn that raced past that check is logged outside the list).
     """
 
     def __init__(self, url: str, prefix: str = "srft", reward_timeout_s: float = 3600.0,
                  trained_ttl_s: float = 86400.0, group_timeout_s: float = 60.0,
                  reconnect_s: float = 30.0, max_ready: int | None = None,
-                 reward_range: tuple[float, float] | None = None):
+                 reward_range: tuple[float, float] | None = None, max_conversation_turns: int = 256):
         # A Redis restart (AOF reload) must not kill a replica's logging or the trainer's loop:
         # redis-py retries a command on a dropped connection with exponential backoff for
         # about ``reconnect_s`` seconds, then raises.
@@ -126,6 +136,7 @@ class ExperienceStore(ReadyStream):
         self.group_timeout_s = group_timeout_s
         self.max_ready = max_ready
         self.reward_range = reward_range
+        self.max_conversation_turns = max_conversation_turns
         self._log = self.redis.register_script(scripts.LOG)
         self._reward = self.redis.register_script(scripts.REWARD)
         self._sweep = self.redis.register_script(scripts.SWEEP)
@@ -139,7 +150,7 @@ class ExperienceStore(ReadyStream):
         """A store for a `serve_rft.config.BufferConfig` (its ``redis_url`` must be set)."""
         return cls(buffer_cfg.redis_url, buffer_cfg.key_prefix, buffer_cfg.reward_timeout_s,
                    buffer_cfg.trained_ttl_s, buffer_cfg.group_timeout_s, buffer_cfg.reconnect_s,
-                   buffer_cfg.max_ready, tuple(buffer_cfg.reward_range))
+                   buffer_cfg.max_ready, tuple(buffer_cfg.reward_range), buffer_cfg.max_conversation_turns)
 
     def _k(self, *parts: str) -> str:
         return ":".join((self.p, *parts))
@@ -155,7 +166,7 @@ class ExperienceStore(ReadyStream):
         return bool(await self.redis.ping())
 
     async def log_experiences(self, experiences: list[Experience], group_size: int | None = None,
-                              conversation_id: str | None = None) -> None:
+                              conversation_id: str | None = None, tenant: str = DEFAULT_TENANT) -> None:
         """Write the experiences of one completion (all its choices, indices 0..n-1) in one script.
 
         Called before the response is returned, so a reward may be posted at once.
@@ -164,7 +175,10 @@ class ExperienceStore(ReadyStream):
             experiences: the choices, all with the same ``completion_id`` and ``group_id``.
             group_size: answers the group should have (None: ``len(experiences)`` when the group
                 is the completion itself, else unknown).
-            conversation_id: the conversation this completion is a turn of, if any.
+            conversation_id: the conversation this completion is a turn of, if any (the
+                client's id: namespaced by ``tenant`` here).
+            tenant: whose keys may reward and read it; its group ids must already be the tenant's
+                (`serve_rft.buffer.records.client_group`).
         Raises:
             StoreFull: Redis is past ``maxmemory``; nothing of the completion was written.
         """
@@ -177,17 +191,44 @@ class ExperienceStore(ReadyStream):
         now = time.time()
         exps = sorted(experiences, key=lambda e: e.choice_index)
         try:
-            await self._log_script(exps, cid, gid, group_size, now, conversation_id)
+            await self._log_script(exps, cid, gid, group_size, now, conversation_id, tenant)
         except OutOfMemoryError as e:
             raise StoreFull(str(e)) from None
 
-    async def _log_script(self, exps, cid, gid, group_size, now, conversation_id) -> None:
+    async def _log_script(self, exps, cid, gid, group_size, now, conversation_id, tenant) -> None:
         prompt = json.dumps(exps[0].prompt_token_ids, separators=(",", ":"))
+        conv = conversation_key(tenant, conversation_id) if conversation_id else ""
         await self._log(args=[self.p, cid, len(exps), gid, group_size,
                               max(1, math.ceil(self.reward_timeout_s)), self._long_ttl(), now,
-                              now + self.reward_timeout_s, conversation_id or "",
-                              min(e.min_version for e in exps), prompt,
+                              now + self.reward_timeout_s, conv,
+                              min(e.min_version for e in exps), prompt, tenant, self.max_conversation_turns,
                               *[e.model_dump_json(exclude={"prompt_token_ids"}) for e in exps]])
+
+    async def check_request(self, tenant: str, group: str | None, group_size: int | None,
+                            conversation_id: str | None) -> None:
+        """Refuse, before anything is generated, a request whose answers the store would not
+        take as asked: a ``group_size`` other than the size recorded for its group, or one more
+        turn of a conversation that has ``max_conversation_turns``.
+
+        Args:
+            tenant: the caller's tenant.
+            group: the stored group id (`serve_rft.buffer.records.client_group`), or None.
+            group_size: the request's ``group_size``, or None.
+            conversation_id: the client's conversation id, or None.
+        Raises:
+            GroupSizeConflict: the group was logged with another (non-zero) size.
+            ConversationFull: the conversation has ``max_conversation_turns`` turns.
+        """
+        if group is not None and group_size is not None:
+            recorded = int(await self.redis.hget(self._k("grp", group), "size") or 0)
+            if recorded and recorded != group_size:
+                raise GroupSizeConflict(f"group_size {group_size} conflicts with the size {recorded} "
+                                        "recorded for this group_id")
+        if conversation_id is not None:
+            turns = await self.redis.llen(self._k(conversation_key(tenant, conversation_id)))
+            if turns >= self.max_conversation_turns:
+                raise ConversationFull(f"conversation has {turns} turns, at most "
+                                       f"buffer.max_conversation_turns={self.max_conversation_turns}")
 
     async def get_experience(self, completion_id: str, choice_index: int) -> Experience | None:
         """One choice's experience (its prompt joined back in), or None once it expired."""
@@ -196,15 +237,16 @@ class ExperienceStore(ReadyStream):
         return experience_from(raw, prompt) if raw else None
 
     async def post_reward(self, completion_id: str, choice_index: int, reward: float,
-                          info: dict | None = None) -> bool:
+                          info: dict | None = None, tenant: str | None = None) -> bool:
         """Record a reward (and its free-form ``info``) atomically; the experience becomes ready
-        for training when its group is released (see the module docstring).
+        for training when its group is released (see the module docstring). ``tenant``: the
+        caller's (a completion of another tenant is unknown to it); None: any (an admin).
 
         Returns:
             True if recorded now, False if the same reward was already recorded (idempotent).
         Raises:
             RewardNotFinite (not a number, not finite, or its square not finite), RewardOutOfRange
-            (outside ``reward_range``), UnknownChoice, RewardConflict (a different reward is
+            (outside ``reward_range``), UnknownChoice (also another tenant's), RewardConflict (a different reward is
             recorded), RewardExpired (before its reward came), StoreFull (nothing recorded; retry).
             Whatever is refused, nothing is written.
         """
@@ -215,7 +257,7 @@ class ExperienceStore(ReadyStream):
             status, prev = await self._reward(args=[
                 self.p, completion_id, str(choice_index), repr(float(reward)),
                 json.dumps(info) if info is not None else "", time.time(), self.group_timeout_s,
-                max(1, math.ceil(self.reward_timeout_s + self.trained_ttl_s))])
+                max(1, math.ceil(self.reward_timeout_s + self.trained_ttl_s)), tenant or ""])
         except OutOfMemoryError:
             raise StoreFull("the experience store is full (maxmemory); the reward was not "
                             "recorded: retry later") from None
@@ -298,9 +340,16 @@ class ExperienceStore(ReadyStream):
     async def completion_group(self, completion_id: str) -> str | None:
         return await self.redis.hget(self._k("cmp", completion_id), "group")
 
-    async def conversation_turns(self, conversation_id: str) -> list[str]:
-        """Completion ids of a conversation's assistant turns, oldest first."""
-        return await self.redis.lrange(self._k("conv", conversation_id), 0, -1)
+    async def completion_owner(self, completion_id: str) -> str | None:
+        """The tenant a logged completion belongs to, or None if unknown (a record logged
+        without one is the default tenant's)."""
+        n, tenant = await self.redis.hmget(self._k("cmp", completion_id), ["n", "tenant"])
+        return None if n is None else (tenant or DEFAULT_TENANT)
+
+    async def conversation_turns(self, conversation_id: str, tenant: str = DEFAULT_TENANT) -> list[str]:
+        """Completion ids of ``tenant``'s conversation's assistant turns, oldest first (at most
+        ``max_conversation_turns``)."""
+        return await self.redis.lrange(self._k(conversation_key(tenant, conversation_id)), 0, -1)
 
     async def choices(self, completion_id: str) -> list[ChoiceState] | None:
         """Every choice's state, reward, info and version, or None for an unknown completion."""

@@ -42,6 +42,11 @@ class BufferConfig(StrictSection):
         "is refused with 422 (param reward, code reward_out_of_range) before anything is written. It "
         "bounds what one client can do to training and to the per-version reward sums canary verdicts "
         "compare.")
+    max_conversation_turns: int = Field(
+        256, ge=1, le=100_000, description="Assistant turns one conversation_id may have (per tenant). A "
+        "request that would add one more is refused with 409 (param conversation_id, code "
+        "conversation_full) before anything is generated; a conversation reward reads every turn, so "
+        "this bounds what one reward request costs.")
     durability: Literal["everysec", "always"] = Field(
         "always", description="Embedded redis-server's AOF fsync (appendfsync): always = the AOF is "
         "written and fsynced before every answer, so an acknowledged reward or experience survives a "

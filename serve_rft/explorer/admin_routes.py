@@ -18,6 +18,7 @@ from pydantic import ValidationError
 from redis.exceptions import RedisError
 
 from serve_rft.explorer import rewards_api, sync_api
+from serve_rft.explorer.auth import identity_of
 from serve_rft.explorer.body import read_json
 from serve_rft.explorer.http import AUTHORIZED, app
 from serve_rft.explorer.protocol import ApiError, parse_reward_body
@@ -51,7 +52,8 @@ class AdminRoutes:
         except ValueError as e:
             raise ApiError(422, str(e)) from None
         try:
-            results = await asyncio.wait_for(rewards_api.post_rewards(self.store, req), self.cfg.buffer.store_wait_s)
+            results = await asyncio.wait_for(rewards_api.post_rewards(self.store, req, identity_of(request)),
+                                             self.cfg.buffer.store_wait_s)
         except (asyncio.TimeoutError, RedisError):
             # 504, not 503: HAProxy re-sends a 503 to another replica, which waits on the same store
             raise ApiError(504, "the experience store is unavailable; retry (items already recorded "
@@ -63,9 +65,10 @@ class AdminRoutes:
                             headers={"Retry-After": "5"} if status == 507 else None)
 
     @app.get("/v1/experiences/{completion_id}", dependencies=AUTHORIZED)
-    async def experience(self, completion_id: str) -> JSONResponse:
-        """Each choice's state, reward, info and versions (`rewards_api.describe_completion`)."""
-        return JSONResponse(await rewards_api.describe_completion(self.store, completion_id))
+    async def experience(self, request: Request, completion_id: str) -> JSONResponse:
+        """Each choice's state, reward, info and versions (`rewards_api.describe_completion`): a
+        reward key reads its own tenant's completions (another's: 404), an admin key any."""
+        return JSONResponse(await rewards_api.describe_completion(self.store, completion_id, identity_of(request)))
 
     @app.get("/v1/status", dependencies=AUTHORIZED)
     async def status(self) -> JSONResponse:

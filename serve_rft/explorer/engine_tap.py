@@ -9,6 +9,10 @@ server does. They call ``engine_client.generate(prompt, sampling_params, request
 - labels the request with the policy version it is served with: full-weight sync salts the
   prefix cache with it (a KV block computed under one version is never reused under another);
   adapter-only LoRA sync answers with that version's adapter;
+- salts the prefix cache with the caller's tenant too (`cache_salt`): one tenant's cached prefix
+  is never reused for another's, so no tenant can learn from a faster first token that another
+  sent a prompt (vLLM's ``cache_salt`` enters the hash of a prompt's blocks: docs.vllm.ai,
+  design/prefix_caching, "Automatic Prefix Caching");
 - refuses (400) sampling settings the trainer does not reproduce (`reproducible.check`): a
   backstop, since the request checks refuse them by name and the generation-config defaults
   that set them are dropped, so it fires only on a setting vLLM adds after those checks;
@@ -31,6 +35,7 @@ from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
+from serve_rft.config.service import DEFAULT_TENANT
 from serve_rft.explorer import reproducible
 from serve_rft.explorer.experience_log import ExperienceLog, Sampled
 from serve_rft.types import SamplingInfo
@@ -50,6 +55,8 @@ class RequestContext:
         finished: the engine finished the request (a stream that ends without it failed).
         t0: arrival, `time.perf_counter` (for time to first token).
         metadata, user: OpenAI's request fields, kept with the experiences.
+        tenant: the caller's tenant (`serve_rft.explorer.auth.Identity.tenant`): owns the
+            experiences and namespaces the group and conversation ids; salts the prefix cache.
     """
 
     store: bool | None = None
@@ -63,9 +70,18 @@ class RequestContext:
     t0: float = field(default_factory=time.perf_counter)
     metadata: dict[str, str] | None = None
     user: str | None = None
+    tenant: str = DEFAULT_TENANT
 
 
 CURRENT: ContextVar[RequestContext | None] = ContextVar("serve_rft_request", default=None)
+
+
+def cache_salt(version: int, tenant: str = DEFAULT_TENANT) -> str:
+    """vLLM's ``cache_salt`` of a request: ``policy-v{version}``, with ``-tenant-{tenant}`` added
+    for any tenant but `DEFAULT_TENANT` (the version's digits end before it, so no two
+    (version, tenant) pairs share a salt; only letters, digits, ``_ . -``). Requests share KV
+    blocks only when they share the salt: the same policy version and the same tenant."""
+    return f"policy-v{version}" if tenant == DEFAULT_TENANT else f"policy-v{version}-tenant-{tenant}"
 
 
 def sampling_info(params) -> SamplingInfo:
@@ -124,7 +140,7 @@ class EngineTap:
         if engine.adapter_sync:  # a request keeps the adapter it started with
             lora_request = engine.adapters.get(version) if version > 0 else None
         prompt = dict(prompt)
-        prompt["cache_salt"] = f"policy-v{version}"
+        prompt["cache_salt"] = cache_salt(version, ctx.tenant if ctx is not None else DEFAULT_TENANT)
         if ctx is not None:
             reproducible.check(sampling_params)  # a 400 before anything is sampled
             ctx.version = version

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from redis.exceptions import RedisError
 
-from serve_rft.buffer.records import StoreFull
+from serve_rft.buffer.records import StoreFull, client_group
 from serve_rft.buffer.store import ExperienceStore
 from serve_rft.observability.explorer_metrics import ExplorerMetrics
 from serve_rft.types import Experience, SamplingInfo
@@ -103,7 +103,7 @@ class ExperienceLog:
 
         Args:
             req: the request's ``store``, ``group_id``, ``group_size``, ``conversation_id``,
-                ``created_at``, ``user`` and ``metadata`` (a
+                ``created_at``, ``user``, ``metadata`` and ``tenant`` (a
                 `serve_rft.explorer.engine_tap.RequestContext`).
             cid: the response's id (what rewards name).
             prompt_ids: the token ids the engine consumed.
@@ -115,12 +115,14 @@ class ExperienceLog:
         if req.store is False:
             self.metrics.served(prompt_n, completion_n, 0, unlogged=len(choices))
             return 0
-        group = f"u:{req.group_id}" if req.group_id else None  # client groups never collide with ids
+        # a client's group never collides with a completion id nor with another tenant's group
+        group = client_group(req.tenant, req.group_id) if req.group_id else None
         exps = build_experiences(cid, self.replica_id, prompt_ids, choices, sampling, req.created_at, version, group,
                                  req.user, req.metadata)
         try:
             await asyncio.wait_for(self.store.log_experiences(exps, group_size=req.group_size if group else None,
-                                                              conversation_id=req.conversation_id),
+                                                              conversation_id=req.conversation_id,
+                                                              tenant=req.tenant),
                                    self.store_wait_s)
         except (StoreFull, asyncio.TimeoutError, RedisError) as e:
             # the user is served, the loss counted (a timed-out call may still have landed)

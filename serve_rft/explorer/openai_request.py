@@ -18,16 +18,24 @@ Fields kept with every choice's experience (``user``, ``stop``, ``response_forma
 ``structured_outputs``) or compiled into a grammar (``tools``) are bounded in size before
 anything is generated (`check_limits`, `serve_rft.config.explorer.RequestLimits`), so one request
 with ``n`` choices cannot multiply a large field into the store ``n`` times.
+
+The ids a request names in the store are checked against it before anything is generated
+(`check_against_store`): a ``group_size`` other than its group's recorded size, or one more turn
+of a conversation at ``buffer.max_conversation_turns``, is refused with 409. Both ids are the
+caller's tenant's own (`serve_rft.buffer.records.client_group`, `conversation_key`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import uuid
 from typing import Any, Callable
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError, field_validator
+from redis.exceptions import RedisError
 
+from serve_rft.buffer.records import ConversationFull, GroupSizeConflict, client_group
 from serve_rft.config.explorer import RequestLimits
 from serve_rft.explorer.engine_tap import RequestContext
 from serve_rft.explorer.protocol import INT64_MAX, INT64_MIN, ApiError
@@ -221,3 +229,33 @@ def parse_request(body: Any, kind: str, max_n: int, limits: RequestLimits | None
 def _several_prompts(prompt: Any) -> bool:
     """A completion ``prompt`` that is a list of prompts (strings or token-id lists) of length > 1."""
     return isinstance(prompt, list) and len(prompt) > 1 and not all(isinstance(t, int) for t in prompt)
+
+
+async def check_against_store(store, ctx: RequestContext, wait_s: float) -> None:
+    """Refuse, before anything is generated, a request the store would not take as asked (its
+    ids in the caller's tenant's namespace, ``ctx.tenant``). A request with ``store: false`` is
+    never logged and not checked; with the store away (no answer within ``wait_s`` seconds, or
+    a Redis error) it is not checked either: it is served as any request then (logged if the
+    store is back in time, else counted unlogged).
+
+    Args:
+        store: the `serve_rft.buffer.store.ExperienceStore`.
+    Raises:
+        ApiError: 409 ``group_size_conflict`` (param ``group_size``): the group was logged with
+            another size; 409 ``conversation_full`` (param ``conversation_id``): the conversation
+            has ``buffer.max_conversation_turns`` turns.
+    """
+    if ctx.store is False or (ctx.group_id is None and ctx.conversation_id is None):
+        return
+    group = client_group(ctx.tenant, ctx.group_id) if ctx.group_id is not None else None
+    try:
+        await asyncio.wait_for(store.check_request(ctx.tenant, group, ctx.group_size if group else None,
+                                                   ctx.conversation_id), wait_s)
+    except GroupSizeConflict as e:
+        raise ApiError(409, f"{e}: every request of a group must send the same group_size (or none)",
+                       "group_size", code="group_size_conflict") from None
+    except ConversationFull as e:
+        raise ApiError(409, f"{e}: start a new conversation_id", "conversation_id",
+                       code="conversation_full") from None
+    except (asyncio.TimeoutError, RedisError):
+        return

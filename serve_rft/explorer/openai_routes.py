@@ -10,7 +10,7 @@ the tap that logs each answer as experiences before the answer ends
 headers. ``/v1/responses`` is not served (404, with the reason).
 
 Uses of the replica: ``cfg``, ``swap``, ``serving``, ``metrics``, ``replica_id``, ``cpu`` (its
-tokenizer thread) and ``headers(version)``.
+tokenizer thread), ``store`` and ``headers(version)``.
 """
 
 from __future__ import annotations
@@ -22,11 +22,12 @@ from collections.abc import AsyncIterator
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from serve_rft.explorer.auth import identity_of
 from serve_rft.explorer.body import parse_json, read_body
 from serve_rft.explorer.engine_tap import CURRENT, RequestContext
 from serve_rft.explorer.http import AUTHORIZED, app
 from serve_rft.explorer.ingress_mode import REQUEST_ID_HEADER, fits_a_retry, haproxy_request_id, head_bytes
-from serve_rft.explorer.openai_request import parse_request
+from serve_rft.explorer.openai_request import check_against_store, parse_request
 from serve_rft.explorer.protocol import ApiError
 
 ROUTES = {"chat": "chat", "completion": "completions"}
@@ -77,14 +78,16 @@ class OpenAIRoutes:
     async def _answer(self, request: Request, kind: str, t0: float):
         """Raises:
             ApiError: 503 this replica is out of rotation or its engine died (HAProxy re-sends
-                it), 400 / 413 from the request.
+                it), 400 / 413 from the request, 409 its group / conversation ids (the store's
+                record of them: `check_against_store`).
         """
         await self._admit(request)
         raw = await read_body(request)
         req, ctx = await asyncio.get_running_loop().run_in_executor(
             self.cpu, lambda: parse_request(parse_json(raw), kind, self.cfg.explorer.max_n,
                                             self.cfg.explorer.limits))
-        ctx.t0 = t0
+        ctx.t0, ctx.tenant = t0, identity_of(request).tenant
+        await check_against_store(self.store, ctx, self.cfg.buffer.store_wait_s)
         from vllm.entrypoints.serve.engine.protocol import ErrorResponse
         from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
         from vllm.exceptions import VLLMClientError

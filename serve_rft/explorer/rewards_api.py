@@ -14,6 +14,12 @@ first refusal's status (404 / 409 / 410 / 422) with the per-item results alongsi
 or a reward of a ``rewards`` list or a conversation that the store would refuse: not a finite
 number, or outside ``buffer.reward_range``) is refused whole, before anything is recorded; in a
 batch or a group each item's reward is checked with its own result. Nothing accepted is dropped.
+
+Tenants (`serve_rft.explorer.auth.Identity`): a caller reaches only its own tenant's completions
+(an admin reaches all). Another tenant's completion is answered exactly as one that does not
+exist (404, ``not_found``, same message), checked before anything is written; a
+``conversation_id`` names the caller's own conversation, a ``group_id`` the group as the
+completion's own client named it.
 """
 
 from __future__ import annotations
@@ -23,8 +29,9 @@ from dataclasses import asdict
 from typing import Any
 
 from serve_rft.buffer.records import (RewardConflict, RewardError, RewardExpired, RewardNotFinite,
-                                      RewardOutOfRange, StoreFull, UnknownChoice)
+                                      RewardOutOfRange, StoreFull, UnknownChoice, shown_group)
 from serve_rft.buffer.store import ExperienceStore
+from serve_rft.explorer.auth import OPEN, Identity
 from serve_rft.explorer.protocol import (ApiError, ChoiceRewards, ConversationReward, GroupRewards,
                                          RewardBatch, RewardItem, RewardRequest)
 
@@ -39,11 +46,28 @@ REFUSALS: dict[type[Exception], tuple[int, str, str | None]] = {
 }
 
 
-async def _items(store: ExperienceStore, req: RewardRequest) -> list[RewardItem]:
+def _unknown(completion_id: str) -> ApiError:
+    """The 404 of a completion that does not exist, or that the caller's tenant does not own."""
+    return ApiError(404, f"no completion {completion_id!r}", "completion_id", code="not_found")
+
+
+async def _owner(store: ExperienceStore, completion_id: str, who: Identity) -> str:
+    """The tenant of ``completion_id`` if ``who`` reaches it.
+
+    Raises:
+        ApiError: 404 unknown, or another tenant's (`_unknown`).
+    """
+    owner = await store.completion_owner(completion_id)
+    if not who.reaches(owner):
+        raise _unknown(completion_id)
+    return owner
+
+
+async def _items(store: ExperienceStore, req: RewardRequest, who: Identity) -> list[RewardItem]:
     """Expand any reward form into single-choice items.
 
     Raises:
-        ApiError: 404 unknown completion / conversation, 422 a reward list that does not
+        ApiError: 404 unknown (or another tenant's) completion / conversation, 422 a reward list that does not
             match the completion's choices, or a reward of a list or conversation the store
             would refuse (`_whole`).
     """
@@ -52,9 +76,10 @@ async def _items(store: ExperienceStore, req: RewardRequest) -> list[RewardItem]
     if isinstance(req, RewardBatch):
         return list(req.rewards)
     if isinstance(req, ChoiceRewards):
+        await _owner(store, req.completion_id, who)
         n = await store.num_choices(req.completion_id)
         if n is None:
-            raise ApiError(404, f"no completion {req.completion_id!r}", "completion_id", code="not_found")
+            raise _unknown(req.completion_id)
         if len(req.rewards) != n:
             raise ApiError(422, f"completion {req.completion_id!r} has {n} choices, got {len(req.rewards)} "
                            "rewards", "rewards", code="invalid_reward")
@@ -63,7 +88,7 @@ async def _items(store: ExperienceStore, req: RewardRequest) -> list[RewardItem]
     if isinstance(req, GroupRewards):
         return list(req.rewards)  # each member's group is checked with its own result
     assert isinstance(req, ConversationReward)
-    turns = await store.conversation_turns(req.conversation_id)
+    turns = await store.conversation_turns(req.conversation_id, who.tenant)
     if not turns:
         raise ApiError(404, f"no conversation {req.conversation_id!r}", "conversation_id", code="not_found")
     items = []
@@ -97,7 +122,7 @@ def _refused(item: RewardItem, e: ApiError) -> dict[str, Any]:
             "status": "refused", "status_code": e.status, **e.body()}
 
 
-async def _post_one(store: ExperienceStore, req: RewardRequest, item: RewardItem) -> dict[str, Any]:
+async def _post_one(store: ExperienceStore, req: RewardRequest, item: RewardItem, who: Identity) -> dict[str, Any]:
     """Record one item; a refusal becomes its result.
 
     Raises:
@@ -105,13 +130,14 @@ async def _post_one(store: ExperienceStore, req: RewardRequest, item: RewardItem
     """
     try:
         if isinstance(req, GroupRewards):
-            group = await store.completion_group(item.completion_id)
-            if group is None:
+            owner, group = await store.completion_owner(item.completion_id), await store.completion_group(item.completion_id)
+            if group is None or not who.reaches(owner):
                 raise UnknownChoice(f"no completion {item.completion_id!r}")
-            if group not in (req.group_id, f"u:{req.group_id}"):
+            if shown_group(group, owner) != req.group_id:
                 return _refused(item, ApiError(422, f"completion {item.completion_id!r} is not in group "
                                                f"{req.group_id!r}", "group_id", code="not_in_group"))
-        recorded = await store.post_reward(item.completion_id, item.choice_index, item.reward, item.info)
+        recorded = await store.post_reward(item.completion_id, item.choice_index, item.reward, item.info,
+                                           tenant=who.owner_filter)
     except (RewardError, StoreFull) as e:
         status, code, param = REFUSALS[type(e)]
         return _refused(item, ApiError(status, str(e), param, code=code))
@@ -119,18 +145,19 @@ async def _post_one(store: ExperienceStore, req: RewardRequest, item: RewardItem
             "reward": item.reward, "status": "recorded" if recorded else "duplicate"}
 
 
-async def post_rewards(store: ExperienceStore, req: RewardRequest) -> list[dict[str, Any]]:
-    """Record every reward of ``req``, each independently (module docstring).
+async def post_rewards(store: ExperienceStore, req: RewardRequest, who: Identity = OPEN) -> list[dict[str, Any]]:
+    """Record every reward of ``req`` for caller ``who``, each independently (module docstring).
 
     Returns:
         One result per choice: ``{"completion_id", "choice_index", "reward", "status"}`` with
         status ``recorded`` | ``duplicate`` | ``refused``; a refused one also has
         ``status_code`` (its HTTP status) and ``error`` (OpenAI error object).
     Raises:
-        ApiError: a malformed request (404 unknown completion of a ``rewards`` list or
-            conversation, 422 a list that does not match the choices): nothing recorded.
+        ApiError: a malformed request (404 unknown, or another tenant's, completion of a
+            ``rewards`` list, or unknown conversation; 422 a list that does not match the
+            choices): nothing recorded.
     """
-    return [await _post_one(store, req, item) for item in await _items(store, req)]
+    return [await _post_one(store, req, item, who) for item in await _items(store, req, who)]
 
 
 def _deciding(results: list[dict[str, Any]]) -> dict[str, Any] | None:
@@ -161,18 +188,20 @@ def batch_body(results: list[dict[str, Any]]) -> dict[str, Any]:
     return body if deciding is None else {"error": deciding["error"], **body}
 
 
-async def describe_completion(store: ExperienceStore, completion_id: str) -> dict[str, Any]:
-    """``GET /v1/experiences/{completion_id}``: each choice's state (pending / rewarded (held
-    for its group) / ready / trained / expired / stale-dropped / constrained), reward, info, the version that
-    trained it, and the policy versions that produced its tokens.
+async def describe_completion(store: ExperienceStore, completion_id: str, who: Identity = OPEN) -> dict[str, Any]:
+    """``GET /v1/experiences/{completion_id}`` for caller ``who``: the completion's tenant, its
+    group (as its client named it) and each choice's state (pending / rewarded (held for its
+    group) / ready / trained / expired / stale-dropped / constrained), reward, info, the version
+    that trained it, and the policy versions that produced its tokens.
 
     Raises:
-        ApiError: 404 unknown (or no longer kept) completion.
+        ApiError: 404 unknown (or no longer kept, or another tenant's) completion.
     """
+    owner = await _owner(store, completion_id, who)
     choices = await store.choices(completion_id)
     if choices is None:
-        raise ApiError(404, f"no completion {completion_id!r}", "completion_id", code="not_found")
+        raise _unknown(completion_id)
     group = await store.completion_group(completion_id)
-    return {"object": "experience", "completion_id": completion_id,
-            "group_id": group[2:] if group and group.startswith("u:") else group,
+    return {"object": "experience", "completion_id": completion_id, "tenant": owner,
+            "group_id": shown_group(group, owner) if group else group,
             "choices": [asdict(c) for c in choices]}

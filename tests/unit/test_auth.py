@@ -4,7 +4,7 @@ stack test runs the same over a live service (tests/integration/test_stack_keep.
 
 import pytest
 
-from serve_rft.explorer.auth import ADMIN, INFERENCE, REWARDS, ApiKeys, required_scope
+from serve_rft.explorer.auth import ADMIN, INFERENCE, OPEN, REWARDS, ApiKeys, Identity, required_scope
 from serve_rft.explorer.protocol import ApiError
 
 KEYS = ApiKeys(["inf"], ["adm"], ["rew"])
@@ -36,8 +36,7 @@ EXPECTED_SCOPE = {
     "/health": None,
     "/v1/chat/completions": INFERENCE, "/v1/completions": INFERENCE, "/v1/responses": INFERENCE,
     "/v1/models": INFERENCE, "/v1/models/m": INFERENCE,
-    "/v1/rewards": REWARDS,
-    "/v1/experiences/x": ADMIN, "/v1/status": ADMIN, "/v1/sync/events": ADMIN, "/v1/sync/rollout": ADMIN,
+    "/v1/rewards": REWARDS, "/v1/experiences/x": REWARDS, "/v1/status": ADMIN, "/v1/sync/events": ADMIN, "/v1/sync/rollout": ADMIN,
     "/v1/sync/pin": ADMIN, "/v1/sync/rollback": ADMIN, "/v1/sync/promotion": ADMIN,
     "/v1/sync/replicas/r/drain": ADMIN, "/openapi.json": ADMIN, "/docs": ADMIN, "/redoc": ADMIN,
 }
@@ -149,3 +148,84 @@ def test_an_unauthenticated_operator_route_never_reaches_its_handler(client):
     """With keys on, ``POST /v1/sync/rollback`` with no key is 401 before its body is read."""
     r = client.post("/v1/sync/rollback", content=b"not json")
     assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+
+
+def test_reward_keys_read_experiences_and_inference_keys_do_not():
+    """A grader reads the state of what it rewards (its own tenant's: the route answers 404 for
+    another's); an inference key is refused the read."""
+    assert _answer(KEYS, "/v1/experiences/chatcmpl-1", "Bearer rew") == 200
+    assert _answer(KEYS, "/v1/experiences/chatcmpl-1", "Bearer inf") == 403
+    assert required_scope("/v1/experiences/x/y") == ADMIN  # no route: not widened past the one path
+
+
+TENANTS = ApiKeys(["inf"], ["adm"], ["rew"], {"alice": (["a-inf"], ["a-rew"]), "bob": (["b-inf"], [])})
+
+
+@pytest.mark.parametrize("key, tenant, scopes", [
+    ("inf", "default", {INFERENCE}), ("rew", "default", {REWARDS}),
+    ("a-inf", "alice", {INFERENCE}), ("a-rew", "alice", {REWARDS}), ("b-inf", "bob", {INFERENCE}),
+    ("adm", "default", {INFERENCE, REWARDS, ADMIN}),
+])
+def test_check_returns_the_callers_tenant_and_scopes(key, tenant, scopes):
+    path = "/v1/rewards" if REWARDS in scopes else "/v1/models"
+    who = TENANTS.check(path, f"Bearer {key}")
+    assert who == Identity(tenant, frozenset(scopes))
+    assert who.admin == (ADMIN in scopes)
+
+
+def test_who_reaches_which_tenants_completions():
+    alice, admin = TENANTS.check("/v1/rewards", "Bearer a-rew"), TENANTS.check("/v1/rewards", "Bearer adm")
+    assert alice.reaches("alice") and not alice.reaches("default") and not alice.reaches("bob")
+    assert admin.reaches("alice") and admin.reaches("bob") and admin.reaches("default")
+    assert not admin.reaches(None)  # an unknown completion is unknown to everyone
+    assert alice.owner_filter == "alice" and admin.owner_filter is None
+    assert TENANTS.check("/health", None) is OPEN
+    assert ApiKeys([], []).check("/v1/rewards", None) is OPEN and OPEN.admin
+
+
+def test_the_flat_lists_and_a_tenant_named_default_are_one_tenant():
+    """Today's set-up (an inference key and a grader's reward key) keeps working together."""
+    from serve_rft.config.service import ServiceConfig
+
+    service = ServiceConfig(api_keys=["inf"], reward_keys=["rew"], tenants={
+        "default": {"reward_keys": ["rew2"]}, "alice": {"api_keys": ["a-inf"], "reward_keys": ["a-rew"]}})
+    keys = ApiKeys.from_config(service)
+    assert {keys.check("/v1/rewards", f"Bearer {k}").tenant for k in ("rew", "rew2")} == {"default"}
+    assert keys.check("/v1/models", "Bearer inf").tenant == "default"
+    assert keys.check("/v1/rewards", "Bearer a-rew").tenant == "alice"
+    assert service.has_keys and ServiceConfig(tenants={"t": {"api_keys": ["k"]}}).has_keys
+
+
+@pytest.mark.parametrize("service", [
+    {"api_keys": ["k"], "tenants": {"alice": {"api_keys": ["k"]}}},  # default and alice
+    {"tenants": {"alice": {"reward_keys": ["k"]}, "bob": {"api_keys": ["k"]}}},  # two tenants
+    {"admin_keys": ["k"], "reward_keys": ["k"]},  # an admin key is no tenant's
+    {"admin_keys": ["k"], "tenants": {"alice": {"api_keys": ["k"]}}},
+    {"tenants": {"a/b": {}}}, {"tenants": {"": {}}}, {"tenants": {"x" * 65: {}}},  # names go into keys
+])
+def test_a_key_with_two_owners_or_a_bad_tenant_name_is_a_config_error(service):
+    from pydantic import ValidationError
+
+    from serve_rft.config.service import ServiceConfig
+
+    with pytest.raises(ValidationError) as e:
+        ServiceConfig(**service)
+    assert "'k'" not in str(e.value)  # a refused config never echoes a key
+    if "tenants" in service and "admin_keys" not in service and any("k" in str(v) for v in service["tenants"].values()):
+        with pytest.raises(ValueError):
+            ApiKeys(service.get("api_keys", []), [], [], {n: (t.get("api_keys", []), t.get("reward_keys", []))
+                                                          for n, t in service["tenants"].items()})
+
+
+def test_inference_and_reward_scopes_of_one_tenant_may_share_a_key():
+    keys = ApiKeys([], [], [], {"alice": (["both"], ["both"])})
+    assert keys.check("/v1/rewards", "Bearer both") == Identity("alice", frozenset({INFERENCE, REWARDS}))
+
+
+def test_tenants_come_from_the_environment(monkeypatch):
+    from serve_rft.config import load_config
+
+    monkeypatch.setenv("SERVE_RFT_TENANTS", '{"alice": {"api_keys": ["a1"], "reward_keys": ["a2"]}}')
+    keys = ApiKeys.from_config(load_config(None, []).service)
+    assert keys.check("/v1/rewards", "Bearer a2").tenant == "alice"
+    assert _answer(keys, "/v1/models", "Bearer a2") == 403

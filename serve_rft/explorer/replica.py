@@ -40,6 +40,7 @@ from serve_rft.explorer.protocol import ApiError
 from serve_rft.explorer.quota import QuotaCheck
 from serve_rft.explorer.weight_swap import WeightSwap
 from serve_rft.observability.explorer_metrics import ExplorerMetrics
+from serve_rft.weights import method_class
 
 log = logging.getLogger("serve_rft.explorer")
 
@@ -70,10 +71,10 @@ class ExplorerReplica(OpenAIRoutes, AdminRoutes):
         self.cpu = ThreadPoolExecutor(max_workers=1, thread_name_prefix="parse")
         self.store = ExperienceStore.from_config(self.cfg.buffer)
         self.sync = ensure_control(self.cfg, model_path)  # `serve deploy`: nobody else starts them
-        nccl = self.cfg.synchronizer.sync_method.value == "nccl"
+        transfer = method_class(self.cfg.synchronizer.sync_method).engine_transfer
         lora_rank = self.cfg.trainer.lora.vllm_max_lora_rank() if self.cfg.adapter_sync else None
         self.engine = await ExplorerEngine.create(model_path, self.cfg.explorer, replica_id=self.replica_id,
-                                                  weight_transfer="nccl" if nccl else None,
+                                                  weight_transfer=transfer,
                                                   lora_rank=lora_rank)
         self.metrics = ExplorerMetrics(self.replica_id)
         self.quota = QuotaCheck.from_config(self.cfg, self.api_keys, self.metrics)

@@ -88,9 +88,10 @@ class QuotasConfig(StrictSection):
 
     inference: ScopeQuota = Field(default_factory=ScopeQuota, description="Chat, completions, "
                                   "responses and models routes, per key.")
-    rewards: ScopeQuota = Field(default_factory=ScopeQuota, description="POST /v1/rewards, per key.")
+    rewards: ScopeQuota = Field(default_factory=ScopeQuota, description="POST /v1/rewards and "
+                                "GET /v1/experiences/{id}, per key.")
     admin: ScopeQuota = Field(default_factory=ScopeQuota, description="Admin routes (status, "
-                              "experiences, sync operations, API document), per key; unlimited by default.")
+                              "sync operations, API document), per key; unlimited by default.")
     timeout_s: float = Field(
         0.25, gt=0, le=5.0, description="Bound of one quota check's Redis call, s. Past it (or with "
         "Redis unreachable) the request is let through unchecked (fail open, counted: "
@@ -131,11 +132,12 @@ class ServiceConfig(StrictSection):
         "(Ray's metrics export port; 0 picks a free one). A joined cluster keeps its own.")
     api_keys: list[str] = Field(
         default_factory=lambda: _env_list("SERVE_RFT_API_KEYS"),
-        description="Inference keys (env SERVE_RFT_API_KEYS, comma-separated): chat, completions, "
-        "models. No keys of any kind: no auth (loopback only, see allow_unauthenticated).")
+        description="Inference keys (env SERVE_RFT_API_KEYS, comma-separated) of the tenant 'default': "
+        "chat, completions, models. No keys of any kind: no auth (loopback only, see allow_unauthenticated).")
     reward_keys: list[str] = Field(
         default_factory=lambda: _env_list("SERVE_RFT_REWARD_KEYS"),
-        description="Reward keys (env SERVE_RFT_REWARD_KEYS): POST /v1/rewards and nothing else.")
+        description="Reward keys (env SERVE_RFT_REWARD_KEYS): POST /v1/rewards and GET "
+        "/v1/experiences/{id} of the default tenant's completions, nothing else.")
     admin_keys: list[str] = Field(
         default_factory=lambda: _env_list("SERVE_RFT_ADMIN_KEYS"),
         description="Admin keys (env SERVE_RFT_ADMIN_KEYS): every route (rewards, experiences, "

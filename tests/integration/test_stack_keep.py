@@ -21,6 +21,7 @@ stack = stack_fixture("run-keep", ["synchronizer.sync_style=trainer_driven", "sy
                                    "trainer.max_staleness=1", "explorer.tool_strict_level=parameter",
                                    "service.admin_keys=[x]", "service.api_keys=[inference-key]",
                                    "service.reward_keys=[reward-key,quota-hog-key]",
+                                   "service.tenants={alice: {api_keys: [alice-key], reward_keys: [alice-grader]}}",
                                    # the rewards byte quota: 1 MiB at once, 256 KiB/s per key; the other
                                    # tests' reward bodies (under 1 KB each, 6 users at most: tens of KB/s) never reach it
                                    "service.quotas.rewards.bytes_per_s=262144",
@@ -77,8 +78,8 @@ def test_max_staleness_drops_old_experiences_and_status_shows_staleness(stack):
 
 def test_api_keys_inference_key_serves_reward_and_admin_keys_reward(stack):
     """This stack runs with keys: no key or a wrong one -> 401; the inference key may chat but not
-    post rewards or read status (403); the reward key may post rewards and nothing else; the admin
-    key may do everything, the API document included; /health stays open."""
+    post rewards or read status (403); the reward key may post rewards and read experiences and
+    nothing else; the admin key may do everything, the API document included; /health stays open."""
     u = stack.url
     body = {"messages": [{"role": "user", "content": "k"}], "max_tokens": 2}
     r = httpx.post(f"{u}/v1/chat/completions", json=body)
@@ -98,12 +99,38 @@ def test_api_keys_inference_key_serves_reward_and_admin_keys_reward(stack):
     assert httpx.get(f"{u}/v1/status", headers=rewarder).status_code == 403
     assert httpx.post(f"{u}/v1/sync/rollback", json={}, headers=rewarder).status_code == 403
     assert httpx.post(f"{u}/v1/rewards", json=reward, headers=rewarder).status_code == 200
+    assert httpx.get(f"{u}/v1/experiences/{comp.id}", headers=rewarder).status_code == 200
+    assert httpx.get(f"{u}/v1/experiences/{comp.id}", headers=inference).status_code == 403
     assert httpx.post(f"{u}/v1/rewards", json=reward, headers=ADMIN).status_code == 200
     assert httpx.post(f"{u}/v1/sync/rollback", json={}).status_code == 401  # before its body is read
     assert httpx.get(f"{u}/openapi.json").status_code == 401
     assert httpx.get(f"{u}/openapi.json", headers=rewarder).status_code == 403
     assert httpx.get(f"{u}/openapi.json", headers=ADMIN, timeout=60).status_code == 200
     assert httpx.get(f"{u}/health").status_code == 200
+
+
+def test_a_tenant_reaches_only_its_own_completions_and_conversations(stack):
+    """Tenant alice and the default tenant (the flat keys) use the same conversation_id: each
+    grader's conversation reward covers its own turns only; another tenant's completion is 404 to
+    a grader (reward or read, nothing recorded), the admin key reads both."""
+    u = stack.url
+    clients = {t: openai.OpenAI(base_url=f"{u}/v1", api_key=k, max_retries=0, timeout=120)
+               for t, k in (("default", "inference-key"), ("alice", "alice-key"))}
+    graders = {"default": {"Authorization": "Bearer reward-key"}, "alice": {"Authorization": "Bearer alice-grader"}}
+    conv = f"shared-{time.time_ns()}"
+    ids = {t: c.chat.completions.create(model="serve-rft", messages=[{"role": "user", "content": "t"}], max_tokens=2,
+                                        extra_body={"conversation_id": conv}).id for t, c in clients.items()}
+    for me, other in (("alice", "default"), ("default", "alice")):
+        r = httpx.get(f"{u}/v1/experiences/{ids[other]}", headers=graders[me])
+        assert r.status_code == 404 and r.json()["error"]["code"] == "not_found", r.text
+        r = httpx.post(f"{u}/v1/rewards", json={"completion_id": ids[other], "reward": 1.0}, headers=graders[me])
+        assert r.status_code == 404, r.text
+        assert httpx.get(f"{u}/v1/experiences/{ids[me]}", headers=graders[me]).json()["tenant"] == me
+    r = httpx.post(f"{u}/v1/rewards", json={"conversation_id": conv, "reward": 0.5}, headers=graders["alice"])
+    assert r.status_code == 200 and [d["completion_id"] for d in r.json()["data"]] == [ids["alice"]], r.text
+    for t, cid in ids.items():
+        shown = httpx.get(f"{u}/v1/experiences/{cid}", headers=ADMIN).json()
+        assert shown["tenant"] == t and shown["choices"][0]["reward"] == (0.5 if t == "alice" else None)
 
 
 def test_tool_strict_level_parameter_pins_arguments_of_tools_not_marked_strict(stack):

@@ -184,3 +184,24 @@ def test_the_prefix_cache_salt_holds_version_and_tenant():
     salts = {cache_salt(v, t) for v in (1, 12) for t in ("default", "alice", "2-tenant-x", "bob")}
     assert len(salts) == 8
     assert cache_salt(1, "2-tenant-x") != cache_salt(12, "x")  # digits end the version
+
+
+def test_the_engine_tap_salts_each_request_with_its_tenant():
+    """What reaches the engine: the request's tenant (from the route's context) in the salt of its
+    prompt; a call outside a request (the probe, warm-up) gets the default tenant's."""
+    from types import SimpleNamespace
+
+    from vllm import SamplingParams
+
+    from serve_rft.explorer.engine_tap import CURRENT, EngineTap
+
+    prompts = []
+    llm = SimpleNamespace(generate=lambda prompt, *args, **kwargs: prompts.append(prompt))
+    tap = EngineTap(SimpleNamespace(policy_version=4, adapter_sync=False, llm=llm), None)
+    for tenant in ("alice", "default", None):
+        token = CURRENT.set(RequestContext(tenant=tenant) if tenant else None)
+        try:
+            tap.generate({"prompt_token_ids": [1, 2]}, SamplingParams(temperature=1.0), "chatcmpl-x")
+        finally:
+            CURRENT.reset(token)
+    assert [p["cache_salt"] for p in prompts] == ["policy-v4-tenant-alice", "policy-v4", "policy-v4"]

@@ -112,7 +112,7 @@ class ServiceConfig(StrictSection):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, hide_input_in_errors=True)
 
     host: str = Field("127.0.0.1", description="Address the HTTP front door binds (serve-rft up). A "
-                      "non-loopback address needs keys (api_keys / reward_keys / admin_keys) or "
+                      "non-loopback address needs keys (api_keys / reward_keys / admin_keys / tenants) or "
                       "allow_unauthenticated: true.")
     port: int = Field(8000, ge=0, le=65535, description="HTTP port; 0 picks a free one.")
     ingress: Literal["haproxy", "proxy"] = Field(
@@ -215,7 +215,8 @@ def check_exposure(service: ServiceConfig, host: str | None) -> str | None:
     if not service.allow_unauthenticated:
         raise ValueError(
             f"refusing to serve on {host or 'every interface'} with no API keys: set SERVE_RFT_API_KEYS / "
-            "SERVE_RFT_REWARD_KEYS / SERVE_RFT_ADMIN_KEYS (or service.*_keys), bind 127.0.0.1, or set "
+            "SERVE_RFT_REWARD_KEYS / SERVE_RFT_ADMIN_KEYS / SERVE_RFT_TENANTS (or service.*_keys, "
+            "service.tenants), bind 127.0.0.1, or set "
             "service.allow_unauthenticated=true to serve openly on purpose")
     return (f"SERVING WITHOUT AUTHENTICATION on {host or 'every interface'} "
             "(service.allow_unauthenticated=true): anyone who reaches this port may chat, post rewards, "

@@ -229,3 +229,12 @@ def test_tenants_come_from_the_environment(monkeypatch):
     keys = ApiKeys.from_config(load_config(None, []).service)
     assert keys.check("/v1/rewards", "Bearer a2").tenant == "alice"
     assert _answer(keys, "/v1/models", "Bearer a2") == 403
+
+
+def test_a_tenants_keys_alone_turn_auth_on_and_allow_exposure():
+    from serve_rft.config.service import ServiceConfig, check_exposure
+
+    service = ServiceConfig(tenants={"alice": {"reward_keys": ["a-rew"]}})
+    assert check_exposure(service, "0.0.0.0") is None
+    keys = ApiKeys.from_config(service)
+    assert keys.enabled and _answer(keys, "/v1/chat/completions", None) == 401

@@ -43,6 +43,7 @@ class RayNode:
     name: str
     proc: subprocess.Popen
     log_path: Path
+    asked: set[int] | None = None  # the node's processes when it was asked to stop (`ask_to_stop`)
 
     def pids(self) -> set[int]:
         """The node's processes now: ``ray start``, raylet, object store, workers, HAProxy."""
@@ -62,11 +63,21 @@ class RayNode:
                 pass
         self.proc.wait(timeout=30)
 
-    def stop(self, timeout_s: float = 60) -> None:
-        """SIGTERM ``ray start --block`` (Ray stops the node's processes), then SIGKILL what is left."""
-        left = self.pids()
+    def ask_to_stop(self) -> None:
+        """SIGTERM ``ray start --block`` (Ray stops the node's processes) without waiting, once;
+        the node's processes at that moment are kept in ``asked`` for `stop`."""
+        if self.asked is not None:
+            return  # once: a second SIGTERM would cut Ray's own stop short
+        self.asked = self.pids()
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
+
+    def stop(self, timeout_s: float = 60) -> None:
+        """SIGTERM ``ray start --block`` (unless `ask_to_stop` did), wait up to ``timeout_s``
+        seconds for it, then SIGKILL every process the node had when it was asked to stop."""
+        self.ask_to_stop()
+        left = self.asked
+        if self.proc.poll() is None:
             try:
                 self.proc.wait(timeout=timeout_s)
             except subprocess.TimeoutExpired:
@@ -152,9 +163,12 @@ class RayCluster:
         return node
 
     def stop(self, keep_logs: Path | None = None) -> None:
-        """Workers first, the head last; then the session folder goes (its Serve logs copied to
-        ``keep_logs`` first, when given)."""
-        for node in reversed(self.nodes):
+        """Workers first (all asked at once, as machines going down together), the head last;
+        then the session folder goes (its Serve logs copied to ``keep_logs`` first, when given)."""
+        workers = self.nodes[1:]
+        for node in workers:
+            node.ask_to_stop()
+        for node in [*reversed(workers), *self.nodes[:1]]:
             node.stop()
         if keep_logs is not None:
             for serve_logs in Path(self.temp_dir).glob("session_*/logs/serve"):

@@ -78,7 +78,9 @@ def test_kill_9_of_a_replica_the_trainer_and_redis_in_turn_under_load(stack):
         wait_for(lambda: (_status(stack).get("experiences") or {}).get("redis_restarts", 0) >= 1, 60,
                  "the supervisor to restart redis-server")
         report["redis"] = {"t": t, "failed": len(users.failed(t - 1, t + 30))}
-        time.sleep(10)  # traffic on the restarted store
+        restarted = time.time()  # traffic on the restarted store: a reward accepted there per user, twice
+        wait_for(lambda: sum(a > restarted for a in users.accepted_at) >= 2 * users.users, 60,
+                 "rewards accepted on the restarted redis-server")
     summary = {"failed_per_kill": {k: v["failed"] for k, v in report.items()},
                "chat_requests": len(users.chats), "rewards_accepted": len(users.accepted),
                "reward_retries": len(users.reward_errors)}

@@ -16,12 +16,13 @@ whether it reached the leader or its whole group change nothing past the keeper:
   SIGTERM, an orphan adopted by the keeper): tests/unit/test_keeper.py
   (``test_a_stop_signal_to_the_keeper_or_its_group_ends_every_process``); each signal to the
   group after a descendant was killed -9: ``test_a_group_stop_after_a_descendant_was_killed_9_...``.
-- Here, with real Ray, vLLM, HAProxy and redis-server processes: SIGTERM to the group after a
-  replica was killed -9 (a Ray worker and its engine die before the stop: the hardest
-  case; SIGTERM to the group is systemd's ``KillMode=control-group``, ``timeout``, ``kill --
-  -PGID``) and SIGINT to the leader (Ctrl-C's signal, one process); kill -9 of the keeper alone
-  and of the keeper with its service process (the reaper ends the run), and the run dir starting
-  again after it.
+- Here, with real Ray, vLLM, HAProxy and redis-server processes, four stack starts in all:
+  SIGTERM to the group after a replica was killed -9 (a Ray worker and its engine die before the
+  stop: the hardest case; SIGTERM to the group is systemd's ``KillMode=control-group``,
+  ``timeout``, ``kill -- -PGID``); kill -9 of the keeper alone, and of the keeper with its
+  service process (the reaper ends the run), after which the run dir starts again and that run
+  stops on SIGINT to the leader (Ctrl-C's signal, one process) under load, with the same
+  promises (`_stop_under_load`).
 """
 
 from __future__ import annotations
@@ -119,15 +120,11 @@ class Load:
             t.join(timeout=40)
 
 
-@pytest.mark.parametrize("sig,to_group,kill_replica", [
-    (signal.SIGTERM, True, True),  # systemd's KillMode=control-group, `timeout`, kill -- -PGID
-    (signal.SIGINT, False, False),  # the rest of the signal x target matrix: tests/unit/test_keeper.py
-], ids=["sigterm-group-after-replica-kill-9", "sigint-leader"])
-def test_a_stop_ends_every_process_of_the_run_in_bounded_time(embedded_model, tmp_path, sig, to_group,
-                                                              kill_replica):
-    mark = uuid.uuid4().hex
-    cmd = stack_command("", tmp_path, "shutdown", ["trainer.min_batch_size=4"])
-    proc, lines, info = launch(cmd, tmp_path / "up.log", env={"SERVE_RFT_TEST_RUN": mark})
+def _stop_under_load(proc: subprocess.Popen, lines: list[str], info: dict, mark: str, sig: signal.Signals,
+                     to_group: bool, kill_replica: bool = False) -> None:
+    """With two users chatting and rewarding on the `serve-rft up` ``proc`` (started with
+    ``SERVE_RFT_TEST_RUN=mark``), optionally kill -9 a replica, send ``sig`` to the leader or its
+    group and assert the module docstring's promises. Ends whatever is left should one fail."""
     tree: dict[int, psutil.Process] = {}
     try:
         url, redis_url = info["url"], info["redis_url"]
@@ -154,7 +151,8 @@ def test_a_stop_ends_every_process_of_the_run_in_bounded_time(embedded_model, tm
             took = time.monotonic() - t0
         finally:
             load.stop()
-        print(f"stop: {took:.1f} s, exit {proc.returncode}, {len(before)} processes before")
+        print(f"stop ({signal.Signals(sig).name} to the {'group' if to_group else 'leader'}): {took:.1f} s, "
+              f"exit {proc.returncode}, {len(before)} processes before")
         assert proc.returncode == 0, "".join(lines[-60:])
         assert took < STOP_BOUND_S, took
         left = {p.pid: p for p in _marked(mark)} | {pid: p for pid, p in tree.items() if _alive(p)}
@@ -168,6 +166,16 @@ def test_a_stop_ends_every_process_of_the_run_in_bounded_time(embedded_model, tm
             if _alive(p):
                 p.kill()
 
+
+def test_a_stop_to_the_group_after_a_replica_s_kill_9_ends_every_process_of_the_run_in_bounded_time(
+        embedded_model, tmp_path):
+    """SIGTERM to the group: systemd's KillMode=control-group, `timeout`, kill -- -PGID. SIGINT to
+    the leader: the last step of `test_kill_9_of_the_leader_leaves_nothing_and_the_run_dir_starts_again`;
+    the rest of the signal x target matrix: tests/unit/test_keeper.py."""
+    mark = uuid.uuid4().hex
+    cmd = stack_command("", tmp_path, "shutdown", ["trainer.min_batch_size=4"])
+    proc, lines, info = launch(cmd, tmp_path / "up.log", env={"SERVE_RFT_TEST_RUN": mark})
+    _stop_under_load(proc, lines, info, mark, signal.SIGTERM, to_group=True, kill_replica=True)
 
 
 def _wait_load(load: Load, n: int, timeout_s: float = 60) -> None:
@@ -183,7 +191,8 @@ def test_kill_9_of_the_leader_leaves_nothing_and_the_run_dir_starts_again(embedd
     alone, the keeper's service process stops on the SIGTERM the kernel sends it (bounded by the
     grace); killed with it, the reaper ends the rest at once (Ray Serve's HAProxy kept the service
     port and redis-server the run's data directory for good before). Then `serve-rft up` on the
-    same run dir starts, and every reward accepted before the kill is in its store."""
+    same run dir starts, every reward accepted before the kill is in its store, and that run
+    stops on SIGINT to its leader under load (`_stop_under_load`)."""
     mark = uuid.uuid4().hex
     cmd = stack_command("", tmp_path / "run", "leader", ["trainer.min_batch_size=4"])
     proc, lines, info = launch(cmd, tmp_path / "up.log", env={"SERVE_RFT_TEST_RUN": mark})
@@ -226,7 +235,8 @@ def test_kill_9_of_the_leader_leaves_nothing_and_the_run_dir_starts_again(embedd
                 p.kill()
     if victims != "keeper-and-service":
         return
-    again, _, info2 = launch(cmd, tmp_path / "up2.log")
+    mark2 = uuid.uuid4().hex
+    again, lines2, info2 = launch(cmd, tmp_path / "up2.log", env={"SERVE_RFT_TEST_RUN": mark2})
     try:
         with httpx.Client(base_url=info2["url"], timeout=30) as c:
             for cid in load.rewarded:
@@ -236,10 +246,10 @@ def test_kill_9_of_the_leader_leaves_nothing_and_the_run_dir_starts_again(embedd
             r = c.post("/v1/chat/completions", json={"model": "serve-rft", "max_tokens": 4,
                                                      "messages": [{"role": "user", "content": "hi"}]})
             assert r.status_code == 200, r.text
-    finally:
-        again.send_signal(signal.SIGINT)
-        try:
-            again.wait(timeout=STOP_BOUND_S + 30)
-        finally:
-            if again.poll() is None:
-                kill_all(again)
+    except BaseException:
+        kill_all(again)
+        for p in _marked(mark2):
+            p.kill()
+        raise
+    # the restarted run stops on SIGINT to the leader (Ctrl-C's signal, one process) under load
+    _stop_under_load(again, lines2, info2, mark2, signal.SIGINT, to_group=False)

@@ -98,6 +98,11 @@ def _type_name(annotation: Any) -> str:
         return " \\| ".join(f"`{json.dumps(v)}`" for v in typing.get_args(annotation))
     if annotation is type(None):
         return "`null`"
+    if origin is dict:
+        key, value = typing.get_args(annotation)
+        return f"map of {_type_name(key)} to {_type_name(value)}"
+    if origin in (list, tuple) and any(_model_of(arg) for arg in typing.get_args(annotation)):
+        return f"list of {_type_name(typing.get_args(annotation)[0])}"
     if isinstance(annotation, type):
         if issubclass(annotation, enum.Enum):
             return " \\| ".join(f"`{json.dumps(m.value)}`" for m in annotation)
@@ -112,13 +117,9 @@ def _default(field: Any) -> str:
 
     if field.default_factory is not None:
         factory = field.default_factory
-        if getattr(factory, "__name__", "") == "<lambda>":
+        if not isinstance(factory, type):  # a function may read the environment (keys): never call it
             return "computed at load (see description)"
-        try:
-            value = factory()
-        except TypeError:
-            return "computed at load"
-        return _value(value)
+        return _value(factory())
     if field.default is PydanticUndefined:
         return "required"
     return _value(field.default)

@@ -59,6 +59,18 @@ def test_readme_links_into_the_docs_resolve(site):
     assert not missing, f"README links without a page or anchor: {missing}"
 
 
+def test_config_reference_never_shows_keys_from_the_environment(monkeypatch):
+    """Defaults computed from the environment (API keys, tenants) are described, never called."""
+    monkeypatch.setenv("SERVE_RFT_API_KEYS", "sk-marker-inference")
+    monkeypatch.setenv("SERVE_RFT_ADMIN_KEYS", "sk-marker-admin")
+    monkeypatch.setenv("SERVE_RFT_TENANTS", '{"t": {"api_keys": ["sk-marker-tenant"]}}')
+    monkeypatch.syspath_prepend(str(ROOT / "docs"))
+    import hooks
+
+    page = hooks.config_reference()
+    assert "api_keys" in page and "sk-marker" not in page
+
+
 def test_readme_fits_the_budget():
     size = len((ROOT / "README.md").read_bytes())
     assert size <= README_MAX_BYTES, f"README.md is {size} bytes, budget {README_MAX_BYTES}"

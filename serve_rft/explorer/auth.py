@@ -16,21 +16,22 @@ admin         everything else: status, ``/v1/sync/*`` (pin, rollback, promotion,
 Tenants: every inference and reward key belongs to one tenant (``service.tenants``; the flat
 ``api_keys`` / ``reward_keys`` to `DEFAULT_TENANT`), and `ApiKeys.check` returns the caller's
 `Identity`. A tenant's keys reach only its own completions: a reward or an experience read of
-another tenant's completion is answered 404, as for one that does not exist (RFC 9110 §15.5.5:
-"an origin server that wishes to 'hide' the current existence of a forbidden target resource MAY
-instead respond with a status code of 404"); its ``group_id`` / ``conversation_id`` values live in
-its own namespace (`serve_rft.buffer.records.client_group`). Admin keys belong to no tenant and
-reach every completion; what an admin key (or anyone, with no keys) generates belongs to
-`DEFAULT_TENANT`.
+another tenant's completion is answered 404, as for one that does not exist (RFC 9110 §15.5.4, 403
+Forbidden: "An origin server that wishes to 'hide' the current existence of a forbidden target
+resource MAY instead respond with a status code of 404 (Not Found)"); its ``group_id`` /
+``conversation_id`` values live in its own namespace (`serve_rft.buffer.records.client_group`).
+Admin keys belong to no tenant and reach every completion; what an admin key (or anyone, with no
+keys) generates belongs to `DEFAULT_TENANT`.
 
 An inference key has the inference scope, a reward key the rewards scope (its tenant's rewards and
-experience reads), an admin key every scope. With no key configured the service is open (it then binds loopback only unless told
-otherwise: `serve_rft.config.service.check_exposure`). With keys: no key, a malformed header or
-an unknown key gets 401 (code ``invalid_api_key``); a known key without the path's scope gets
-403 (code ``insufficient_scope``, RFC 6750 §3.1: "The request requires higher privileges than
-provided by the access token", answered with 403; OpenAI's own answer to a restricted key
-lacking a scope says "You have insufficient permissions for this operation. Missing scopes: ...").
-Keys are compared with `hmac.compare_digest` (no timing hint of how much of a key matched).
+experience reads), an admin key every scope. With no key configured the service is open (it then
+binds loopback only unless told otherwise: `serve_rft.config.service.check_exposure`). With keys:
+no key, a malformed header or an unknown key gets 401 (code ``invalid_api_key``); a known key
+without the path's scope gets 403 (code ``insufficient_scope``, RFC 6750 §3.1: "The request
+requires higher privileges than provided by the access token", answered with 403; OpenAI's own
+answer to a restricted key lacking a scope says "You have insufficient permissions for this
+operation. Missing scopes: ..."). Keys are compared with `hmac.compare_digest` (no timing hint
+of how much of a key matched).
 """
 
 from __future__ import annotations

@@ -130,7 +130,8 @@ async def _post_one(store: ExperienceStore, req: RewardRequest, item: RewardItem
     """
     try:
         if isinstance(req, GroupRewards):
-            owner, group = await store.completion_owner(item.completion_id), await store.completion_group(item.completion_id)
+            owner = await store.completion_owner(item.completion_id)
+            group = await store.completion_group(item.completion_id)
             if group is None or not who.reaches(owner):
                 raise UnknownChoice(f"no completion {item.completion_id!r}")
             if shown_group(group, owner) != req.group_id:

@@ -36,7 +36,8 @@ EXPECTED_SCOPE = {
     "/health": None,
     "/v1/chat/completions": INFERENCE, "/v1/completions": INFERENCE, "/v1/responses": INFERENCE,
     "/v1/models": INFERENCE, "/v1/models/m": INFERENCE,
-    "/v1/rewards": REWARDS, "/v1/experiences/x": REWARDS, "/v1/status": ADMIN, "/v1/sync/events": ADMIN, "/v1/sync/rollout": ADMIN,
+    "/v1/rewards": REWARDS, "/v1/experiences/x": REWARDS,
+    "/v1/status": ADMIN, "/v1/sync/events": ADMIN, "/v1/sync/rollout": ADMIN,
     "/v1/sync/pin": ADMIN, "/v1/sync/rollback": ADMIN, "/v1/sync/promotion": ADMIN,
     "/v1/sync/replicas/r/drain": ADMIN, "/openapi.json": ADMIN, "/docs": ADMIN, "/redoc": ADMIN,
 }

@@ -100,7 +100,8 @@ class QuotaBuckets:
     unreachable Redis means: `serve_rft.explorer.quota`).
 
     Args:
-        url: ``redis://host:port`` (``buffer.redis_url``).
+        url: ``redis://[:PASSWORD@]host:port/db`` (``buffer.redis_url``; the embedded
+            redis-server's carries its password).
         prefix: key prefix (``buffer.key_prefix``).
         timeout_s: connect and command timeout, s.
     """

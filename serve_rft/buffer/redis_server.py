@@ -5,6 +5,8 @@ started it (SIGTERM from the kernel, ``PR_SET_PDEATHSIG``: it flushes its AOF an
 that one died: an orphaned redis-server kept its data directory, and one started on that directory
 next would append to the same AOF. A `RedisSupervisor` holds a lock on its data directory, so a
 second run on it fails at once with `DataDirInUse`.
+
+The supervised server requires a password: `serve_rft.buffer.redis_auth`.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
-
+from serve_rft.buffer.redis_auth import CONFIG_FILE, run_password, with_password, write_private
 from serve_rft.proc import die_with_parent
 
 
@@ -101,15 +103,17 @@ class DataDirInUse(RuntimeError):
 
 @dataclass
 class RedisServer:
-    """A running embedded redis-server: ``url``, ``pid``, ``stop()``."""
+    """A running embedded redis-server: ``url`` (with the password, if any), ``pid``, ``stop()``."""
 
     proc: subprocess.Popen
     port: int
     data_dir: Path
+    password: str | None = None
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        base = f"redis://127.0.0.1:{self.port}/0"
+        return with_password(base, self.password) if self.password else base
 
     @property
     def pid(self) -> int:
@@ -128,10 +132,14 @@ class RedisServer:
 
 
 def start_redis(data_dir: str | Path, port: int | None = None, timeout_s: float = 20.0,
-                appendfsync: str = "always", maxmemory_bytes: int | None = None) -> RedisServer:
+                appendfsync: str = "always", maxmemory_bytes: int | None = None,
+                password: str | None = None) -> RedisServer:
     """Start ``redis-server`` with append-only persistence in ``data_dir``.
 
     Args:
+        password: the ``requirepass`` clients must AUTH with (None: none). It reaches redis-server
+            in ``data_dir/redis.conf``, written anew with mode 0600 at each start (the file is
+            removed when there is no password), never on the command line.
         appendfsync: ``always`` (the AOF is written and fsynced before every reply: an
             acknowledged write survives a kill -9 of redis-server and a crash of the machine) or
             ``everysec`` (fsync once a second; while a background fsync is slow, Redis postpones
@@ -151,8 +159,14 @@ def start_redis(data_dir: str | Path, port: int | None = None, timeout_s: float 
     data = Path(data_dir).resolve()
     data.mkdir(parents=True, exist_ok=True)
     port = port or free_port()
-    args = [
-        exe, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(data),
+    conf = data / CONFIG_FILE
+    conf.unlink(missing_ok=True)
+    args = [exe]
+    if password is not None:
+        write_private(conf, f"port {port}\nrequirepass {password}\n")
+        args.append(str(conf))
+    args += [
+        "--port", str(port), "--bind", "127.0.0.1", "--dir", str(data),
         "--appendonly", "yes", "--appendfsync", appendfsync, "--save", "",
         "--daemonize", "no", "--protected-mode", "yes",
         "--logfile", str(data / "redis.log"),
@@ -161,18 +175,26 @@ def start_redis(data_dir: str | Path, port: int | None = None, timeout_s: float 
         args += ["--maxmemory", str(maxmemory_bytes), "--maxmemory-policy", "noeviction"]
     proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, start_new_session=True, preexec_fn=die_with_parent(signal.SIGTERM))
-    server = RedisServer(proc=proc, port=port, data_dir=data)
+    server = RedisServer(proc=proc, port=port, data_dir=data, password=password)
+    probe = b"*1\r\n$4\r\nPING\r\n"
+    if password is not None:  # RESP array: AUTH's reply (+OK) comes first
+        secret = password.encode()
+        probe = b"*2\r\n$4\r\nAUTH\r\n$%d\r\n%s\r\n" % (len(secret), secret) + probe
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"redis-server exited with {proc.returncode}; see {data}/redis.log")
         try:
             with socket.create_connection(("127.0.0.1", port), timeout=0.5) as s:
-                s.sendall(b"PING\r\n")
-                if s.recv(16).startswith(b"+PONG"):
+                s.sendall(probe)
+                replies = s.makefile("rb")
+                if password is not None:
+                    replies.readline()
+                if replies.readline().startswith(b"+PONG"):
                     return server
         except OSError:
-            time.sleep(0.05)
+            pass
+        time.sleep(0.05)
     server.stop()
     raise RuntimeError(f"redis-server on port {port} did not answer within {timeout_s} s")
 
@@ -187,25 +209,28 @@ class RedisSupervisor:
     reason and keeps it in ``failed`` (a crash loop is not hidden behind restarts). Each restart
     is logged and counted (``restarts``; and ``redis_restarts`` in the store's ``P:stat`` when
     ``key_prefix`` is given). Same interface as `RedisServer` for its owner (``url``, ``pid``,
-    ``stop``).
+    ``stop``). With ``auth`` (the default) the server requires the data directory's password
+    (`run_password`), the same one on every restart, and ``url`` carries it.
 
     The supervisor holds an exclusive lock (``flock``) on ``data_dir/serve-rft.lock`` from its
     start to `stop` (the kernel drops it when the process dies).
 
     Raises (constructor):
         DataDirInUse: another process holds ``data_dir`` (its pid in the message).
+        PermissionError / ValueError: the password file is open to others or empty (`run_password`).
         Whatever `start_redis` raises for the first start.
     """
 
     def __init__(self, data_dir: str | Path, appendfsync: str = "always",
                  maxmemory_bytes: int | None = None, key_prefix: str | None = None,
-                 max_restarts: int = 5, window_s: float = 300.0, poll_s: float = 0.5):
+                 max_restarts: int = 5, window_s: float = 300.0, poll_s: float = 0.5, auth: bool = True):
         import threading
 
-        self._args = dict(appendfsync=appendfsync, maxmemory_bytes=maxmemory_bytes)
         self.data_dir = Path(data_dir)
         self._lock = _lock_dir(self.data_dir)
         try:
+            self._args = dict(appendfsync=appendfsync, maxmemory_bytes=maxmemory_bytes,
+                              password=run_password(self.data_dir) if auth else None)
             self.server = start_redis(self.data_dir, **self._args)
         except BaseException:
             os.close(self._lock)

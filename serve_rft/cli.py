@@ -102,6 +102,18 @@ def _progress(status):
     return show
 
 
+def ready_line(stack, mode: str) -> str:
+    """The JSON line `up` prints once up, from a started `serve_rft.service.launcher.ServiceStack`:
+    url, startup_seconds, ray_address, redis_url (redacted: never the password), mode,
+    metrics_url, redis_pid (the embedded redis-server's, else null)."""
+    from serve_rft.buffer.redis_auth import redacted
+
+    return json.dumps({"url": stack.url, "startup_seconds": stack.startup_seconds,
+                       "ray_address": stack.ray_address, "redis_url": redacted(stack.cfg.buffer.redis_url),
+                       "mode": mode, "metrics_url": stack.metrics_url,
+                       "redis_pid": stack.redis.pid if stack.redis is not None else None})
+
+
 @cli.command()
 def up(config: Optional[Path] = ConfigOpt, sets: list[str] = SetOpt, model: Optional[str] = ModelOpt,
        port: Optional[int] = PortOpt,
@@ -115,8 +127,9 @@ def up(config: Optional[Path] = ConfigOpt, sets: list[str] = SetOpt, model: Opti
     it stops within ``service.shutdown_grace_s`` and leaves no process behind (a keeper process
     runs it: `serve_rft.service.keeper`).
 
-    Prints one JSON line once up: url (empty in train mode), redis_url, ray_address, mode,
-    metrics_url (Ray's Prometheus endpoint; empty when joining a cluster).
+    Prints one JSON line once up (`ready_line`): url (empty in train mode), redis_url (without
+    its password), ray_address, mode, metrics_url (Ray's Prometheus endpoint; empty when joining
+    a cluster).
     """
     from serve_rft.buffer.redis_server import DataDirInUse
     from serve_rft.service.launcher import ServiceStack, quiet_env, trainer_status, wait_for_signal
@@ -141,10 +154,7 @@ def up(config: Optional[Path] = ConfigOpt, sets: list[str] = SetOpt, model: Opti
         what = f"at {stack.url}" if stack.url else "(training)"
         console.print(f"[green]serve_rft up --mode {mode.value}[/green] {what} "
                       f"(model {stack.model_path}, started in {stack.startup_seconds:.1f} s)")
-        print(json.dumps({"url": stack.url, "startup_seconds": stack.startup_seconds,
-                          "ray_address": stack.ray_address, "redis_url": stack.cfg.buffer.redis_url,
-                          "mode": mode.value, "metrics_url": stack.metrics_url,
-                          "redis_pid": stack.redis.pid if stack.redis is not None else None}), flush=True)
+        print(ready_line(stack, mode.value), flush=True)
         done = None
         if mode is Mode.train and max_steps > 0:
             def done() -> bool:

@@ -11,7 +11,9 @@ Modes (the Trinity-RFT technical report (Pan et al., 2025) §2.1: online / train
 - ``train``: trainer and synchronizer only, against an existing store: ``buffer.redis_url``, or
   the embedded redis-server restarted on ``run_dir/redis`` (its AOF holds what an earlier run
   collected). With ``service.ray_address`` of a running ``serve`` stack it joins that cluster,
-  and the replicas there sync to the versions it publishes; without, it trains offline.
+  and the replicas there sync to the versions it publishes; without, it trains offline. The URL
+  that stack printed has no password; the one of its embedded redis-server is read from
+  ``run_dir/redis/password`` (`serve_rft.buffer.redis_auth.embedded_url`).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from typing import Callable
 
 import httpx
 
+from serve_rft.buffer.redis_auth import embedded_url
 from serve_rft.buffer.redis_server import RedisSupervisor, free_port
 from serve_rft.config import Config
 from serve_rft.config.service import check_exposure
@@ -48,7 +51,8 @@ TASK_EVENTS_ENV = {"RAY_task_events_report_interval_ms": "0", "RAY_task_events_m
 
 class ServiceStack:
     """The running service. Attributes after ``__enter__``: ``url`` (empty in ``train`` mode),
-    ``model_path``, ``config``, ``ray_address``.
+    ``model_path``, ``config``, ``ray_address``. ``cfg.buffer.redis_url`` carries the embedded
+    redis-server's password: show it only through `serve_rft.buffer.redis_auth.redacted`.
 
     Raises:
         ValueError: an unknown ``mode``; on entry, a configuration that cannot run here
@@ -103,7 +107,9 @@ class ServiceStack:
             self.redis = RedisSupervisor(run_dir / "redis", appendfsync=b.durability,
                                          maxmemory_bytes=b.maxmemory_mb * 2**20 if b.maxmemory_mb else None,
                                          key_prefix=b.key_prefix)
-            cfg.buffer.redis_url = self.redis.url
+            cfg.buffer.redis_url = self.redis.url  # with its password: never print or log it
+        elif self.mode == "train":  # the redacted URL a serve run printed: its run dir's password
+            cfg.buffer.redis_url = embedded_url(cfg.buffer.redis_url, run_dir / "redis")
         if cfg.service.port == 0:
             cfg.service.port = free_port(cfg.service.host)
 

@@ -21,6 +21,8 @@ from pathlib import Path
 import psutil
 import pytest
 
+from serve_rft.buffer.redis_auth import embedded_url
+
 STARTUP_TIMEOUT_S = 600
 
 
@@ -109,6 +111,13 @@ def kill_all(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
+def store_url(info: dict, redis_url: str, run_dir: Path) -> str:
+    """The URL tests open the stack's store with: the caller's ``redis_url``, or the embedded
+    redis-server's from the JSON line (``info``, printed without its password) with the password
+    of ``run_dir/redis`` (tests run as the user that owns it)."""
+    return embedded_url(info.get("redis_url") or redis_url, run_dir / "redis")
+
+
 def start_stack(redis_url: str, model_path: Path, run_dir: Path, overrides: list[str],
                 args: tuple[str, ...] = (), prefix: str | None = None):
     """Run `serve-rft up` with ``overrides`` and more CLI ``args``; a generator yielding a
@@ -121,7 +130,7 @@ def start_stack(redis_url: str, model_path: Path, run_dir: Path, overrides: list
     prefix = prefix or run_dir.name
     log_path = run_dir / f"serve-rft-up{'-'.join(args)}.log"
     proc, lines, info = launch(stack_command(redis_url, run_dir, prefix, overrides, args), log_path)
-    yield Stack(url=info["url"], redis_url=info.get("redis_url") or redis_url, prefix=prefix,
+    yield Stack(url=info["url"], redis_url=store_url(info, redis_url, run_dir), prefix=prefix,
                 model_path=model_path, run_dir=run_dir, proc=proc, startup_seconds=info["startup_seconds"],
                 ray_address=info["ray_address"], metrics_url=info.get("metrics_url", ""),
                 redis_pid=info.get("redis_pid"))

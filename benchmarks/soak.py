@@ -39,6 +39,8 @@ import httpx
 import psutil
 import redis
 
+from serve_rft.buffer.redis_auth import embedded_url
+
 ROOT = Path(__file__).resolve().parents[1]
 REWARD_TIMEOUT_S, TRAINED_TTL_S = 300, 600
 
@@ -139,7 +141,7 @@ def main() -> None:
     proc, info = launch(run_dir, [f"buffer.reward_timeout_s={REWARD_TIMEOUT_S}", "buffer.group_timeout_s=60",
                                   f"buffer.trained_ttl_s={TRAINED_TTL_S}"])
     url, root = info["url"], psutil.Process(proc.pid)
-    r = redis.Redis.from_url(info["redis_url"])
+    r = redis.Redis.from_url(embedded_url(info["redis_url"], run_dir / "redis"))  # printed without its password
     log = run_dir / "requests.jsonl"
     env = {**os.environ, "SERVE_RFT_RATE": str(a.rate), "SERVE_RFT_REQUEST_LOG": str(log),
            "SERVE_RFT_REWARD_SKIP": "0.1"}

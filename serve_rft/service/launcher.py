@@ -216,7 +216,8 @@ def check_mode(cfg: Config, mode: str) -> None:
         return
     if cfg.service.ray_address and not cfg.buffer.redis_url:
         raise ValueError("--mode train joining a service (service.ray_address) needs that service's "
-                         "buffer.redis_url (printed by its `serve-rft up`)")
+                         "buffer.redis_url (printed by its `serve-rft up`; for its embedded redis-server also "
+                         "its service.run_dir, which holds that server's password)")
     if not cfg.service.ray_address and cfg.synchronizer.sync_style.value == "explorer_driven":
         raise ValueError("offline --mode train has no explorer to drive syncs (sync_style=explorer_driven): use "
                          "synchronizer.sync_style=fixed or trainer_driven")

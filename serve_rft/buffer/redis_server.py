@@ -185,9 +185,8 @@ def start_redis(data_dir: str | Path, port: int | None = None, timeout_s: float 
         if proc.poll() is not None:
             raise RuntimeError(f"redis-server exited with {proc.returncode}; see {data}/redis.log")
         try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.5) as s:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.5) as s, s.makefile("rb") as replies:
                 s.sendall(probe)
-                replies = s.makefile("rb")
                 if password is not None:
                     replies.readline()
                 if replies.readline().startswith(b"+PONG"):

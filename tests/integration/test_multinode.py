@@ -41,7 +41,7 @@ import httpx
 import pytest
 import yaml
 
-from tests.support.load import Users, every_accepted_reward_is_kept, get_status, live_replicas, wait_for
+from tests.support.load import Users, every_accepted_reward_is_kept, get_status, haproxy_on, live_replicas, wait_for
 from tests.support.ray_cluster import RayCluster, RayNode
 
 pytestmark = pytest.mark.integration
@@ -146,6 +146,7 @@ class Clusters:
         self.cluster: RayCluster | None = None
         self.shape: tuple[int, ...] = ()
         self.complete = False  # every node of ``shape`` came up
+        self.port = 0  # the service port of the last deployment
         files = workdir / "files"
         files.mkdir()
         _code_zip(files / "serve_rft_src.zip")
@@ -174,17 +175,24 @@ class Clusters:
         return self.cluster
 
     def _reset(self) -> bool:
-        """`RESET` on the cluster; whether it succeeded (a warning says why not)."""
+        """`RESET` on the cluster, then no HAProxy left on the last deployment's port within 10 s;
+        whether both held (a warning says why not)."""
         try:
             out = subprocess.run([sys.executable, "-c", RESET, self.cluster.address, self.cluster.dashboard_url],
-                                 env=self.cluster.env,
-                                 cwd=ROOT, capture_output=True, text=True, timeout=180)
+                                 env=self.cluster.env, cwd=ROOT, capture_output=True, text=True, timeout=180)
         except subprocess.TimeoutExpired:
             warnings.warn("multinode: the cluster reset took over 180 s; a fresh cluster follows")
             return False
         if out.returncode != 0:
             warnings.warn(f"multinode: the cluster reset failed; a fresh cluster follows:\n{out.stderr[-2000:]}")
-        return out.returncode == 0
+            return False
+        deadline = time.monotonic() + 10  # Serve's proxies end their HAProxy as they stop
+        while (pid := haproxy_on(self.port)) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        if pid:
+            warnings.warn(f"multinode: HAProxy {pid} still listens on {self.port} after the reset; "
+                          "a fresh cluster follows")
+        return not pid
 
     def _stop(self) -> None:
         self.cluster.stop(keep_logs=self.workdir / f"serve-logs-{self.count}")
@@ -218,7 +226,7 @@ def deployed(clusters: Clusters, tmp_path: Path, redis_url: str, model: Path, sy
     from serve_rft.buffer.redis_server import free_port
 
     cluster = clusters.get(explorer_cpus)
-    port = free_port()
+    port = clusters.port = free_port()
     url = f"http://127.0.0.1:{port}"
     config = _serve_config(tmp_path / "serve_config.yaml", port, clusters.code_uri, [
         f"buffer.redis_url={redis_url}", f"buffer.key_prefix=multinode-{sync_method}",

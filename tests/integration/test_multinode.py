@@ -6,10 +6,7 @@ trainer, the Serve controller) and two explorer nodes (``serve-rft.io/role=explo
 CPU, C with two). Redis first (the ``redis_server`` fixture), then ``serve deploy`` of
 deployments/serve_config.yaml with a ``runtime_env`` whose ``working_dir`` is a zip of this
 repository served over HTTP (``serve deploy`` takes remote URIs only): every node downloads the
-code, and the run config path is relative to it. HAProxy runs on every node with replicas. The
-CHECKPOINT test and the node-loss test share one three-node cluster: between them Serve is shut
-down and the trainer and synchronizer are ended (`Clusters`, `RESET`); should that fail, the
-second test gets a fresh cluster.
+code, and the run config path is relative to it. HAProxy runs on every node with replicas.
 
 What it shows: a replica on each explorer node and the trainer on the head (by process trees);
 MEMORY sync (the trainer's buckets in the head's object store, pulled by replicas on other
@@ -31,7 +28,6 @@ import subprocess
 import sys
 import threading
 import time
-import warnings
 import zipfile
 from collections import Counter
 from functools import partial
@@ -41,14 +37,13 @@ import httpx
 import pytest
 import yaml
 
-from tests.support.load import Users, every_accepted_reward_is_kept, get_status, haproxy_on, live_replicas, wait_for
+from tests.support.load import Users, every_accepted_reward_is_kept, get_status, live_replicas, wait_for
 from tests.support.ray_cluster import RayCluster, RayNode
 
 pytestmark = pytest.mark.integration
 
 ROOT = Path(__file__).resolve().parents[2]
 ROLE = "serve-rft.io/role"
-THREE = (1, 2)  # the explorer nodes' CPUs of the three-node cluster: B one, C two (room for B's replica)
 
 
 def _code_zip(dest: Path) -> Path:
@@ -110,140 +105,46 @@ def _all_on(st: dict, version: int, replicas: int = 2) -> bool:
     return len(live) >= replicas and all(r["policy_version"] >= version for r in live)
 
 
-RESET = """
-import sys, time
-import ray
-from ray import serve
-from ray.util.state import list_actors
-from serve_rft.names import NAMESPACE, SYNCHRONIZER_NAME, TRAINER_NAME, find_actor
-
-ray.init(address=sys.argv[1], log_to_driver=False)
-serve.shutdown()  # every application, replica and proxy; the controller last
-for name in (TRAINER_NAME, SYNCHRONIZER_NAME):  # detached: they outlive Serve
-    actor = find_actor(name)
-    if actor is not None:
-        ray.kill(actor, no_restart=True)
-deadline = time.monotonic() + 90
-while left := [(a.class_name, a.name) for a in list_actors(sys.argv[2], [("state", "=", "ALIVE")], limit=1000)
-               if a.ray_namespace in ("serve", NAMESPACE)]:
-    assert time.monotonic() < deadline, f"alive 90 s after the reset: {left}"
-    time.sleep(0.5)
-"""
-"""A driver on the cluster (argv: the head's GCS address, its dashboard URL) ending what one
-deployment left: what `serve-rft up`'s stop does on a joined cluster (serve_rft.service.launcher),
-then a wait until no actor of Serve's namespace or the service's is alive; exits non-zero if one
-is left after 90 s."""
-
-
-class Clusters:
-    """This module's Ray clusters, one at a time (the code zip served over HTTP once for all). A
-    test asks for a shape (the CPUs of each explorer node: named b, c, ...) and gets the running
-    cluster when it has that shape, all its nodes and a successful `RESET` of the last deployment,
-    else a fresh one, the old one stopped first (two clusters would share this machine's cores)."""
-
-    def __init__(self, workdir: Path):
-        self.workdir, self.count = workdir, 0
-        self.cluster: RayCluster | None = None
-        self.shape: tuple[int, ...] = ()
-        self.complete = False  # every node of ``shape`` came up
-        self.port = 0  # the service port of the last deployment
-        files = workdir / "files"
-        files.mkdir()
-        _code_zip(files / "serve_rft_src.zip")
-        self.server, files_url = _serve_files(files)
-        self.code_uri = f"{files_url}/serve_rft_src.zip"
-
-    def get(self, explorer_cpus: tuple[int, ...]) -> RayCluster:
-        """The head (one CPU, label trainer) and one explorer node per entry of ``explorer_cpus``.
-
-        Raises:
-            RuntimeError: a node did not come up (`RayCluster.add_node`).
-        """
-        if self.cluster is not None and not (self.complete and self.shape == explorer_cpus
-                                             and all(n.proc.poll() is None for n in self.cluster.nodes)
-                                             and self._reset()):
-            self._stop()
-        if self.cluster is None:
-            self.count += 1
-            folder = self.workdir / f"cluster-{self.count}"
-            folder.mkdir()
-            self.cluster, self.shape, self.complete = RayCluster(folder), explorer_cpus, False
-            self.cluster.add_node("head", num_cpus=1, labels={ROLE: "trainer"})
-            for name, cpus in zip("bcdefg", explorer_cpus):
-                self.cluster.add_node(name, num_cpus=cpus, labels={ROLE: "explorer"})
-            self.complete = True
-        return self.cluster
-
-    def _reset(self) -> bool:
-        """`RESET` on the cluster, then no HAProxy left on the last deployment's port within 10 s;
-        whether both held (a warning says why not)."""
-        try:
-            out = subprocess.run([sys.executable, "-c", RESET, self.cluster.address, self.cluster.dashboard_url],
-                                 env=self.cluster.env, cwd=ROOT, capture_output=True, text=True, timeout=180)
-        except subprocess.TimeoutExpired:
-            warnings.warn("multinode: the cluster reset took over 180 s; a fresh cluster follows")
-            return False
-        if out.returncode != 0:
-            warnings.warn(f"multinode: the cluster reset failed; a fresh cluster follows:\n{out.stderr[-2000:]}")
-            return False
-        deadline = time.monotonic() + 10  # Serve's proxies end their HAProxy as they stop
-        while (pid := haproxy_on(self.port)) and time.monotonic() < deadline:
-            time.sleep(0.5)
-        if pid:
-            warnings.warn(f"multinode: HAProxy {pid} still listens on {self.port} after the reset; "
-                          "a fresh cluster follows")
-        return not pid
-
-    def _stop(self) -> None:
-        self.cluster.stop(keep_logs=self.workdir / f"serve-logs-{self.count}")
-        self.cluster = None
-
-    def close(self) -> None:
-        """Stop the cluster (every node by its process id) and the code's HTTP server."""
-        try:
-            if self.cluster is not None:
-                self._stop()
-        finally:
-            self.server.shutdown()
-
-
-@pytest.fixture(scope="module")
-def clusters(tmp_path_factory):
-    shared = Clusters(tmp_path_factory.mktemp("multinode"))
-    try:
-        yield shared
-    finally:
-        shared.close()
-
-
 @contextlib.contextmanager
-def deployed(clusters: Clusters, tmp_path: Path, redis_url: str, model: Path, sync_method: str,
-             explorer_cpus: tuple[int, ...], autoscaling: dict | None = None):
-    """A cluster of this shape (`Clusters.get`), ``serve deploy`` of the shipped config with
-    ``sync_method`` (and ``autoscaling``: `_serve_config`) on a port of its own; yields (cluster,
-    url) once two replicas serve. The deployment stays until the next test asks for a cluster
-    (`Clusters.get`: reset, or stopped) or the module ends (`Clusters.close`)."""
+def deployed(tmp_path: Path, redis_url: str, model: Path, sync_method: str, explorer_cpus: tuple[int, ...],
+             autoscaling: dict | None = None):
+    """Ray nodes (the head: trainer; one explorer node per entry of ``explorer_cpus``, named b,
+    c, ..., with that many CPUs), the code zip served over HTTP, ``serve deploy`` of the shipped
+    config with ``sync_method`` (and ``autoscaling``: `_serve_config`); yields (cluster, url) once
+    two replicas serve. Ends every node by its process id."""
     from serve_rft.buffer.redis_server import free_port
 
-    cluster = clusters.get(explorer_cpus)
-    port = clusters.port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    config = _serve_config(tmp_path / "serve_config.yaml", port, clusters.code_uri, [
-        f"buffer.redis_url={redis_url}", f"buffer.key_prefix=multinode-{sync_method}",
-        f"service.run_dir={tmp_path / 'run'}", f"model.path={model}",
-        f"synchronizer.sync_method={sync_method}", f"trainer.label_selector={{{ROLE}: trainer}}",
-        "trainer.min_batch_size=4", "trainer.batch_size=16", "trainer.batch_wait_s=0.5",
-        "trainer.max_batch_wait_s=10", "synchronizer.max_version_lag_s=10"], autoscaling)
-    serve = str(Path(sys.executable).parent / "serve")
-    out = subprocess.run([serve, "deploy", str(config), "--address", cluster.dashboard_url],
-                         env=cluster.env, capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stdout + out.stderr
+    cluster = RayCluster(tmp_path)
+    files, server = tmp_path / "files", None
+    files.mkdir()
+    try:
+        cluster.add_node("head", num_cpus=1, labels={ROLE: "trainer"})
+        for name, cpus in zip("bcdefg", explorer_cpus):
+            cluster.add_node(name, num_cpus=cpus, labels={ROLE: "explorer"})
+        _code_zip(files / "serve_rft_src.zip")
+        server, files_url = _serve_files(files)
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        config = _serve_config(tmp_path / "serve_config.yaml", port, f"{files_url}/serve_rft_src.zip", [
+            f"buffer.redis_url={redis_url}", f"buffer.key_prefix=multinode-{sync_method}",
+            f"service.run_dir={tmp_path / 'run'}", f"model.path={model}",
+            f"synchronizer.sync_method={sync_method}", f"trainer.label_selector={{{ROLE}: trainer}}",
+            "trainer.min_batch_size=4", "trainer.batch_size=16", "trainer.batch_wait_s=0.5",
+            "trainer.max_batch_wait_s=10", "synchronizer.max_version_lag_s=10"], autoscaling)
+        serve = str(Path(sys.executable).parent / "serve")
+        out = subprocess.run([serve, "deploy", str(config), "--address", cluster.dashboard_url],
+                             env=cluster.env, capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stdout + out.stderr
 
-    def healthy():
-        return httpx.get(f"{url}/health", timeout=10).status_code == 200 and len(live_replicas(_status(url))) >= 2
-    wait_for(healthy, 600, lambda: "the deployed service to be healthy with two replicas\n"
-             + "\n".join(f"--- {n.name}\n{n.log_tail(1500)}" for n in cluster.nodes))
-    yield cluster, url
+        def healthy():
+            return httpx.get(f"{url}/health", timeout=10).status_code == 200 and len(live_replicas(_status(url))) >= 2
+        wait_for(healthy, 600, lambda: "the deployed service to be healthy with two replicas\n"
+                 + "\n".join(f"--- {n.name}\n{n.log_tail(1500)}" for n in cluster.nodes))
+        yield cluster, url
+    finally:
+        if server is not None:
+            server.shutdown()
+        cluster.stop(keep_logs=tmp_path / "serve-logs")
 
 
 def _placed(cluster: RayCluster, url: str) -> dict:
@@ -259,11 +160,10 @@ def _placed(cluster: RayCluster, url: str) -> dict:
 
 
 def test_checkpoint_sync_reaches_replicas_on_other_nodes_through_the_shared_run_dir(
-        clusters, redis_server, embedded_model, tmp_path):
+        redis_server, embedded_model, tmp_path):
     """CHECKPOINT: the trainer on the head writes version folders under ``run_dir`` (the path every
-    node mounts: here the same disk), the replicas on B and C load them and verify the probe. The
-    next test's cluster (the same shape): it is reset after this one, not started again."""
-    with deployed(clusters, tmp_path, redis_server.url, embedded_model, "checkpoint", THREE) as (cluster, url):
+    node mounts: here the same disk), the replicas on B and C load them and verify the probe."""
+    with deployed(tmp_path, redis_server.url, embedded_model, "checkpoint", (1, 1)) as (cluster, url):
         _placed(cluster, url)
         with Users(url) as users:
             wait_for(lambda: (s := _status(url))["policy_version"] >= 2 and _all_on(s, 2), 400,
@@ -275,8 +175,8 @@ def test_checkpoint_sync_reaches_replicas_on_other_nodes_through_the_shared_run_
 
 
 def test_serve_deploy_on_three_ray_nodes_syncs_across_them_and_survives_losing_one(
-        clusters, redis_server, embedded_model, tmp_path):
-    with deployed(clusters, tmp_path, redis_server.url, embedded_model, "memory", THREE) as (cluster, url):
+        redis_server, embedded_model, tmp_path):
+    with deployed(tmp_path, redis_server.url, embedded_model, "memory", (1, 2)) as (cluster, url):
         head, b, c = cluster.nodes
         st = _placed(cluster, url)
         before = st["experiences"]
@@ -310,7 +210,7 @@ def test_serve_deploy_on_three_ray_nodes_syncs_across_them_and_survives_losing_o
 
 
 def test_serve_deploy_autoscaling_adds_and_removes_replicas_while_versions_roll(
-        clusters, redis_server, embedded_model, tmp_path):
+        redis_server, embedded_model, tmp_path):
     """``serve deploy`` of deployments/serve_config_autoscaling.yaml on two Ray nodes (the head:
     trainer; B, three CPUs: the explorer replicas). Six closed-loop users with long answers (more
     requests in flight than one per replica, the target) make Serve add a third replica, which
@@ -324,7 +224,7 @@ def test_serve_deploy_autoscaling_adds_and_removes_replicas_while_versions_roll(
     so no node's proxy is left without replicas and drained (deployments/README.md, Autoscaling)."""
     scaling = {"min_replicas": 2, "max_replicas": 3, "initial_replicas": 2, "target_ongoing_requests": 1.0,
                "upscale_delay_s": 2.0, "downscale_delay_s": 120.0}
-    with deployed(clusters, tmp_path, redis_server.url, embedded_model, "memory", (3,), scaling) as (cluster, url):
+    with deployed(tmp_path, redis_server.url, embedded_model, "memory", (3,), scaling) as (cluster, url):
         before = _status(url)["experiences"]
         first_ids = {r["id"] for r in live_replicas(_status(url))}
         timeline = []

@@ -1,23 +1,37 @@
 """Per-key quotas: the token-bucket script against a real redis-server (burst, refusal with the
 right wait, refill by Redis TIME, independent keys, expiry, byte cost), and the check a replica
 runs after the key check (429 + Retry-After as OpenAI error JSON over the replica's app, the
-body cost of a chunked request, fail open when Redis is away)."""
+body cost of a chunked request, fail open when Redis is away).
+
+The buckets refill by the Redis server's clock while a test runs, and a loaded host can take
+seconds between two takes. So every expected wait or TTL is "the value at the first take, less
+the time the client measured around the takes" (``elapsed``; ``SLACK`` covers the client's
+monotonic clock against Redis ``TIME``), and the rates are small enough that no realistic delay
+refills a whole token during the takes. Only `test_refill_by_elapsed_time` needs its three takes
+within 1 s."""
 
 from __future__ import annotations
 
 import asyncio
+import math
+import socket
 import time
 import uuid
+from types import SimpleNamespace
 
 import pytest
 from starlette.requests import Request
 
-from serve_rft.buffer.quota import QuotaBuckets, Rates, key_identity
+from serve_rft.buffer.quota import Decision, QuotaBuckets, Rates, key_identity
 from serve_rft.config.service import QuotasConfig
 from serve_rft.explorer.auth import ApiKeys
 from serve_rft.explorer.body import read_body
 from serve_rft.explorer.protocol import ApiError
-from serve_rft.explorer.quota import QuotaCheck
+from serve_rft.explorer import quota as quota_module
+from serve_rft.explorer.quota import PAUSE_AFTER_FAILURE_S, QuotaCheck
+
+SLACK = 0.01
+"""s: the client's monotonic clock against the Redis server's ``TIME`` over one test."""
 
 
 def run(coro):
@@ -39,42 +53,75 @@ def prefix():
     return f"q{uuid.uuid4().hex[:8]}"
 
 
+async def _timed(buckets, n, rates, identity="k", costs=None, scope="inference"):
+    """``n`` takes (or one per cost in ``costs``, bytes) and the seconds the client measured
+    around them (an upper bound on the Redis time that passed between the first and the last)."""
+    costs = [0] * n if costs is None else costs
+    t0 = time.monotonic()
+    out = [await buckets.take(scope, identity, rates, c) for c in costs]
+    return out, time.monotonic() - t0
+
+
 def _takes(buckets, n, rates, identity="k", cost=0, scope="inference"):
     async def go():
-        out = [await buckets.take(scope, identity, rates, cost) for _ in range(n)]
+        out = await _timed(buckets, n, rates, identity, [cost] * n, scope)
         await buckets.close()
         return out
     return run(go())
 
 
 def test_burst_then_refusal_with_the_wait_until_one_token(redis_server, prefix):
-    """A full bucket of 3 allows 3 at once; the 4th waits about 1/rate (1/s: ~1 s)."""
-    rates = Rates(1.0, 3, 0.0, 0)
-    d = _takes(QuotaBuckets(redis_server.url, prefix), 4, rates)
+    """A full bucket of 3 allows 3 at once; the 4th waits 1/rate (0.01/s: 100 s) less what
+    refilled since the first take (the time the takes took, at most ``elapsed``)."""
+    rates = Rates(0.01, 3, 0.0, 0)
+    d, elapsed = _takes(QuotaBuckets(redis_server.url, prefix), 4, rates)
     assert [x.allowed for x in d] == [True, True, True, False]
     assert d[3].limit == "requests" and not d[3].too_large
-    assert 0.9 < d[3].wait_s <= 1.0
+    assert 100.0 - elapsed - SLACK <= d[3].wait_s <= 100.0, (d[3].wait_s, elapsed)
 
 
 def test_refill_by_elapsed_time(redis_server, prefix):
-    """At 5/s with a burst of 2: empty, then 0.5 s later 2.5 tokens are owed but at most 2 refill."""
-    rates = Rates(5.0, 2, 0.0, 0)
+    """At 1/s with a burst of 2: two takes empty the bucket and a third within 1 s is refused
+    with the wait until one token; after that wait (by Redis TIME) the next take is allowed."""
+    rates = Rates(1.0, 2, 0.0, 0)
 
     async def go():
         b = QuotaBuckets(redis_server.url, prefix)
-        first = [(await b.take("inference", "k", rates, 0)).allowed for _ in range(3)]
-        await asyncio.sleep(0.5)
-        later = [(await b.take("inference", "k", rates, 0)).allowed for _ in range(3)]
+        first, elapsed = await _timed(b, 3, rates)
+        await asyncio.sleep(first[2].wait_s + 0.05)
+        later = await b.take("inference", "k", rates, 0)
         await b.close()
-        return first, later
+        return first, elapsed, later
 
-    first, later = run(go())
-    assert first == [True, True, False]
-    assert later == [True, True, False]  # refilled to the burst, no further
+    first, elapsed, later = run(go())
+    assert [x.allowed for x in first] == [True, True, False], elapsed  # needs the 3 takes within 1 s
+    assert 1.0 - elapsed - SLACK <= first[2].wait_s <= 1.0, (first[2].wait_s, elapsed)
+    assert later.allowed
+
+
+def test_refill_stops_at_the_burst(redis_server, prefix):
+    """An empty bucket whose last take is moved 1000 s into the past (at 0.01/s, 10 tokens owed)
+    holds its burst of 2, no more: two takes, then the wait for one token (100 s)."""
+    rates = Rates(0.01, 2, 0.0, 0)
+
+    async def go():
+        b = QuotaBuckets(redis_server.url, prefix)
+        emptied, _ = await _timed(b, 2, rates)
+        key = b.key("inference", "k")
+        last = float(await b.redis.hget(key, "t"))
+        await b.redis.hset(key, "t", f"{last - 1000.0:.6f}")
+        later, elapsed = await _timed(b, 3, rates)
+        await b.close()
+        return emptied, later, elapsed
+
+    emptied, later, elapsed = run(go())
+    assert [x.allowed for x in emptied] == [True, True]
+    assert [x.allowed for x in later] == [True, True, False]
+    assert 100.0 - elapsed - SLACK <= later[2].wait_s <= 100.0, (later[2].wait_s, elapsed)
 
 
 def test_two_keys_and_two_scopes_are_independent(redis_server, prefix):
-    rates = Rates(1.0, 1, 0.0, 0)
+    rates = Rates(0.01, 1, 0.0, 0)  # no realistic delay refills a token between the takes
 
     async def go():
         b = QuotaBuckets(redis_server.url, prefix)
@@ -87,49 +134,55 @@ def test_two_keys_and_two_scopes_are_independent(redis_server, prefix):
 
 
 def test_a_bucket_expires_when_it_would_be_full_again(redis_server, prefix):
-    """The key's TTL: time to refill what was taken (+1 s); the key holds a hash, never the API key."""
-    rates = Rates(2.0, 4, 0.0, 0)
+    """The key's TTL: time to refill what was taken (+1 s), less the time since the first take;
+    the key holds a hash, never the API key."""
+    rates = Rates(0.0625, 4, 0.0, 0)
 
     async def go():
         b = QuotaBuckets(redis_server.url, prefix)
         ident = key_identity("secret-key")
+        t0 = time.monotonic()
         for _ in range(3):
             assert (await b.take("inference", ident, rates, 0)).allowed
         ttl = await b.redis.pttl(b.key("inference", ident))
+        elapsed = time.monotonic() - t0
         keys = await b.redis.keys(f"{prefix}:*")
         await b.close()
-        return ttl, keys, ident
+        return ttl, elapsed, keys, ident
 
-    ttl, keys, ident = run(go())
-    assert 2000 < ttl <= 2500  # 3 tokens at 2/s = 1.5 s, + 1 s
+    ttl, elapsed, keys, ident = run(go())
+    # 3 tokens at 1/16 per s = 48 s, + 1 s
+    assert 49000 - 1000 * (elapsed + SLACK) <= ttl <= 49000, (ttl, elapsed)
     assert keys == [f"{prefix}:quota:inference:{ident}"]
     assert "secret-key" not in ident and len(ident) == 32
 
 
 def test_bytes_cost_and_a_body_over_the_burst(redis_server, prefix):
-    """Bytes: 100 B/s, burst 1500 B: 1000 then 600 is short by 100 B (1 s); all or nothing (the
-    request token is not taken either); a body over the burst is never allowed."""
-    rates = Rates(0.001, 100, 100.0, 1500)
+    """Bytes: 10 B/s, burst 1500 B: 1000 then 600 is short by 100 B (10 s, less the time since
+    the first take); all or nothing (the request token is not taken either); a body over the
+    burst is never allowed."""
+    rates = Rates(0.001, 100, 10.0, 1500)
 
     async def go():
         b = QuotaBuckets(redis_server.url, prefix)
-        out = [await b.take("rewards", "k", rates, c) for c in (1000, 600, 400, 1501)]
+        out, elapsed = await _timed(b, 0, rates, costs=[1000, 600, 400, 1501], scope="rewards")
         left = await b.redis.hget(b.key("rewards", "k"), "r")
         await b.close()
-        return out, float(left)
+        return out, elapsed, float(left)
 
-    out, request_tokens = run(go())
+    out, elapsed, request_tokens = run(go())
     assert out[0].allowed and not out[1].allowed and out[2].allowed
-    assert out[1].limit == "bytes" and 0.9 < out[1].wait_s <= 1.0
-    assert 97.9 < request_tokens < 98.1  # two takes, not three
+    assert out[1].limit == "bytes" and 10.0 - elapsed - SLACK <= out[1].wait_s <= 10.0, (out[1], elapsed)
+    assert 97.9 < request_tokens < 98.1  # two takes, not three (0.001/s refills 0.1 in 100 s)
     assert not out[3].allowed and out[3].too_large
 
 
 def test_the_longer_wait_of_the_two_buckets_is_answered(redis_server, prefix):
-    rates = Rates(1.0, 1, 10.0, 100)
-    d = _takes(QuotaBuckets(redis_server.url, prefix), 2, rates, cost=100)
+    """Both buckets short: 1 request at 0.1/s (10 s) and 100 B at 1 B/s (100 s): the 100 s."""
+    rates = Rates(0.1, 1, 1.0, 100)
+    d, elapsed = _takes(QuotaBuckets(redis_server.url, prefix), 2, rates, cost=100)
     assert d[0].allowed and not d[1].allowed
-    assert d[1].limit == "bytes" and 9.9 < d[1].wait_s <= 10.0  # 100 B at 10 B/s beats 1 s
+    assert d[1].limit == "bytes" and 100.0 - elapsed - SLACK <= d[1].wait_s <= 100.0, (d[1], elapsed)
 
 
 # -- the check a replica runs ------------------------------------------------------------
@@ -157,41 +210,73 @@ def _request(path, key="adm", body=b"", chunked=False, method="POST") -> Request
 
 def test_429_with_retry_after_and_openai_rate_limit_json(redis_server, prefix):
     metrics = Metrics()
-    quotas = _quotas(inference={"requests_per_s": 0.5, "request_burst": 1})
+    quotas = _quotas(inference={"requests_per_s": 0.01, "request_burst": 1})
     check = QuotaCheck(quotas, KEYS, QuotaBuckets(redis_server.url, prefix), metrics)
 
     async def go():
+        t0 = time.monotonic()
         await check.check(_request("/v1/chat/completions", "inf"))
         with pytest.raises(ApiError) as e:
             await check.check(_request("/v1/chat/completions", "inf"))
+        elapsed = time.monotonic() - t0
         await check.check(_request("/v1/chat/completions", "inf2"))  # another key: served
         await check.check(_request("/v1/rewards", "inf"))  # another scope: unlimited
         await check.close()
-        return e.value
+        return e.value, elapsed
 
-    e = run(go())
-    assert e.status == 429 and e.retry_after == 2  # 1 token at 0.5/s: 2 s, whole seconds
+    e, elapsed = run(go())
+    # 1 token at 0.01/s: 100 s less the time since the first request, in whole seconds rounded up
+    assert e.status == 429 and math.ceil(100.0 - elapsed - SLACK) <= e.retry_after <= 100, (e.retry_after, elapsed)
     assert e.body()["error"]["code"] == "rate_limit_exceeded" and e.body()["error"]["type"] == "requests"
     assert metrics.calls == [("inference", "requests")]
 
 
 def test_chunked_body_is_charged_as_read_and_the_route_reads_it_again(redis_server, prefix):
-    quotas = _quotas(rewards={"bytes_per_s": 10.0, "bytes_burst": 40})
+    quotas = _quotas(rewards={"bytes_per_s": 0.25, "bytes_burst": 40})
     check = QuotaCheck(quotas, KEYS, QuotaBuckets(redis_server.url, prefix), Metrics())
-    body = b'{"completion_id": "c", "reward": 1.0}'  # 38 bytes, in chunks of 7
+    body = b'{"completion_id": "c", "reward": 1.0}'  # 37 bytes, in chunks of 7
 
     async def go():
+        t0 = time.monotonic()
         first = _request("/v1/rewards", "rew", body, chunked=True)
         await check.check(first)
         again = await read_body(first)
         with pytest.raises(ApiError) as e:
             await check.check(_request("/v1/rewards", "rew", body, chunked=True))
+        elapsed = time.monotonic() - t0
         await check.close()
-        return again, e.value
+        return again, e.value, elapsed
 
-    again, e = run(go())
+    again, e, elapsed = run(go())
     assert again == body
-    assert e.status == 429 and e.retry_after == 4 and e.type == "bytes"  # 36 B short at 10 B/s: 3.6 s
+    # 3 B left, 37 B asked: 34 B short at 0.25 B/s = 136 s, less the time since the first body
+    assert e.status == 429 and e.type == "bytes"
+    assert math.ceil(136.0 - elapsed - SLACK) <= e.retry_after <= 136, (e.retry_after, elapsed)
+
+
+class FixedBuckets:
+    """Buckets that answer every take with ``decision`` and count the takes (no clock involved)."""
+
+    def __init__(self, decision=None, error=None):
+        self.decision, self.error, self.takes = decision, error, 0
+
+    async def take(self, scope, identity, rates, cost_bytes):
+        self.takes += 1
+        if self.error is not None:
+            raise self.error
+        return self.decision
+
+    async def close(self):
+        pass
+
+
+@pytest.mark.parametrize("wait_s, retry_after", [(3.2, 4), (7.0, 7), (0.004, 1)])
+def test_retry_after_is_the_wait_rounded_up_to_whole_seconds(wait_s, retry_after):
+    quotas = _quotas(rewards={"bytes_per_s": 10.0})
+    check = QuotaCheck(quotas, KEYS, FixedBuckets(Decision(False, wait_s, "bytes")), Metrics())
+    with pytest.raises(ApiError) as e:
+        run(check.check(_request("/v1/rewards", "rew", b"x" * 5)))
+    assert e.value.status == 429 and e.value.retry_after == retry_after and e.value.type == "bytes"
 
 
 def test_a_body_over_the_byte_burst_is_413(redis_server, prefix):
@@ -224,25 +309,53 @@ def test_no_keys_no_limits_or_an_open_path_cost_nothing(redis_server, prefix):
     assert run(go()) == []
 
 
-def test_redis_away_fails_open_within_the_timeout_and_is_counted():
-    """An unreachable Redis: the request passes, counted, within ``timeout_s``; the next second's
-    requests pass without trying Redis again."""
+class CountingBuckets(QuotaBuckets):
+    """Real buckets that count the takes tried."""
+
+    takes = 0
+
+    async def take(self, *args):
+        self.takes += 1
+        return await super().take(*args)
+
+
+def test_redis_away_fails_open_after_the_timeout_then_pauses_and_is_counted(monkeypatch):
+    """A Redis that accepts the connection and never answers (a listening socket nobody reads):
+    the request passes, counted, when ``timeout_s`` ends the try; for ``PAUSE_AFTER_FAILURE_S``
+    (on the check's clock, stepped by the test) requests pass, counted, without trying Redis;
+    after the pause Redis is tried again."""
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)
+    clock = SimpleNamespace(now=1000.0)
+    monkeypatch.setattr(quota_module, "time", SimpleNamespace(monotonic=lambda: clock.now))
     metrics = Metrics()
     quotas = _quotas(inference={"requests_per_s": 1.0}, timeout_s=0.2)
-    # a non-routable address (RFC 5737 TEST-NET-1): the connect hangs until the timeout
-    check = QuotaCheck(quotas, KEYS, QuotaBuckets("redis://192.0.2.1:6379", "x", 0.2), metrics)
+    buckets = CountingBuckets(f"redis://127.0.0.1:{silent.getsockname()[1]}", "x", 0.2)
+    check = QuotaCheck(quotas, KEYS, buckets, metrics)
 
     async def go():
+        tries = []
         t0 = time.monotonic()
         await check.check(_request("/v1/chat/completions", "inf"))
-        first = time.monotonic() - t0
-        t0 = time.monotonic()
+        took = time.monotonic() - t0
+        tries.append(buckets.takes)
+        clock.now += PAUSE_AFTER_FAILURE_S - 0.01
         await check.check(_request("/v1/chat/completions", "inf"))
-        return first, time.monotonic() - t0
+        tries.append(buckets.takes)
+        clock.now += 0.02
+        await check.check(_request("/v1/chat/completions", "inf"))
+        tries.append(buckets.takes)
+        await check.close()
+        return took, tries
 
-    first, second = run(go())
-    assert first < 0.5 and second < 0.05
-    assert metrics.calls == [("inference", None), ("inference", None)]
+    try:
+        took, tries = run(go())
+    finally:
+        silent.close()
+    assert tries == [1, 1, 2]  # tried, paused (not tried), tried again
+    assert took < 10.0  # bounded by the timeout, not hung (no speed target)
+    assert metrics.calls == [("inference", None)] * 3
 
 
 def test_over_the_replicas_app_a_throttled_key_gets_429_json_and_another_key_is_served(redis_server, prefix):
@@ -265,9 +378,13 @@ def test_over_the_replicas_app_a_throttled_key_gets_429_json_and_another_key_is_
     try:
         with TestClient(http.app) as client:  # one event loop for every request (the Redis client's)
             adm = {"Authorization": "Bearer adm"}
+            t0 = time.monotonic()
             assert [client.get("/docs", headers=adm).status_code for _ in range(2)] == [200, 200]
             r = client.get("/docs", headers=adm)
-            assert r.status_code == 429 and 900 < int(r.headers["retry-after"]) <= 1000  # ~1 token at 0.001/s
+            elapsed = time.monotonic() - t0
+            # 1 token at 0.001/s: 1000 s less the time since the first request, rounded up
+            assert r.status_code == 429
+            assert math.ceil(1000.0 - elapsed - SLACK) <= int(r.headers["retry-after"]) <= 1000, elapsed
             assert r.json()["error"]["code"] == "rate_limit_exceeded"
             assert client.get("/docs", headers={"Authorization": "Bearer adm2"}).status_code == 200
             assert client.get("/docs").status_code == 401  # the key check comes first

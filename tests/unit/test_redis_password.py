@@ -7,7 +7,6 @@ import os
 import signal
 import socket
 import stat
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -19,15 +18,7 @@ from redis.retry import Retry
 from serve_rft.buffer.redis_auth import (CONFIG_FILE, PASSWORD_FILE, embedded_url, redacted,
                                          run_password, with_password)
 from serve_rft.buffer.redis_server import RedisSupervisor, start_redis
-
-
-def _until(pred, timeout_s=15.0):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        time.sleep(0.1)
-    return False
+from tests.support.polling import until
 
 
 def _mode(path: Path) -> int:
@@ -85,7 +76,7 @@ def test_a_restart_after_kill_9_keeps_the_password(tmp_path):
         url, first = sup.url, sup.pid
         redis.Redis.from_url(url).set("kept", "yes")
         os.kill(first, signal.SIGKILL)
-        assert _until(lambda: sup.restarts == 1), "not restarted"
+        assert until(lambda: sup.restarts == 1), "not restarted"
         assert sup.url == url and sup.pid != first
         assert run_password(tmp_path / "r") not in Path(f"/proc/{sup.pid}/cmdline").read_text()
         _refused(sup.port)

@@ -124,12 +124,39 @@ class DeadLetter:
         return cls(entry.stream_id, entry.member, reason, entry.experience.model_dump_json(), repr(entry.reward))
 
 
-def experience_from(exp_json: str, prompt_json: str | None) -> Experience:
-    """An experience from its stored JSON and its completion's prompt ids (stored once per
-    completion, ``P:pr:{cid}``; an experience logged with its prompt inline has none)."""
-    if not prompt_json:
+SHARED = ("sampling", "user", "metadata")
+"""Per-request fields stored once per completion (`shared_fields`) when all its choices agree:
+a request with ``n`` choices and large fields (a grammar, ``metadata``) is not stored ``n``
+times."""
+
+
+def shared_fields(experiences: list[Experience]) -> dict:
+    """What the choices of one completion share, stored once (``P:pr:{cid}``): the prompt token
+    ids (of the first choice: one prompt per completion) and each of `SHARED` on which every
+    choice agrees, as JSON-ready values. Each choice's record leaves these keys out."""
+    e0 = experiences[0]
+    out: dict = {"prompt_token_ids": e0.prompt_token_ids}
+    for name in SHARED:
+        value = getattr(e0, name)
+        if all(getattr(e, name) == value for e in experiences[1:]):
+            out[name] = e0.model_dump(mode="json", include={name})[name]
+    return out
+
+
+def experience_from(exp_json: str, shared_json: str | None) -> Experience:
+    """An experience from its stored JSON and its completion's shared fields (``P:pr:{cid}``:
+    a `shared_fields` object, or the bare prompt token ids list an older record has; none for
+    an experience logged whole). A field the record has itself wins over the shared one.
+
+    Raises:
+        ValueError: either JSON does not parse or the result is not an `Experience`.
+    """
+    if not shared_json:
         return Experience.model_validate_json(exp_json)
-    return Experience.model_validate({**json.loads(exp_json), "prompt_token_ids": json.loads(prompt_json)})
+    shared = json.loads(shared_json)
+    if not isinstance(shared, dict):
+        shared = {"prompt_token_ids": shared}
+    return Experience.model_validate({**shared, **json.loads(exp_json)})
 
 
 def parse_entries(entries: list[tuple[str, dict]]) -> tuple[list[RewardedExperience], list[DeadLetter]]:

@@ -11,9 +11,12 @@ Schema (``P`` = ``buffer.key_prefix``; ``{cid}`` a completion id, ``{i}`` a choi
 =====================  ======  =============================================================
 key                    type    meaning
 =====================  ======  =============================================================
-``P:pr:{cid}``         string  The completion's prompt token ids (JSON), once for all its
-                               choices; kept as long as its longest-kept choice.
-``P:exp:{cid}:{i}``    string  Experience JSON without the prompt (``P:pr:{cid}`` holds it).
+``P:pr:{cid}``         string  The fields its choices share, once for all of them: a JSON
+                               object with the prompt token ids and, when every choice has
+                               the same, ``sampling`` (its grammar included), ``user`` and
+                               ``metadata`` (`records.shared_fields`); kept as long as its
+                               longest-kept choice.
+``P:exp:{cid}:{i}``    string  Experience JSON without the shared fields (``P:pr:{cid}``).
                                TTL ``reward_timeout_s`` while pending,
                                ``reward_timeout_s + trained_ttl_s`` from its reward (a
                                held member outlives its group's longest hold); deleted when it
@@ -37,7 +40,9 @@ key                    type    meaning
                                ``max_conversation_turns`` (default tenant; another tenant's:
                                ``P:tconv:{tenant}/{conv}``, `records.conversation_key`).
 ``P:ready``            stream  Released experiences (fields ``exp``, ``reward``, ``member``,
-                               ``prompt``, ``v`` the policy version of the oldest token);
+                               ``prompt`` a copy of ``P:pr:{cid}``, so an entry stays whole
+                               however long it waits; ``v`` the policy version of the oldest
+                               token);
                                consumer group ``trainer`` (entries delivered by XCLAIM
                                FORCE, newest or oldest first); XACK + XDEL once trained.
 ``P:stat``             hash    Counters: logged, rewarded, ready, trained, expired,
@@ -89,7 +94,8 @@ from serve_rft.buffer import scripts
 from serve_rft.buffer.ready import SWEEP_BATCH, ReadyStream
 from serve_rft.buffer.records import (ChoiceState, ConversationFull, GroupSizeConflict, RewardConflict,
                                       RewardExpired, RewardNotFinite, RewardOutOfRange, StoreCounts, StoreFull,
-                                      UnknownChoice, conversation_key, experience_from)
+                                      UnknownChoice, conversation_key, experience_from,
+                                      shared_fields)
 from serve_rft.config.service import DEFAULT_TENANT
 from serve_rft.types import Experience
 
@@ -196,13 +202,14 @@ class ExperienceStore(ReadyStream):
             raise StoreFull(str(e)) from None
 
     async def _log_script(self, exps, cid, gid, group_size, now, conversation_id, tenant) -> None:
-        prompt = json.dumps(exps[0].prompt_token_ids, separators=(",", ":"))
+        shared = shared_fields(exps)
         conv = conversation_key(tenant, conversation_id) if conversation_id else ""
         await self._log(args=[self.p, cid, len(exps), gid, group_size,
                               max(1, math.ceil(self.reward_timeout_s)), self._long_ttl(), now,
                               now + self.reward_timeout_s, conv,
-                              min(e.min_version for e in exps), prompt, tenant, self.max_conversation_turns,
-                              *[e.model_dump_json(exclude={"prompt_token_ids"}) for e in exps]])
+                              min(e.min_version for e in exps),
+                              json.dumps(shared, separators=(",", ":")), tenant, self.max_conversation_turns,
+                              *[e.model_dump_json(exclude=set(shared)) for e in exps]])
 
     async def check_request(self, tenant: str, group: str | None, group_size: int | None,
                             conversation_id: str | None) -> None:

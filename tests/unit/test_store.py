@@ -477,3 +477,89 @@ def test_waiting_experiences_past_the_staleness_threshold_are_dropped_before_the
         assert await s.drop_stale(threshold=3, version=9) == 0
         await s.close()
     run(go())
+
+
+def _big(cid, i, n_keys=16):
+    """A choice of a request with the largest fields `explorer.limits` lets through: a 512-char
+    ``user``, 16 metadata pairs of 64 + 512 characters, a ~64 KB json-schema grammar."""
+    schema = {"type": "object", "properties": {f"p{k:05d}": {"type": "string", "description": "x" * 40}
+                                               for k in range(1200)}}
+    return _exp(cid, i).model_copy(update={
+        "response_token_ids": [5], "behaviour_logprobs": [-1.0], "token_versions": [(0, 0, 1)],
+        "user": "u" * 512, "metadata": {f"{k:02d}".ljust(64, "k"): "v" * 512 for k in range(n_keys)},
+        "sampling": SamplingInfo(temperature=1.0, top_p=1.0, max_tokens=1, structured_outputs={"json": schema})})
+
+
+def test_the_fields_a_completion_shares_are_stored_once_and_every_read_sees_them(store_factory):
+    async def go():
+        s = store_factory()
+        exps = [_big("chatcmpl-s", i) for i in range(4)]
+        await s.log_experiences(exps)
+        for i in range(4):
+            raw = await s.redis.get(s._k("exp", "chatcmpl-s", str(i)))
+            assert len(raw) < 600 and '"user"' not in raw and "structured_outputs" not in raw
+            assert await s.get_experience("chatcmpl-s", i) == exps[i]
+        shared = await s.redis.get(s._k("pr", "chatcmpl-s"))
+        assert shared.count("u" * 512) == 1 and shared.count('"p00000"') == 1
+        assert await s.redis.ttl(s._k("pr", "chatcmpl-s")) >= await s.redis.ttl(s._k("exp", "chatcmpl-s", "0"))
+        await s.ensure_group()
+        for i in range(4):
+            await s.post_reward("chatcmpl-s", i, float(i))
+        # the ready entries are whole: the trainer reads the same experiences once every key of
+        # the completion is gone (its TTLs ran out while the trainer was away)
+        for key in [s._k("pr", "chatcmpl-s")] + [s._k("exp", "chatcmpl-s", str(i)) for i in range(4)]:
+            await s.redis.delete(key)
+        got = sorted(await s.read_ready("t", 10, block_ms=10), key=lambda b: b.experience.choice_index)
+        assert [b.experience for b in got] == exps and [b.reward for b in got] == [0.0, 1.0, 2.0, 3.0]
+        await s.close()
+    run(go())
+
+
+def test_a_field_the_choices_do_not_share_stays_with_each_choice(store_factory):
+    async def go():
+        s = store_factory()
+        exps = [_exp("chatcmpl-d", i).model_copy(update={"user": f"u{i}", "metadata": {"k": "v"}}) for i in range(3)]
+        await s.log_experiences(exps)
+        assert '"user":"u1"' in await s.redis.get(s._k("exp", "chatcmpl-d", "1"))
+        assert '"metadata"' not in await s.redis.get(s._k("exp", "chatcmpl-d", "1"))
+        assert [await s.get_experience("chatcmpl-d", i) for i in range(3)] == exps
+        await s.close()
+    run(go())
+
+
+def test_a_record_whose_shared_key_holds_only_the_prompt_ids_still_reads(store_factory):
+    async def go():
+        s = store_factory()
+        e = _exp("chatcmpl-o", 0)
+        await s.redis.set(s._k("exp", "chatcmpl-o", "0"), e.model_dump_json(exclude={"prompt_token_ids"}), ex=60)
+        await s.redis.set(s._k("pr", "chatcmpl-o"), "[1,2]", ex=60)
+        assert await s.get_experience("chatcmpl-o", 0) == e
+        await s.close()
+    run(go())
+
+
+async def _used_memory(s) -> int:
+    return int((await s.redis.info("memory"))["used_memory"])
+
+
+def test_logging_n16_with_the_largest_fields_grows_redis_by_less_than_twice_their_bytes(store_factory):
+    """The storage-amplification bound: one completion with ``n=16`` choices of one token each and
+    the largest ``user``, ``metadata`` and grammar adds less than 2x those fields' bytes to Redis's
+    ``used_memory`` (stored once, not 16 times: 16 copies would be ~20x)."""
+    async def go():
+        s = store_factory()
+        await s.log_experiences([_big("chatcmpl-warm", i) for i in range(16)])  # loads the script
+        exps = [_big("chatcmpl-amp", i) for i in range(16)]
+        field_bytes = len(exps[0].model_dump_json(include={"user", "metadata", "sampling"}).encode())
+        assert field_bytes > 70_000
+        # used_memory counts every client's buffers too: the least growth of a few tries is the
+        # store's (a freshly allocated buffer of another client only adds to one try)
+        growth = []
+        for k in range(3):
+            before = await _used_memory(s)
+            await s.log_experiences([e.model_copy(update={"completion_id": f"chatcmpl-amp{k}",
+                                                          "group_id": f"chatcmpl-amp{k}"}) for e in exps])
+            growth.append(await _used_memory(s) - before)
+        assert min(growth) < 2 * field_bytes, (growth, field_bytes)
+        await s.close()
+    run(go())

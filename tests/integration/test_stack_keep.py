@@ -4,13 +4,14 @@ on the new weights, and their experiences record the policy version of every tok
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
 import httpx
 import openai
 import pytest
 
-from tests.support.load import get_status
+from tests.support.load import get_status, live_replicas
 from tests.support.stack import stack_fixture
 from tests.support.stack_checks import ADMIN, check_training_rolls_new_versions, read_experience
 
@@ -183,3 +184,163 @@ def test_a_key_over_its_byte_quota_gets_429_with_retry_after_while_another_key_i
     r = httpx.post(f"{u}/v1/rewards", json={"completion_id": comp.id, "choice_index": 1, "reward": 0.0},
                    headers=hog)
     assert r.status_code == 200, r.text
+
+
+def _finite_numbers(value, path="") -> list[str]:
+    """Paths of the numbers in a JSON value that are not finite (a JSON answer carries NaN or
+    Infinity only as Python's json module writes them)."""
+    import math
+
+    if isinstance(value, dict):
+        return [p for k, v in value.items() for p in _finite_numbers(v, f"{path}.{k}")]
+    if isinstance(value, list):
+        return [p for k, v in enumerate(value) for p in _finite_numbers(v, f"{path}[{k}]")]
+    if isinstance(value, float) and not math.isfinite(value):
+        return [path]
+    return []
+
+
+def test_a_completion_with_the_largest_fields_and_n16_grows_redis_by_less_than_twice_the_request(stack):
+    """Storage amplification is bounded (issue 26): one request with the largest ``user``,
+    ``metadata`` and ``response_format`` schema that explorer.limits lets through, ``n=16`` and
+    one generated token each, adds less than 2x its body's bytes to Redis's ``used_memory``: the
+    fields are stored once per completion (``P:pr:{cid}``), not once per choice."""
+    from tests.support.stack_checks import open_store
+
+    body = {"model": "serve-rft", "messages": [{"role": "user", "content": "a"}], "n": 16, "max_tokens": 1,
+            "user": "u" * 512, "metadata": {f"{k:02d}".ljust(64, "k"): "v" * 512 for k in range(16)},
+            "response_format": {"type": "json_schema", "json_schema": {
+                "name": "big", "schema": {"type": "object", "description": "d" * 65_000}}}}
+    raw = json.dumps(body).encode()
+    assert len(raw) > 70_000
+
+    async def used_memory(s) -> int:
+        return int((await s.redis.info("memory"))["used_memory"])
+
+    async def go() -> list[int]:
+        s = open_store(stack)
+        growth = []
+        try:
+            async with httpx.AsyncClient(base_url=stack.url, headers={**ADMIN, "Content-Type": "application/json"},
+                                         timeout=300) as http:
+                for _ in range(3):
+                    before = await used_memory(s)
+                    r = await http.post("/v1/chat/completions", content=raw)
+                    assert r.status_code == 200 and len(r.json()["choices"]) == 16, r.text[:300]
+                    growth.append(await used_memory(s) - before)
+                    assert await s.num_choices(r.json()["id"]) == 16  # logged, all 16
+        finally:
+            await s.close()
+        return growth
+
+    # the trainer, the synchronizer and the sweeps of the earlier tests' traffic write and free
+    # Redis memory meanwhile (and used_memory counts every client's buffers): the least growth
+    # of three tries is the request's own, an unrelated allocation only adds to one try
+    growth = asyncio.run(go())
+    assert min(growth) < 2 * len(raw), (growth, len(raw))
+
+
+def test_hostile_rewards_are_refused_with_4xx_and_training_continues(stack):
+    """Rewards no client may record (out of range, past the float range, not numbers, NaN, a
+    nested list, a list item among them) are each answered 4xx with OpenAI error JSON, never
+    5xx, and nothing is recorded; the same reward again is a duplicate, another one a conflict.
+    Then rewarded traffic trains on: every replica reaches a newer policy version, and the
+    trainer's numbers in /v1/status stay finite with no step skipped."""
+    u = stack.url
+    grader = {"Authorization": "Bearer reward-key", "Content-Type": "application/json"}
+    client = openai.OpenAI(base_url=f"{u}/v1", api_key="inference-key", max_retries=0, timeout=300)
+    comp = client.chat.completions.create(model="serve-rft", messages=[{"role": "user", "content": "h"}],
+                                          max_tokens=4, n=2)
+    before = get_status(u, ADMIN)
+    cid = json.dumps(comp.id)
+    hostile = {  # the raw reward as sent -> the error code expected (None: any 422)
+        "1e39": "reward_out_of_range", "-1e39": "reward_out_of_range", "1e200": "reward_out_of_range",
+        "1e400": None, '"1.5"': None, "true": None, "null": None, '"NaN"': None,
+        "[[1.0]]": None, "[1.0, [2.0]]": None}
+    for reward, code in hostile.items():
+        for body in (f'{{"completion_id": {cid}, "reward": {reward}}}',
+                     f'{{"rewards": [{{"completion_id": {cid}, "choice_index": 1, "reward": {reward}}}]}}'):
+            r = httpx.post(f"{u}/v1/rewards", content=body.encode(), headers=grader, timeout=60)
+            assert r.status_code == 422, (body, r.status_code, r.text[:300])
+            assert code is None or r.json()["error"]["code"] == code, (body, r.text[:300])
+    r = httpx.post(f"{u}/v1/rewards", content=f'{{"completion_id": {cid}, "reward": NaN}}'.encode(),
+                   headers=grader, timeout=60)
+    assert 400 <= r.status_code < 500 and "error" in r.json(), r.text[:300]
+    shown = httpx.get(f"{u}/v1/experiences/{comp.id}", headers=grader).json()
+    assert [c["reward"] for c in shown["choices"]] == [None, None], shown  # nothing was recorded
+    for _ in range(3):  # the same reward again: a duplicate, however often
+        r = httpx.post(f"{u}/v1/rewards", json={"rewards": [{"completion_id": comp.id, "choice_index": i,
+                                                             "reward": 0.5} for i in (0, 1)]}, headers=grader)
+        assert r.status_code == 200, r.text
+    assert [d["status"] for d in r.json()["data"]] == ["duplicate", "duplicate"], r.text
+    r = httpx.post(f"{u}/v1/rewards", json={"completion_id": comp.id, "choice_index": 0, "reward": 0.25},
+                   headers=grader)
+    assert r.status_code == 409 and r.json()["error"]["code"] == "conflict", r.text
+    check_training_rolls_new_versions(stack)
+    after = get_status(u, ADMIN)
+    newest_before = max([before["policy_version"]] + [r["policy_version"] for r in before["replicas"]])
+    assert all(r["policy_version"] > newest_before for r in live_replicas(after)), (newest_before, after["replicas"])
+    assert after["trainer"]["error"] is None, after["trainer"]
+    assert after["trainer"]["skipped_steps"] == before["trainer"]["skipped_steps"], after["trainer"]
+    assert not _finite_numbers(after["trainer"]) and not _finite_numbers(after["experiences"]), after
+
+
+def test_schemathesis_with_api_keys_no_key_is_401_everywhere_and_the_admin_key_finds_no_5xx(stack):
+    """schemathesis over the served /openapi.json with keys on: (a) every route but /health,
+    the operator routes included, answers 401 to a request with no key or an unknown key, never
+    a 2xx or 5xx (the key is checked before the body is read, so nothing is pinned or drained);
+    (b) with the admin key no generated request (valid or not) gets a 5xx. The operator routes
+    (/v1/sync/...) are left out of (b): they would pin or drain the shared stack. A few examples
+    per route keep it to seconds."""
+    import schemathesis
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis.errors import Unsatisfiable
+    from schemathesis import GenerationMode
+
+    u = stack.url
+    schema = schemathesis.openapi.from_dict(httpx.get(f"{u}/openapi.json", headers=ADMIN, timeout=60).json())
+    refused: dict[str, list[int]] = {}
+    served: dict[str, list[int]] = {}
+    for result in schema.get_all_operations():
+        op = result.ok()
+        if op.path == "/health":
+            continue
+
+        @settings(max_examples=3, deadline=None, derandomize=True, database=None,
+                  suppress_health_check=list(HealthCheck))
+        @given(op.as_strategy(generation_mode=GenerationMode.POSITIVE))
+        def without_key(case):
+            if case.headers:
+                case.headers.pop("Authorization", None)  # a case-insensitive dict
+            # a path parameter with a "/" (schemathesis sends it quoted, %2F; the server decodes
+            # it) or a dot segment names no route: 404 before any route's key check, still no 2xx
+            # or 5xx
+            routed = all("/" not in str(v) and "%2f" not in str(v).lower() and str(v) not in (".", "..")
+                         for v in (case.path_parameters or {}).values())
+            for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "Basic eA=="}):
+                r = case.call(base_url=u, headers=headers, timeout=60)
+                refused.setdefault(op.label, []).append(r.status_code)
+                why = (op.label, headers, case.path_parameters, case.body, r.status_code, r.text[:300])
+                if routed:
+                    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", why
+                else:
+                    assert r.status_code in (401, 404), why
+
+        without_key()
+        if op.path.startswith("/v1/sync"):
+            continue
+        for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
+            @settings(max_examples=5, deadline=None, derandomize=True, database=None,
+                      suppress_health_check=list(HealthCheck))
+            @given(op.as_strategy(generation_mode=mode))
+            def with_admin_key(case):
+                r = case.call(base_url=u, headers=ADMIN, timeout=120)
+                served.setdefault(op.label, []).append(r.status_code)
+                assert r.status_code < 500, (op.label, mode, case.body, r.status_code, r.text[:300])
+            try:
+                with_admin_key()
+            except Unsatisfiable:  # nothing to make invalid (no parameters, no body): no negative case
+                assert mode is GenerationMode.NEGATIVE, op.label
+    assert {"POST /v1/chat/completions", "POST /v1/rewards", "GET /v1/status"} <= set(served), served
+    assert any(label.startswith("POST /v1/sync") for label in refused), refused
+    assert httpx.get(f"{u}/health").status_code == 200

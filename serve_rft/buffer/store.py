@@ -364,16 +364,18 @@ class ExperienceStore(ReadyStream):
         if n is None:
             return None
         st = await self.redis.hgetall(self._k("st", completion_id))
+        # each choice's own record has its token versions: the shared fields (``P:pr:{cid}``,
+        # up to the request's grammar and metadata) are not read
+        raws = await self.redis.mget([self._k("exp", completion_id, str(i)) for i in range(n)]) if n else []
         out = []
-        for i in range(n):
-            exp = await self.get_experience(completion_id, i)
+        for i, raw in enumerate(raws):
             r, info, v = st.get(f"r{i}"), st.get(f"info{i}"), st.get(f"v{i}")
             out.append(ChoiceState(
                 choice_index=i, state=st.get(str(i), "expired"),
                 reward=float(r) if r is not None else None,
                 info=json.loads(info) if info else None,
                 trained_version=int(v) if v is not None else None,
-                token_versions=[list(t) for t in exp.token_versions] if exp else None))
+                token_versions=[list(t) for t in json.loads(raw)["token_versions"]] if raw else None))
         return out
 
     async def sweep(self, now: float | None = None) -> tuple[int, int]:

@@ -502,6 +502,7 @@ def test_the_fields_a_completion_shares_are_stored_once_and_every_read_sees_them
         shared = await s.redis.get(s._k("pr", "chatcmpl-s"))
         assert shared.count("u" * 512) == 1 and shared.count('"p00000"') == 1
         assert await s.redis.ttl(s._k("pr", "chatcmpl-s")) >= await s.redis.ttl(s._k("exp", "chatcmpl-s", "0"))
+        assert [c.token_versions for c in await s.choices("chatcmpl-s")] == [[[0, 0, 1]]] * 4
         await s.ensure_group()
         for i in range(4):
             await s.post_reward("chatcmpl-s", i, float(i))

@@ -40,8 +40,9 @@ key                    type    meaning
                                ``max_conversation_turns`` (default tenant; another tenant's:
                                ``P:tconv:{tenant}/{conv}``, `records.conversation_key`).
 ``P:ready``            stream  Released experiences (fields ``exp``, ``reward``, ``member``,
-                               ``prompt`` a copy of ``P:pr:{cid}``, so an entry stays whole
-                               however long it waits; ``v`` the policy version of the oldest
+                               ``prompt`` a copy of ``P:pr:{cid}``: an entry stays whole
+                               however long it waits, at the cost of one copy per released
+                               choice until trained; ``v`` the policy version of the oldest
                                token);
                                consumer group ``trainer`` (entries delivered by XCLAIM
                                FORCE, newest or oldest first); XACK + XDEL once trained.
@@ -94,8 +95,7 @@ from serve_rft.buffer import scripts
 from serve_rft.buffer.ready import SWEEP_BATCH, ReadyStream
 from serve_rft.buffer.records import (ChoiceState, ConversationFull, GroupSizeConflict, RewardConflict,
                                       RewardExpired, RewardNotFinite, RewardOutOfRange, StoreCounts, StoreFull,
-                                      UnknownChoice, conversation_key, experience_from,
-                                      shared_fields)
+                                      UnknownChoice, conversation_key, experience_from, shared_fields)
 from serve_rft.config.service import DEFAULT_TENANT
 from serve_rft.types import Experience
 

@@ -94,6 +94,18 @@ class ReadyStream:
                                                  *sorted(exclude or ())]))
 
     async def _parsed(self, raw: list[tuple[str, dict]]) -> list[RewardedExperience]:
+        """Entries as (id, fields) -> their experiences, each joined with its completion's shared
+        fields (``P:rp:{cid}``, named by the entry's ``prompt_ref``; an entry that carries its
+        own copy in ``prompt`` as it is); what does not parse is dead-lettered."""
+        cids = sorted({f["prompt_ref"] for _, f in raw if f and "prompt" not in f and f.get("prompt_ref")})
+        if cids:
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for cid in cids:
+                    pipe.hget(self._k("rp", cid), "payload")
+                payloads = dict(zip(cids, await pipe.execute()))
+            raw = [(eid, {**f, "prompt": payloads[f["prompt_ref"]]}
+                    if f and "prompt" not in f and payloads.get(f.get("prompt_ref")) is not None else f)
+                   for eid, f in raw]
         good, bad = parse_entries(raw)
         await self.dead_letter(bad)
         return good

@@ -160,13 +160,18 @@ def experience_from(exp_json: str, shared_json: str | None) -> Experience:
 
 
 def parse_entries(entries: list[tuple[str, dict]]) -> tuple[list[RewardedExperience], list[DeadLetter]]:
-    """Stream entries -> (experiences, entries that do not parse). An entry deleted while
-    pending has no fields: skipped."""
+    """Ready stream entries -> (experiences, entries that do not parse). Each entry's ``prompt``
+    is its completion's shared fields (`experience_from`): its own copy, or its payload
+    (``P:rp:{cid}``) the reader joined in for its ``prompt_ref``; an entry with a ``prompt_ref``
+    and no ``prompt`` lost its payload and does not parse. An entry deleted while pending has no
+    fields: skipped."""
     good, bad = [], []
     for entry_id, f in entries:
         if not f:
             continue
         try:
+            if "prompt" not in f and f.get("prompt_ref"):
+                raise ValueError(f"the shared fields of {f['prompt_ref']!r} are gone")
             good.append(RewardedExperience(experience=experience_from(f["exp"], f.get("prompt")),
                                            reward=float(f["reward"]), stream_id=entry_id))
         except (KeyError, ValueError, TypeError) as e:  # pydantic's ValidationError is a ValueError

@@ -4,8 +4,46 @@ Keys are built inside the scripts from the prefix (``ARGV[1]``), so the store ne
 Redis node (not Redis Cluster). Schema: `serve_rft.buffer.store`.
 """
 
+# Shared Lua helpers of the ready entries' payload: a completion's shared fields (``P:pr:{cid}``)
+# are held once for all of its ready entries in ``P:rp:{cid}`` (``payload``; ``refs`` = how many
+# entries name it in their ``prompt_ref`` field), deleted with the last of them. It has no TTL:
+# every removal of a ready entry goes through `drop_entry` or `remove_entry`, which release the
+# reference exactly when XDEL removed the entry (XDEL returns how many it removed).
+_PAYLOAD = """
+-- A stream entry's fields ({id, {k1, v1, ...}}) as a table
+local function entry_fields(e)
+  local f = {}
+  for j = 1, #e[2], 2 do f[e[2][j]] = e[2][j + 1] end
+  return f
+end
+
+-- XDEL the ready entry e ({id, fields}); if this call removed it, one reference fewer to its
+-- payload (deleted with its last reference)
+local function drop_entry(P, e)
+  if redis.call('XDEL', P..':ready', e[1]) == 0 then return end
+  local cid = entry_fields(e)['prompt_ref']
+  if not cid then return end  -- an entry that carries its own copy (`prompt`), or none
+  local rp = P..':rp:'..cid
+  if redis.call('HINCRBY', rp, 'refs', -1) <= 0 then redis.call('DEL', rp) end
+end
+
+-- Remove the ready entry `id` if it is still in the stream (`drop_entry`); returns its fields
+-- and its completion's shared fields (its own copy or its payload's, '' if none), or nil
+local function remove_entry(P, id)
+  local page = redis.call('XRANGE', P..':ready', id, id)
+  if #page == 0 then return nil end
+  local f = entry_fields(page[1])
+  local shared = f['prompt']
+  if not shared and f['prompt_ref'] then
+    shared = redis.call('HGET', P..':rp:'..f['prompt_ref'], 'payload')
+  end
+  drop_entry(P, page[1])
+  return f, shared or ''
+end
+"""
+
 # Shared Lua helpers: release a group (its held, rewarded members go to the ready stream).
-_COMMON = """
+_COMMON = _PAYLOAD + """
 local function release(P, gid)
   local g = P..':grp:'..gid
   local gm = P..':gm:'..gid
@@ -18,7 +56,7 @@ local function release(P, gid)
     local st = P..':st:'..cid
     local reward = redis.call('HGET', st, 'r'..i)
     if exp and reward then
-      local prompt = redis.call('GET', P..':pr:'..cid) or ''
+      local pr = redis.call('GET', P..':pr:'..cid)
       -- v: the policy version of its oldest token (what staleness is counted from)
       local v = 0
       local ok, e = pcall(cjson.decode, exp)
@@ -29,8 +67,16 @@ local function release(P, gid)
           end
         end
       end
-      redis.call('XADD', P..':ready', '*', 'exp', exp, 'reward', reward, 'member', m, 'prompt', prompt,
-                 'v', v)
+      if pr then  -- the shared fields once per completion, whatever its ready entries
+        local rp = P..':rp:'..cid
+        redis.call('HSETNX', rp, 'payload', pr)
+        redis.call('HINCRBY', rp, 'refs', 1)
+        redis.call('XADD', P..':ready', '*', 'exp', exp, 'reward', reward, 'member', m,
+                   'prompt_ref', cid, 'v', v)
+      else  -- an experience logged whole (no shared fields)
+        redis.call('XADD', P..':ready', '*', 'exp', exp, 'reward', reward, 'member', m, 'prompt', '',
+                   'v', v)
+      end
       redis.call('HSET', st, i, 'ready')
       n = n + 1
     end
@@ -65,13 +111,6 @@ local function free_entries(rk, n, newest, also)
     if not held[e[1]] then out[#out + 1] = e end
   end
   return out
-end
-
--- A stream entry's fields ({id, {k1, v1, ...}}) as a table
-local function entry_fields(e)
-  local f = {}
-  for j = 1, #e[2], 2 do f[e[2][j]] = e[2][j + 1] end
-  return f
 end
 
 local function complete(P, gid)
@@ -266,7 +305,7 @@ if excess > 0 then
     local sep = string.find(m, ':[^:]*$')
     local st = sep and P..':st:'..string.sub(m, 1, sep - 1)
     if st and redis.call('EXISTS', st) == 1 then redis.call('HSET', st, string.sub(m, sep + 1), 'backlog-dropped') end
-    redis.call('XDEL', rk, e[1])
+    drop_entry(P, e)
     shed = shed + 1
   end
   if shed > 0 then redis.call('HINCRBY', P..':stat', 'backlog_dropped', shed) end
@@ -312,7 +351,7 @@ for _, e in ipairs(free_entries(rk, lim, false, also)) do
     local i = string.sub(m, sep + 1)
     redis.call('HSET', st, i, 'stale-dropped', 'v'..i, ver)
     if redis.call('TTL', st) < ttl then redis.call('EXPIRE', st, ttl) end
-    redis.call('XDEL', rk, e[1])
+    drop_entry(P, e)
     redis.call('HDEL', P..':attempts', e[1])
     n = n + 1
   end
@@ -321,7 +360,7 @@ if n > 0 then redis.call('HINCRBY', P..':stat', 'stale_dropped', n) end
 return n
 """
 
-ACK = ALLOW_OOM + _ACKNOWLEDGED + """
+ACK = ALLOW_OOM + _PAYLOAD + _ACKNOWLEDGED + """
 -- ARGV: P, trained_ttl_s, count, then per entry: stream id, member, state (trained | stale-dropped
 -- | constrained: sampled under a grammar, left out of the loss), version
 -- Returns {trained, not trained}.
@@ -330,7 +369,7 @@ local trained, dropped, constrained = 0, 0, 0
 for j = 0, k - 1 do
   local id, m, state, v = ARGV[4 + 4*j], ARGV[5 + 4*j], ARGV[6 + 4*j], ARGV[7 + 4*j]
   if acknowledged(P, id) then
-    redis.call('XDEL', P..':ready', id)
+    remove_entry(P, id)
     local sep = string.find(m, ':[^:]*$')
     if sep then  -- a member that names no choice ("{cid}:{i}") has no state to mark
       local cid, i = string.sub(m, 1, sep - 1), string.sub(m, sep + 1)
@@ -351,19 +390,20 @@ if constrained > 0 then redis.call('HINCRBY', P..':stat', 'constrained', constra
 return {trained, dropped + constrained}
 """
 
-DEAD_LETTER = ALLOW_OOM + _ACKNOWLEDGED + """
+DEAD_LETTER = ALLOW_OOM + _PAYLOAD + _ACKNOWLEDGED + """
 -- ARGV: P, maxlen, trained_ttl_s, count, then per entry: stream id, member ('' if unknown),
 -- reason, exp JSON ('' if none), reward ('' if none)
 -- Moves ready entries that cannot be trained to the dead-letter stream P:dead (kept for
--- inspection and replay, capped at about maxlen entries), acknowledging them; returns how many
+-- inspection and replay, capped at about maxlen entries, trimmed without a script: each letter
+-- carries its own copy of the shared fields, `prompt`), acknowledging them; returns how many
 local P, maxlen, ttl, k = ARGV[1], ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4])
 local n = 0
 for j = 0, k - 1 do
   local id, m, why, exp, r = ARGV[5 + 5*j], ARGV[6 + 5*j], ARGV[7 + 5*j], ARGV[8 + 5*j], ARGV[9 + 5*j]
   if acknowledged(P, id) then
-    redis.call('XDEL', P..':ready', id)
+    local _, shared = remove_entry(P, id)
     redis.call('XADD', P..':dead', 'MAXLEN', '~', maxlen, '*', 'id', id, 'member', m, 'reason', why,
-               'exp', exp, 'reward', r)
+               'exp', exp, 'reward', r, 'prompt', shared or '')
     redis.call('HDEL', P..':attempts', id)
     local sep = m ~= '' and string.find(m, ':[^:]*$')
     if sep then

@@ -40,17 +40,25 @@ key                    type    meaning
                                ``max_conversation_turns`` (default tenant; another tenant's:
                                ``P:tconv:{tenant}/{conv}``, `records.conversation_key`).
 ``P:ready``            stream  Released experiences (fields ``exp``, ``reward``, ``member``,
-                               ``prompt`` a copy of ``P:pr:{cid}``: an entry stays whole
-                               however long it waits, at the cost of one copy per released
-                               choice until trained; ``v`` the policy version of the oldest
-                               token);
+                               ``prompt_ref`` its completion id, naming ``P:rp:{cid}``; an
+                               entry without shared fields, or written by an older version,
+                               has ``prompt`` instead: its own copy, '' for none; ``v`` the
+                               policy version of the oldest token);
                                consumer group ``trainer`` (entries delivered by XCLAIM
                                FORCE, newest or oldest first); XACK + XDEL once trained.
+                               Entries leave only by XDEL in a script (ACK, DEAD_LETTER,
+                               DROP_STALE, SWEEP past ``max_ready``).
+``P:rp:{cid}``         hash    The ready entries' copy of ``P:pr:{cid}`` (which may expire
+                               first), once per completion: ``payload`` the JSON, ``refs``
+                               how many ready entries name it. No TTL: every XDEL that
+                               removes such an entry takes one reference, the last deletes
+                               the key; the trainer's reads join ``payload`` back.
 ``P:stat``             hash    Counters: logged, rewarded, ready, trained, expired,
                                stale_dropped, groups_timed_out, dead_lettered,
                                backlog_dropped (ready entries past ``max_ready``).
 ``P:dead``             stream  Dead letters: ready entries that cannot be trained (fields ``id``,
-                               ``member``, ``reason``, ``exp``, ``reward``), about
+                               ``member``, ``reason``, ``exp``, ``reward``, ``prompt`` a copy
+                               of the shared fields, '' for none), about
                                ``DEAD_LETTER_MAXLEN`` newest kept.
 ``P:attempts``         hash    Stream id -> training steps begun with that entry (a trainer
                                that crashed on it restarts and tries again; bounded).

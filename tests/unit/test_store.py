@@ -506,8 +506,9 @@ def test_the_fields_a_completion_shares_are_stored_once_and_every_read_sees_them
         await s.ensure_group()
         for i in range(4):
             await s.post_reward("chatcmpl-s", i, float(i))
-        # the ready entries are whole: the trainer reads the same experiences once every key of
-        # the completion is gone (its TTLs ran out while the trainer was away)
+        # the ready entries keep the shared fields (P:rp:{cid}, without a TTL): the trainer reads
+        # the same experiences once every key of the completion is gone (its TTLs ran out while
+        # the trainer was away)
         for key in [s._k("pr", "chatcmpl-s")] + [s._k("exp", "chatcmpl-s", str(i)) for i in range(4)]:
             await s.redis.delete(key)
         got = sorted(await s.read_ready("t", 10, block_ms=10), key=lambda b: b.experience.choice_index)

@@ -1,4 +1,4 @@
-"""The service on a real multi-node Ray cluster, deployed as an operator would (deployments/README.md).
+"""The service on a real multi-node Ray cluster, deployed as an operator would (docs/operations/deploy.md).
 
 Three Ray nodes on this machine, each its own ``ray start`` (raylet, object store, ports;
 `tests.support.ray_cluster`): the head (label ``serve-rft.io/role=trainer``, one CPU: the
@@ -221,7 +221,7 @@ def test_serve_deploy_autoscaling_adds_and_removes_replicas_while_versions_roll(
 
     The downscale delay is longer than a replica's start (about 45 s here): with 20 s Serve took
     the new replica away again while it was still starting. The explorer replicas share one node,
-    so no node's proxy is left without replicas and drained (deployments/README.md, Autoscaling)."""
+    so no node's proxy is left without replicas and drained (docs/operations/autoscaling.md)."""
     scaling = {"min_replicas": 2, "max_replicas": 3, "initial_replicas": 2, "target_ongoing_requests": 1.0,
                "upscale_delay_s": 2.0, "downscale_delay_s": 120.0}
     with deployed(tmp_path, redis_server.url, embedded_model, "memory", (3,), scaling) as (cluster, url):

@@ -74,7 +74,7 @@ def test_refusals_only_when_haproxy_retries_them(monkeypatch):
 # --- deployments/kuberay/rayservice.yaml: the same application, Ray as the launcher starts it ---
 
 RAYSERVICE = ROOT / "deployments" / "kuberay" / "rayservice.yaml"
-IMAGE_ROOT = "/opt/serve_rft/"  # where the image holds this repository (deployments/README.md, "Image")
+IMAGE_ROOT = "/opt/serve_rft/"  # where the image holds this repository (docs/operations/deploy.md, "Image")
 SHARED = "/shared"
 # What haproxy_env() picks per machine so that stacks can share one (free ports, the core count);
 # a pod has a network namespace and cores of its own, so Ray's defaults stand there.
@@ -168,7 +168,7 @@ def test_rayservice_serves_the_shipped_application_on_the_cluster_config(monkeyp
 
     service = _manifest()["RayService"]
     assert service["apiVersion"] == "ray.io/v1"
-    assert service["spec"]["upgradeStrategy"] == {"type": "None"}  # never a second trainer (README)
+    assert service["spec"]["upgradeStrategy"] == {"type": "None"}  # never a second trainer (docs/operations/deploy.md, Upgrades)
     serve_cfg = yaml.safe_load(service["spec"]["serveConfigV2"])
     shipped_cfg = yaml.safe_load((ROOT / "deployments" / "serve_config.yaml").read_text())
     assert {k: v for k, v in serve_cfg.items() if k != "applications"} == \
@@ -245,7 +245,7 @@ def test_shared_volume_on_every_pod_and_gpus_for_replicas_and_trainer():
     per_pod = int(_ray_container(explorer)["resources"]["limits"]["nvidia.com/gpu"])
     assert explorer["replicas"] == explorer["minReplicas"] == explorer["maxReplicas"]
     assert explorer["replicas"] * per_pod == cfg.explorer.num_replicas * cfg.explorer.num_gpus_per_replica
-    # the trainer's own GPU, where trainer.label_selector places it (deployments/README.md, "Placement")
+    # the trainer's own GPU, where trainer.label_selector places it (docs/operations/deploy.md, "Placement")
     assert trainer["replicas"] == 1 and cfg.trainer.device == "cuda"
     assert int(_ray_container(trainer)["resources"]["limits"]["nvidia.com/gpu"]) == cfg.trainer.num_gpus == 1
 

@@ -1,6 +1,6 @@
 """The package's import order: each runtime role imports only from the floors below it (no import
-circle, no import running back up, function-local imports included). The README's architecture
-section draws the same floors."""
+circle, no import running back up, function-local imports included). docs/architecture.md
+(Floors) draws the same floors."""
 
 from __future__ import annotations
 

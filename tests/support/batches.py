@@ -1,6 +1,7 @@
-"""Rewarded experiences for trainer-step tests: a small, uneven batch that the unit tests of
-micro-batching (tests/unit/test_micro_batches.py) and the sharded trainer's test
-(tests/integration/test_sharded_trainer.py) step on the embedded model."""
+"""Rewarded experiences for trainer-step tests on the embedded model: a small, uneven batch that
+the unit tests of micro-batching (tests/unit/test_micro_batches.py) and the sharded trainer's
+test (tests/integration/test_sharded_trainer.py) step on, and a small batch of two groups that
+the loss, precision, LoRA and verify unit tests step on."""
 
 from __future__ import annotations
 
@@ -34,3 +35,27 @@ def uneven_batch():
                 finish_reason="length"),
             reward=[0.0, 1.0, 0.25, 2.0, 0.5, -1.0, 1.5, 0.75][i], stream_id=f"0-{i}"))
     return out
+
+
+def small_batch(k=0, n=6):
+    """``n`` experiences in groups of three choices of one completion (``c{k}-{i // 3}``): a
+    3-token prompt, 1 to 3 response tokens with behaviour logprobs -4.0, -4.5, -5.0 (nats), all
+    at version 0, temperature 1, top_p 1; rewards 0, 1, 2 within a group.
+
+    Args:
+        k: tells batches apart (completion ids and stream ids ``{k}-{i}``).
+        n: the number of experiences (6 by default: two groups).
+
+    Returns:
+        list of ``n`` ``RewardedExperience``; token ids in [1, 30 + n) (the embedded model's
+        vocabulary holds them for the default ``n``).
+    """
+    from serve_rft.types import Experience, RewardedExperience, SamplingInfo
+
+    return [RewardedExperience(
+        experience=Experience(completion_id=f"c{k}-{i // 3}", choice_index=i % 3, group_id=f"c{k}-{i // 3}",
+                              replica_id="r", prompt_token_ids=[1, 2, 3 + i],
+                              response_token_ids=[10 + i, 20 + i, 30 + i][: 1 + i % 3],
+                              behaviour_logprobs=[-4.0, -4.5, -5.0][: 1 + i % 3], token_versions=[(0, 0, 1 + i % 3)],
+                              sampling=SamplingInfo(temperature=1.0, top_p=1.0, max_tokens=3), finish_reason="length"),
+        reward=float(i % 3), stream_id=f"{k}-{i}") for i in range(n)]

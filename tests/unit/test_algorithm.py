@@ -5,6 +5,7 @@ import torch
 
 from serve_rft.trainer.algorithm import RunningBaseline, compute_advantages
 from serve_rft.trainer.losses import ppo_clip_loss
+from tests.support.tiny_lm import PROMPTS, RESPONSES, TEMPS, TOP_PS, tiny_causal_lm
 
 
 def test_group_normalised_advantages():
@@ -56,39 +57,6 @@ def test_ppo_clip_stops_gradient_outside_the_trust_region():
 
 # --- the chunked logprobs (serve_rft/trainer/token_logprobs.py) against the full-logits path ---
 
-PROMPTS = [[1, 2, 3], [4], [5, 6, 7, 8, 9], [3, 3], [7, 1, 2, 9]]
-RESPONSES = [[10, 11, 12, 13], [], [20, 21], [30, 31, 32, 33, 34, 35], [40, 41, 42]]
-TEMPS = [0.0, 0.7, 1.3, 0.7, 1.3]  # greedy (T = 1), colder, hotter
-TOP_PS = [1.0, 0.9, 0.5, 0.9, 0.5]
-
-
-def _tiny(kind: str):
-    """A tiny random causal LM: ``qwen2`` (untied head), ``llama_tied``, or ``lora`` (a peft
-    LoRA adapter with random B on an untied Qwen2). The head is scaled up so the distributions
-    are peaked and the nucleus masks drop words."""
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(0)
-    arch = dict(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                num_attention_heads=4, num_key_value_heads=2)
-    if kind == "llama_tied":
-        model = LlamaForCausalLM(LlamaConfig(tie_word_embeddings=True, **arch)).float()
-        assert model.lm_head.weight is model.model.embed_tokens.weight
-    else:
-        model = Qwen2ForCausalLM(Qwen2Config(tie_word_embeddings=False, **arch)).float()
-    with torch.no_grad():
-        model.get_output_embeddings().weight.mul_(8.0)
-    if kind == "lora":
-        import peft  # a dependency of the project (trainer.lora)
-        lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"])
-        model = peft.get_peft_model(model, lora)
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if "lora_B" in name:
-                    p.normal_(0, 0.1)
-    return model
-
-
 def _run(model, impl: str, chunk: int = 3, top_ps=TOP_PS):
     """Logprobs, mask, entropy, and the gradients of ``sum(logp * adv * mask)`` by parameter name."""
     from serve_rft.trainer.token_logprobs import response_logprobs
@@ -107,7 +75,7 @@ def _run(model, impl: str, chunk: int = 3, top_ps=TOP_PS):
 def test_chunked_logprobs_and_gradients_equal_the_full_logits_path(kind, chunk):
     from serve_rft.trainer.token_logprobs import lm_parts
 
-    model = _tiny(kind)
+    model = tiny_causal_lm(kind)
     assert lm_parts(model) is not None  # the chunked path is really taken
     lp, mask, ent, grads = _run(model, "chunked", chunk)
     ref_lp, ref_mask, ref_ent, ref_grads = _run(model, "full")
@@ -128,7 +96,7 @@ def test_chunked_logprobs_and_gradients_equal_the_full_logits_path(kind, chunk):
 def test_lora_reference_with_the_adapter_disabled_is_the_base():
     from serve_rft.trainer.token_logprobs import response_logprobs
 
-    model = _tiny("lora")
+    model = tiny_causal_lm("lora")
     with torch.no_grad():
         on, _ = response_logprobs(model, PROMPTS, RESPONSES, TEMPS, top_ps=TOP_PS, chunk_tokens=4)
         with model.disable_adapter():
@@ -142,7 +110,7 @@ def test_chunked_under_bf16_autocast_matches_the_full_path(kind):
     """policy.py runs the logprobs under bf16 autocast: the head's matmul runs in bf16 in both
     paths (logits rounded to bf16, then fp32), so the logprobs agree to fp32 rounding; the
     gradients to bf16 rounding."""
-    model = _tiny(kind)
+    model = tiny_causal_lm(kind)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         lp, mask, ent, grads = _run(model, "chunked", 3)
         ref_lp, _, ref_ent, ref_grads = _run(model, "full")
@@ -156,7 +124,7 @@ def test_chunked_under_bf16_autocast_matches_the_full_path(kind):
 def test_all_empty_responses_and_an_empty_prompt():
     from serve_rft.trainer.token_logprobs import response_logprobs
 
-    model = _tiny("qwen2")
+    model = tiny_causal_lm("qwen2")
     lp, mask, ent = response_logprobs(model, [[1, 2], [3]], [[], []], [1.0, 1.0], with_entropy=True)
     assert lp.shape == mask.shape == ent.shape == (2, 1) and float(mask.sum()) == 0.0
     with pytest.raises(ValueError, match="prompt token"):
@@ -167,7 +135,7 @@ def test_models_without_the_plain_structure_take_the_full_path():
     from serve_rft.trainer.token_logprobs import response_logprobs
     from serve_rft.trainer.token_logprobs import lm_parts
 
-    model = _tiny("qwen2")
+    model = tiny_causal_lm("qwen2")
     model.lm_head = torch.nn.Linear(32, 97, bias=True)  # a head with a bias: not lm_head(h) = h @ W.T
     assert lm_parts(model) is None
     with torch.no_grad():

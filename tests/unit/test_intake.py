@@ -11,11 +11,11 @@ from serve_rft.buffer.records import DeadLetter
 from serve_rft.buffer.store import ExperienceStore
 from serve_rft.trainer.intake import TrainedLedger, batch_complete, stale_threshold, sync_cycles, untrainable
 from serve_rft.types import RewardedExperience
-from tests.unit.test_store import _exp
+from tests.support.experiences import experience
 
 
 def _rx(**changes):
-    e = _exp("chatcmpl-x", 0).model_copy(update=changes)
+    e = experience("chatcmpl-x", 0).model_copy(update=changes)
     return RewardedExperience(experience=e, reward=changes.pop("reward", 1.0), stream_id="1-0")
 
 
@@ -37,7 +37,7 @@ def test_untrainable_names_the_reason():
     assert "non-finite behaviour logprob" in untrainable(_rx(behaviour_logprobs=[-1.0, float("nan"), 0.0]), 100)
     assert "2 behaviour logprobs for 3" in untrainable(_rx(behaviour_logprobs=[-1.0, -1.0]), 100)
     assert "vocabulary" in untrainable(_rx(response_token_ids=[5, 6, 100]), 100)
-    bad_reward = RewardedExperience(experience=_exp("c", 0), reward=float("inf"), stream_id="1-0")
+    bad_reward = RewardedExperience(experience=experience("c", 0), reward=float("inf"), stream_id="1-0")
     assert "non-finite reward" in untrainable(bad_reward, 100)
 
 
@@ -45,7 +45,7 @@ def test_the_ledger_splits_what_saved_states_cover():
     ledger = TrainedLedger(cap=2)
     ledger.add([("1-0", "a:0", 3), ("2-0", "b:0", 3), ("3-0", "c:0", 4)])
     assert len(ledger) == 2  # a:0 forgotten (oldest)
-    batch = [RewardedExperience(experience=_exp(cid, 0), reward=0.0, stream_id=f"{9 + k}-0")
+    batch = [RewardedExperience(experience=experience(cid, 0), reward=0.0, stream_id=f"{9 + k}-0")
              for k, cid in enumerate(["a", "c"])]
     fresh, again = ledger.split(batch)
     assert [b.member for b in fresh] == ["a:0"] and again == [("10-0", "c:0", 4)]
@@ -57,7 +57,7 @@ def test_unparseable_entries_are_dead_lettered_on_read_and_attempts_are_counted(
         await s.ensure_group()
         ready = s._k("ready")
         await s.redis.xadd(ready, {"exp": "{not json", "reward": "1.0", "member": "chatcmpl-p:0"})
-        good = _exp("chatcmpl-g", 0).model_dump_json()
+        good = experience("chatcmpl-g", 0).model_dump_json()
         await s.redis.xadd(ready, {"exp": good, "reward": "0.5", "member": "chatcmpl-g:0"})
         got = await s.read_ready("t", 10, block_ms=10)
         assert [b.member for b in got] == ["chatcmpl-g:0"]
@@ -101,7 +101,7 @@ def test_the_feed_leaves_grammar_sampled_experiences_out_of_the_loss_counted(red
 
     async def go():
         store = ExperienceStore(redis_server.url, prefix=f"t{uuid.uuid4().hex[:8]}")
-        free, forced = _exp("chatcmpl-free", 0), _exp("chatcmpl-forced", 0)
+        free, forced = experience("chatcmpl-free", 0), experience("chatcmpl-forced", 0)
         forced.sampling.structured_outputs = {"structural_tag": "{...}"}
         await store.log_experiences([free])
         await store.log_experiences([forced])
@@ -130,7 +130,7 @@ def test_restarts_after_successful_steps_dead_letter_nothing(redis_server):
     async def go():
         store = ExperienceStore(redis_server.url, prefix=f"t{uuid.uuid4().hex[:8]}")
         for cid in ("chatcmpl-a", "chatcmpl-b"):
-            await store.log_experiences([_exp(cid, 0)])
+            await store.log_experiences([experience(cid, 0)])
         await store.ensure_group()
         for cid in ("chatcmpl-a", "chatcmpl-b"):
             await store.post_reward(cid, 0, 1.0)

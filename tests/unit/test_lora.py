@@ -8,7 +8,7 @@ import torch
 from serve_rft.config import load_config
 from serve_rft.trainer.policy import PolicyTrainer
 from serve_rft.trainer.state import save_state
-from tests.unit.test_losses import _batch
+from tests.support.batches import small_batch
 
 LORA = ["trainer.lora={rank: 4, alpha: 8}", "trainer.lr=0.01"]
 
@@ -28,7 +28,7 @@ def test_the_published_model_is_base_plus_adapter_and_only_the_adapter_trains(em
     p = PolicyTrainer(load_config(None, LORA), str(embedded_model))
     base_before = {n: t.detach().clone() for n, t in p.model.named_parameters() if ".lora_" not in n}
     for k in range(3):
-        p.step(_batch(k))
+        p.step(small_batch(k))
     for n, t in p.model.named_parameters():
         if ".lora_" not in n:
             assert torch.equal(t, base_before[n]), n  # the base is frozen
@@ -49,7 +49,7 @@ def test_a_lora_state_resumes_exactly_and_loads_as_a_merged_hf_model(embedded_mo
 
     cfg = load_config(None, LORA)
     a = PolicyTrainer(cfg, str(embedded_model))
-    a.step(_batch(0))
+    a.step(small_batch(0))
     path = save_state(tmp_path, a.publish_model(), a.optimizer, 3, 3, a.baseline.value, [], embedded_model,
                       scheduler=a.scheduler, adapter_model=a.model)
     b = PolicyTrainer(cfg, str(embedded_model), resume=path)
@@ -57,18 +57,18 @@ def test_a_lora_state_resumes_exactly_and_loads_as_a_merged_hf_model(embedded_mo
     assert torch.allclose(_logits(b.model, ids), _logits(a.model, ids), atol=1e-6)
     merged = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     assert torch.allclose(_logits(merged, ids), _logits(a.model, ids), atol=1e-5)
-    a.step(_batch(1))
-    b.step(_batch(1))
+    a.step(small_batch(1))
+    b.step(small_batch(1))
     for (n, x), (_, y) in zip(a.model.named_parameters(), b.model.named_parameters()):
         assert torch.allclose(x, y, atol=1e-6), n
 
 
 def test_lora_kl_uses_the_base_as_reference(embedded_model):
     p = PolicyTrainer(load_config(None, LORA + ["trainer.kl_coef=0.1"]), str(embedded_model))
-    first = p.step(_batch(0))
+    first = p.step(small_batch(0))
     assert first["kl_ref"] == pytest.approx(0.0, abs=1e-6)  # adapter B starts at 0: policy == base
-    p.step(_batch(1))
-    assert p.step(_batch(2))["kl_ref"] > 0
+    p.step(small_batch(1))
+    assert p.step(small_batch(2))["kl_ref"] > 0
 
 
 ADAPTER_ONLY = ["trainer.lora={rank: 4, alpha: 8, merge_and_sync: false}", "trainer.lr=0.01"]
@@ -99,7 +99,7 @@ def test_adapter_only_sync_publishes_the_adapter_alone(embedded_model, tmp_path)
     assert cfg.adapter_sync and cfg.trainer.lora.vllm_max_lora_rank() == 8
     p = PolicyTrainer(cfg, str(embedded_model))
     for k in range(2):
-        p.step(_batch(k))
+        p.step(small_batch(k))
     ids = [1, 5, 9, 33, 70, 2]
     want = _logits(p.model, ids)
     handle = CheckpointMethod(tmp_path / "ckpt").send(p.publish_model(), 3)
@@ -152,7 +152,7 @@ def test_a_bf16_lora_base_trains_the_fp32_adapter_and_publishes_fp32_merged_weig
     assert {d for n, d in dtypes.items() if ".lora_" in n} == {torch.float32}
     assert {d for n, d in dtypes.items() if ".lora_" not in n} == {torch.bfloat16}
     for k in range(2):
-        stats = p.step(_batch(k))
+        stats = p.step(small_batch(k))
     assert stats["grad_norm"] > 0
     p.publish_model().save_pretrained(tmp_path / "merged")
     from safetensors import safe_open

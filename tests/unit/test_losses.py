@@ -10,6 +10,7 @@ from serve_rft.config import Config
 from serve_rft.trainer.algorithm import RunningBaseline, compute_advantages
 from serve_rft.trainer.losses import (aggregate, group_tau_log_z, kl_k3, opmd_kimi_loss, opmd_loss,
                                       ppo_clip_loss)
+from tests.support.batches import small_batch
 
 MASK = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])
 PER_TOKEN = torch.tensor([[1.0, 2.0, 3.0], [4.0, 9.0, 9.0]])
@@ -77,18 +78,6 @@ def test_baseline_estimator_ignores_groups_and_k3_kl():
     assert float(kl_k3(x, x - 0.3).min()) > 0.0
 
 
-def _batch(k=0, n=6):
-    from serve_rft.types import Experience, RewardedExperience, SamplingInfo
-
-    return [RewardedExperience(
-        experience=Experience(completion_id=f"c{k}-{i // 3}", choice_index=i % 3, group_id=f"c{k}-{i // 3}",
-                              replica_id="r", prompt_token_ids=[1, 2, 3 + i],
-                              response_token_ids=[10 + i, 20 + i, 30 + i][: 1 + i % 3],
-                              behaviour_logprobs=[-4.0, -4.5, -5.0][: 1 + i % 3], token_versions=[(0, 0, 1 + i % 3)],
-                              sampling=SamplingInfo(temperature=1.0, top_p=1.0, max_tokens=3), finish_reason="length"),
-        reward=float(i % 3), stream_id=f"{k}-{i}") for i in range(n)]
-
-
 def _params(p):
     return [t.detach().clone() for t in p.model.parameters()]
 
@@ -102,7 +91,7 @@ def test_micro_batches_give_the_whole_batch_gradient(embedded_model, algorithm):
 
     whole = PolicyTrainer(load_config(None, sets), str(embedded_model))
     split = PolicyTrainer(load_config(None, sets + ["trainer.micro_batch_size=2"]), str(embedded_model))
-    a, b = whole.step(_batch()), split.step(_batch())
+    a, b = whole.step(small_batch()), split.step(small_batch())
     assert b["micro_batches"] == 3 and a["micro_batches"] == 1
     assert a["loss"] == pytest.approx(b["loss"], abs=1e-5)
     assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
@@ -121,12 +110,12 @@ def test_lr_schedule_and_dummy_mode(embedded_model):
     assert [p._lr_factor(s) for s in (0, 3)] == [0.25, 1.0]
     assert p._lr_factor(4 + 5) == pytest.approx(0.1 + 0.9 * 0.5)
     assert p._lr_factor(4 + 10) == pytest.approx(0.1) == p._lr_factor(100)
-    lrs = [p.step(_batch(k))["lr"] for k in range(3)]
+    lrs = [p.step(small_batch(k))["lr"] for k in range(3)]
     assert lrs == pytest.approx([0.25e-3, 0.5e-3, 0.75e-3])
 
     dummy = PolicyTrainer(load_config(None, ["trainer.lr=0"]), str(embedded_model))
     before = _params(dummy)
-    stats = dummy.step(_batch())
+    stats = dummy.step(small_batch())
     assert stats["grad_norm"] > 0  # all the work was done
     assert all(torch.equal(x, y) for x, y in zip(before, _params(dummy)))  # with fixed weights
 
@@ -198,7 +187,7 @@ def test_bf16_autocast_trains_with_fp32_weights(embedded_model):
     bf16 = PolicyTrainer(load_config(None, ["trainer.lr=0.001", "trainer.precision=bf16"]), str(embedded_model))
     assert not fp32.bf16 and bf16.bf16
     before = _params(bf16)
-    a, b = fp32.step(_batch()), bf16.step(_batch())
+    a, b = fp32.step(small_batch()), bf16.step(small_batch())
     assert math.isfinite(b["loss"]) and b["grad_norm"] > 0
     assert b["max_abs_logprob_diff"] == pytest.approx(a["max_abs_logprob_diff"], abs=0.1)
     assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=0.1)

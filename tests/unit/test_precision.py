@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from serve_rft.trainer import precision
-from tests.unit.test_losses import _batch
+from tests.support.batches import small_batch
 
 
 def test_a_linear_layer_saves_its_weight_as_the_parameter_not_a_copy():
@@ -76,7 +76,7 @@ def test_a_bf16_step_gives_plain_autocasts_gradients(embedded_model, impl):
     ours = PolicyTrainer(load_config(None, sets), str(embedded_model))
     plain = PolicyTrainer(load_config(None, sets), str(embedded_model))
     plain._autocast = lambda: torch.autocast(device_type="cpu", dtype=torch.bfloat16)
-    a, b = ours.step(_batch()), plain.step(_batch())
+    a, b = ours.step(small_batch()), plain.step(small_batch())
     assert a["loss"] == b["loss"] and a["grad_norm"] == b["grad_norm"]
     for (name, x), y in zip(ours.model.named_parameters(), plain.model.parameters()):
         assert torch.equal(x.grad, y.grad), name

@@ -10,7 +10,7 @@ import pytest
 
 from serve_rft.buffer.records import DeadLetter
 from serve_rft.buffer.store import ExperienceStore
-from tests.unit.test_store import _big, _exp
+from tests.support.experiences import experience, large_experience
 
 
 def run(coro):
@@ -33,7 +33,7 @@ async def _refs(s, cid) -> int | None:
 
 async def _released(s, cid, n, big=False):
     """Log a completion of ``n`` choices and reward all of them (its group is released)."""
-    exps = [(_big if big else _exp)(cid, i) for i in range(n)]
+    exps = [(large_experience if big else experience)(cid, i) for i in range(n)]
     await s.log_experiences(exps)
     for i in range(n):
         await s.post_reward(cid, i, float(i))
@@ -51,12 +51,12 @@ def test_releasing_n16_with_the_largest_fields_grows_redis_by_less_than_twice_th
         s = store_factory()
         await s.ensure_group()
         await _released(s, "chatcmpl-warm", 16, big=True)  # loads the scripts
-        field_bytes = len(_big("c", 0).model_dump_json(include={"user", "metadata", "sampling"}).encode())
+        field_bytes = len(large_experience("c", 0).model_dump_json(include={"user", "metadata", "sampling"}).encode())
         assert field_bytes > 70_000
         growth = []
         for k in range(3):  # the least of a few tries: another client's buffer only adds to one
             cid = f"chatcmpl-amp{k}"
-            await s.log_experiences([_big(cid, i) for i in range(16)])
+            await s.log_experiences([large_experience(cid, i) for i in range(16)])
             before = await _used_memory(s)
             for i in range(16):
                 await s.post_reward(cid, i, float(i))
@@ -203,7 +203,7 @@ def test_an_entry_that_carries_its_own_copy_still_reads_and_leaves_no_payload_ke
     async def go():
         s = store_factory()
         await s.ensure_group()
-        e = _big("chatcmpl-o", 0)
+        e = large_experience("chatcmpl-o", 0)
         shared = json.dumps({"prompt_token_ids": e.prompt_token_ids,
                              **e.model_dump(mode="json", include={"sampling", "user", "metadata"})})
         exp = e.model_dump_json(exclude={"prompt_token_ids", "sampling", "user", "metadata"})

@@ -11,7 +11,7 @@ from serve_rft.buffer.store import ExperienceStore
 from serve_rft.config.buffer import BufferConfig
 from serve_rft.explorer import rewards_api
 from serve_rft.explorer.protocol import ApiError, parse_reward_body
-from tests.unit.test_store import _exp
+from tests.support.experiences import experience
 
 LAX = ["1.5", True, False, "nan", None, [1.0], {"v": 1}]
 
@@ -67,7 +67,7 @@ async def _states(store, cid):
 def test_a_reward_out_of_range_is_refused_with_422_and_nothing_is_written(redis_server, reward):
     async def go():
         store = _store(redis_server.url)
-        await store.log_experiences([_exp("chatcmpl-1", 0)])
+        await store.log_experiences([experience("chatcmpl-1", 0)])
         results = await _post(store, {"completion_id": "chatcmpl-1", "reward": reward})
         assert results[0]["status"] == "refused" and results[0]["status_code"] == 422
         err = results[0]["error"]
@@ -86,7 +86,7 @@ def test_a_batch_and_a_group_check_each_item_with_its_own_result(redis_server):
     async def go():
         store = _store(redis_server.url)
         for cid in ("chatcmpl-a", "chatcmpl-b", "chatcmpl-c"):
-            await store.log_experiences([_exp(cid, 0)])
+            await store.log_experiences([experience(cid, 0)])
         results = await _post(store, {"rewards": [{"completion_id": "chatcmpl-a", "reward": 1.0},
                                                   {"completion_id": "chatcmpl-b", "reward": 1e39},
                                                   {"completion_id": "chatcmpl-c", "reward": -2}]})
@@ -95,8 +95,8 @@ def test_a_batch_and_a_group_check_each_item_with_its_own_result(redis_server):
         assert rewards_api.batch_status(results) == 200
         assert await _states(store, "chatcmpl-b") == [("pending", None)]
 
-        await store.log_experiences([_exp("chatcmpl-g1", 0, group="u:g")], group_size=2)
-        await store.log_experiences([_exp("chatcmpl-g2", 0, group="u:g")], group_size=2)
+        await store.log_experiences([experience("chatcmpl-g1", 0, group="u:g")], group_size=2)
+        await store.log_experiences([experience("chatcmpl-g2", 0, group="u:g")], group_size=2)
         results = await _post(store, {"group_id": "g", "rewards": [
             {"completion_id": "chatcmpl-g1", "reward": 1e200}, {"completion_id": "chatcmpl-g2", "reward": 0.0}]})
         assert [r["status"] for r in results] == ["refused", "recorded"]
@@ -108,14 +108,14 @@ def test_a_batch_and_a_group_check_each_item_with_its_own_result(redis_server):
 def test_a_rewards_list_or_a_conversation_with_a_reward_out_of_range_is_refused_whole(redis_server):
     async def go():
         store = _store(redis_server.url)
-        await store.log_experiences([_exp("chatcmpl-n", 0), _exp("chatcmpl-n", 1)])
+        await store.log_experiences([experience("chatcmpl-n", 0), experience("chatcmpl-n", 1)])
         with pytest.raises(ApiError) as e:
             await _post(store, {"completion_id": "chatcmpl-n", "rewards": [0.5, 1e39]})
         assert (e.value.status, e.value.code, e.value.param) == (422, "reward_out_of_range", "reward")
         assert await _states(store, "chatcmpl-n") == [("pending", None), ("pending", None)]
 
-        await store.log_experiences([_exp("chatcmpl-t1", 0)], conversation_id="conv")
-        await store.log_experiences([_exp("chatcmpl-t2", 0)], conversation_id="conv")
+        await store.log_experiences([experience("chatcmpl-t1", 0)], conversation_id="conv")
+        await store.log_experiences([experience("chatcmpl-t2", 0)], conversation_id="conv")
         for reward in (1e39, -1e20):
             with pytest.raises(ApiError) as e:
                 await _post(store, {"conversation_id": "conv", "reward": reward, "discount": 0.5})
@@ -134,7 +134,7 @@ def test_a_reward_whose_square_overflows_is_refused_whole_even_with_a_wide_range
     async def go():
         store = ExperienceStore.from_config(BufferConfig(redis_url=redis_server.url, reward_range=(-1e300, 1e300),
                                                          key_prefix=f"t{uuid.uuid4().hex[:8]}"))
-        await store.log_experiences([_exp("chatcmpl-w", 0)])
+        await store.log_experiences([experience("chatcmpl-w", 0)])
         results = await _post(store, {"completion_id": "chatcmpl-w", "reward": 1e200})
         assert results[0]["status_code"] == 422 and results[0]["error"]["code"] == "invalid_reward"
         assert await _states(store, "chatcmpl-w") == [("pending", None)]

@@ -6,7 +6,7 @@ import uuid
 from serve_rft.buffer.store import ExperienceStore
 from serve_rft.explorer import rewards_api
 from serve_rft.explorer.protocol import parse_reward_body
-from tests.unit.test_store import _exp
+from tests.support.experiences import experience
 
 
 async def _post(store, body):
@@ -16,9 +16,9 @@ async def _post(store, body):
 def test_a_refused_item_never_blocks_the_rest_and_a_retry_records_what_is_left(redis_server):
     async def go():
         store = ExperienceStore(redis_server.url, prefix=f"t{uuid.uuid4().hex[:8]}", reward_timeout_s=1.0)
-        await store.log_experiences([_exp("chatcmpl-old", 0)], conversation_id="conv")
+        await store.log_experiences([experience("chatcmpl-old", 0)], conversation_id="conv")
         await store.sweep(now=10**10)  # the first turn expired before its reward came
-        await store.log_experiences([_exp("chatcmpl-new", 0)], conversation_id="conv")
+        await store.log_experiences([experience("chatcmpl-new", 0)], conversation_id="conv")
         body = {"conversation_id": "conv", "reward": 1.0}
         results = await _post(store, body)
         assert [(r["completion_id"], r["status"]) for r in results] == [
@@ -46,8 +46,8 @@ def test_a_refused_item_never_blocks_the_rest_and_a_retry_records_what_is_left(r
 def test_group_members_are_checked_one_by_one(redis_server):
     async def go():
         store = ExperienceStore(redis_server.url, prefix=f"t{uuid.uuid4().hex[:8]}")
-        await store.log_experiences([_exp("chatcmpl-a", 0, group="u:g1")], group_size=2)
-        await store.log_experiences([_exp("chatcmpl-b", 0, group="u:g2")], group_size=2)
+        await store.log_experiences([experience("chatcmpl-a", 0, group="u:g1")], group_size=2)
+        await store.log_experiences([experience("chatcmpl-b", 0, group="u:g2")], group_size=2)
         results = await _post(store, {"group_id": "g1", "rewards": [
             {"completion_id": "chatcmpl-b", "reward": 1.0}, {"completion_id": "chatcmpl-a", "reward": 1.0}]})
         assert [r["status"] for r in results] == ["refused", "recorded"]
@@ -62,7 +62,7 @@ def test_a_refused_non_finite_reward_has_a_json_result(redis_server):
 
     async def go():
         store = ExperienceStore(redis_server.url, prefix=f"t{uuid.uuid4().hex[:8]}")
-        await store.log_experiences([_exp("chatcmpl-n", 0)])
+        await store.log_experiences([experience("chatcmpl-n", 0)])
         results = await _post(store, {"completion_id": "chatcmpl-n", "reward": float("nan")})
         assert results[0]["status_code"] == 422 and results[0]["reward"] is None
         json.dumps(results, allow_nan=False)

@@ -71,9 +71,9 @@ def test_a_sharded_model_takes_the_chunked_path_with_the_full_paths_values_and_g
     from serve_rft.trainer.token_logprobs import response_logprobs
     from serve_rft.trainer.sharding import init_process_group, shard
     from serve_rft.trainer.token_logprobs import SHARDED_HEAD
-    from tests.unit.test_algorithm import PROMPTS, RESPONSES, TEMPS, TOP_PS, _tiny
+    from tests.support.tiny_lm import PROMPTS, RESPONSES, TEMPS, TOP_PS, tiny_causal_lm
 
-    plain = _tiny(kind)
+    plain = tiny_causal_lm(kind)
     sharded = copy.deepcopy(plain)
     init_process_group(0, 1, "127.0.0.1", free_port("127.0.0.1"), "gloo")
     try:

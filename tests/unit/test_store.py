@@ -8,15 +8,7 @@ import pytest
 from serve_rft.buffer.records import (RewardConflict, RewardExpired, RewardNotFinite, StoreFull,
                                       UnknownChoice)
 from serve_rft.buffer.store import ExperienceStore
-from serve_rft.types import Experience, SamplingInfo
-
-
-def _exp(cid, i, versions=((0, 0, 3),), group=None):
-    return Experience(completion_id=cid, choice_index=i, group_id=group or cid, replica_id="r0",
-                      prompt_token_ids=[1, 2], response_token_ids=[5, 6, 7],
-                      behaviour_logprobs=[-1.0, -2.0, -0.5], token_versions=list(versions),
-                      sampling=SamplingInfo(temperature=1.0, top_p=1.0, max_tokens=3),
-                      finish_reason="length")
+from tests.support.experiences import experience, large_experience
 
 
 def run(coro):
@@ -34,7 +26,7 @@ def test_log_reward_read_ack_roundtrip(store_factory):
     async def go():
         s = store_factory()
         cid = "chatcmpl-a"
-        await s.log_experiences([_exp(cid, 0), _exp(cid, 1)])
+        await s.log_experiences([experience(cid, 0), experience(cid, 1)])
         got = await s.get_experience(cid, 1)
         assert got.behaviour_logprobs == [-1.0, -2.0, -0.5]
         c = await s.counts()
@@ -64,7 +56,7 @@ def test_log_reward_read_ack_roundtrip(store_factory):
 def test_reward_errors(store_factory):
     async def go():
         s = store_factory()
-        await s.log_experiences([_exp("c", 0)])
+        await s.log_experiences([experience("c", 0)])
         for bad in (float("nan"), float("inf"), -float("inf")):
             with pytest.raises(RewardNotFinite):
                 await s.post_reward("c", 0, bad)
@@ -82,7 +74,7 @@ def test_reward_errors(store_factory):
 def test_unrewarded_experiences_expire_and_are_counted(store_factory):
     async def go():
         s = store_factory(reward_timeout_s=1.0)
-        await s.log_experiences([_exp("c", 0)])
+        await s.log_experiences([experience("c", 0)])
         assert [x.state for x in await s.choices("c")] == ["pending"]
         await asyncio.sleep(1.3)
         c = await s.counts()
@@ -97,7 +89,7 @@ def test_unrewarded_experiences_expire_and_are_counted(store_factory):
 def test_unacked_entries_are_redelivered(store_factory):
     async def go():
         s = store_factory()
-        await s.log_experiences([_exp("c", 0)])
+        await s.log_experiences([experience("c", 0)])
         await s.post_reward("c", 0, 1.0)
         await s.ensure_group()
         first = await s.read_ready("t", 10, block_ms=10)
@@ -113,7 +105,7 @@ def test_client_group_without_size_is_released_after_group_timeout_with_two_rewa
     async def go():
         s = store_factory(group_timeout_s=0.5)
         for cid in ("a", "b", "c"):  # three requests, one client group "u:task"
-            await s.log_experiences([_exp(cid, 0, group="u:task")])
+            await s.log_experiences([experience(cid, 0, group="u:task")])
         await s.post_reward("a", 0, 1.0)
         await s.post_reward("b", 0, 0.0)
         c = await s.counts()
@@ -131,7 +123,7 @@ def test_a_lone_reward_waits_until_a_second_one_comes_after_the_group_timeout(st
     async def go():
         s = store_factory(group_timeout_s=0.3)
         for cid in ("a", "b", "c"):
-            await s.log_experiences([_exp(cid, 0, group="u:t")])
+            await s.log_experiences([experience(cid, 0, group="u:t")])
         await s.post_reward("a", 0, 1.0)
         await asyncio.sleep(0.5)
         assert (await s.counts()).ready == 0  # one reward is not a group
@@ -144,8 +136,8 @@ def test_a_lone_reward_waits_until_a_second_one_comes_after_the_group_timeout(st
 def test_client_group_with_size_is_released_when_complete_or_when_the_rest_expired(store_factory):
     async def go():
         s = store_factory(group_timeout_s=60, reward_timeout_s=1.0)
-        await s.log_experiences([_exp("a", 0, group="u:g"), _exp("a", 1, group="u:g")], group_size=3)
-        await s.log_experiences([_exp("b", 0, group="u:g")], group_size=3)
+        await s.log_experiences([experience("a", 0, group="u:g"), experience("a", 1, group="u:g")], group_size=3)
+        await s.log_experiences([experience("b", 0, group="u:g")], group_size=3)
         await s.post_reward("a", 0, 1.0)
         await s.post_reward("a", 1, 0.0)
         assert (await s.counts()).ready == 0  # 2 of 3
@@ -159,7 +151,7 @@ def test_client_group_with_size_is_released_when_complete_or_when_the_rest_expir
 def test_stale_dropped_entries_are_acked_and_counted(store_factory):
     async def go():
         s = store_factory()
-        await s.log_experiences([_exp("c", 0)])
+        await s.log_experiences([experience("c", 0)])
         await s.post_reward("c", 0, 1.0)
         await s.ensure_group()
         batch = await s.read_ready("t", 10, block_ms=10)
@@ -175,8 +167,8 @@ def test_stale_dropped_entries_are_acked_and_counted(store_factory):
 def test_a_conversation_lists_its_turns(store_factory):
     async def go():
         s = store_factory()
-        await s.log_experiences([_exp("t0", 0)], conversation_id="conv")
-        await s.log_experiences([_exp("t1", 0)], conversation_id="conv")
+        await s.log_experiences([experience("t0", 0)], conversation_id="conv")
+        await s.log_experiences([experience("t1", 0)], conversation_id="conv")
         assert await s.conversation_turns("conv") == ["t0", "t1"]
         assert await s.choices("nope") is None
         await s.close()
@@ -190,7 +182,7 @@ def test_every_delivered_entry_is_redelivered_however_many(store_factory):
         await s.ensure_group()
         cids = [f"c{k}" for k in range(300)]
         for cid in cids:
-            await s.log_experiences([_exp(cid, 0)])
+            await s.log_experiences([experience(cid, 0)])
             await s.post_reward(cid, 0, 1.0)
         first = await s.read_ready("t", 300, block_ms=10, newest_first=False)
         assert len(first) == 300
@@ -222,11 +214,11 @@ def test_the_store_survives_a_redis_restart(tmp_path):
     async def go():
         s = ExperienceStore(servers[0].url, prefix="r")
         await s.ensure_group()
-        await s.log_experiences([_exp("p", 0)])                 # stays pending
-        await s.log_experiences([_exp("q", 0)])
+        await s.log_experiences([experience("p", 0)])                 # stays pending
+        await s.log_experiences([experience("q", 0)])
         await s.post_reward("q", 0, 0.5, info={"judge": "rule"})
         assert len(await s.read_ready("t", 10, block_ms=10)) == 1  # q delivered, not acked
-        await s.log_experiences([_exp("d", 0)])
+        await s.log_experiences([experience("d", 0)])
         await s.post_reward("d", 0, 1.0)                         # d ready, undelivered
         counts = await s.counts()
         await asyncio.to_thread(restart)
@@ -255,8 +247,8 @@ def test_a_completion_is_logged_once_even_if_the_call_is_repeated(store_factory)
     """A LOG call re-sent after a lost reply (redis-py's retry) changes nothing."""
     async def go():
         s = store_factory()
-        await s.log_experiences([_exp("x", 0), _exp("x", 1)], conversation_id="conv")
-        await s.log_experiences([_exp("x", 0), _exp("x", 1)], conversation_id="conv")
+        await s.log_experiences([experience("x", 0), experience("x", 1)], conversation_id="conv")
+        await s.log_experiences([experience("x", 0), experience("x", 1)], conversation_id="conv")
         c = await s.counts()
         assert (c.logged, c.pending) == (2, 2)
         assert await s.conversation_turns("conv") == ["x"]
@@ -303,7 +295,7 @@ def test_a_rewarded_member_outlives_its_groups_longest_hold(store_factory):
     reward_timeout_s + trained_ttl_s from its reward, and a trained one trained_ttl_s from its ack."""
     async def go():
         s = store_factory(reward_timeout_s=100.0, trained_ttl_s=10.0)
-        await s.log_experiences([_exp("chatcmpl-h", 0), _exp("chatcmpl-h", 1)])
+        await s.log_experiences([experience("chatcmpl-h", 0), experience("chatcmpl-h", 1)])
         await s.post_reward("chatcmpl-h", 0, 1.0)
         assert await s.redis.ttl(s._k("exp", "chatcmpl-h", "0")) > 100
         await s.ensure_group()
@@ -325,7 +317,7 @@ def test_a_sweep_works_in_bounded_script_calls_and_misses_nothing(store_factory,
     async def go():
         s = store_factory(reward_timeout_s=1.0)
         for k in range(20):
-            await s.log_experiences([_exp(f"chatcmpl-s{k}", 0)])
+            await s.log_experiences([experience(f"chatcmpl-s{k}", 0)])
         real = s._sweep
 
         async def counted(args):
@@ -350,15 +342,15 @@ def test_a_full_store_refuses_new_writes_cleanly_and_still_drains(tmp_path):
     async def go():
         s = ExperienceStore(server.url, prefix="full", reward_timeout_s=1.0)
         await s.ensure_group()
-        await s.log_experiences([_exp("chatcmpl-keep", 0), _exp("chatcmpl-keep", 1)])
+        await s.log_experiences([experience("chatcmpl-keep", 0), experience("chatcmpl-keep", 1)])
         await s.post_reward("chatcmpl-keep", 0, 1.0)
         await s.post_reward("chatcmpl-keep", 1, 0.0)
         ready = await s.read_ready("t", 10, block_ms=10)
-        await s.log_experiences([_exp("chatcmpl-late", 0)])
+        await s.log_experiences([experience("chatcmpl-late", 0)])
         assert (await s.redis.config_get("maxmemory-policy"))["maxmemory-policy"] == "noeviction"
         await s.redis.config_set("maxmemory", 1)  # full, whatever the allocator does next
         with pytest.raises(StoreFull):
-            await s.log_experiences([_exp("chatcmpl-refused", 0)])
+            await s.log_experiences([experience("chatcmpl-refused", 0)])
         assert await s.num_choices("chatcmpl-refused") is None  # nothing of it was written
         with pytest.raises(StoreFull):
             await s.post_reward("chatcmpl-late", 0, 1.0)
@@ -375,7 +367,7 @@ def test_a_full_store_refuses_new_writes_cleanly_and_still_drains(tmp_path):
 def test_the_prompt_is_stored_once_per_completion_and_joined_back_on_every_read(store_factory):
     async def go():
         s = store_factory()
-        exps = [_exp("chatcmpl-p", i).model_copy(update={"prompt_token_ids": list(range(500))}) for i in range(4)]
+        exps = [experience("chatcmpl-p", i).model_copy(update={"prompt_token_ids": list(range(500))}) for i in range(4)]
         await s.log_experiences(exps)
         raw = await s.redis.get(s._k("exp", "chatcmpl-p", "2"))
         assert "prompt_token_ids" not in raw and len(raw) < 600  # 500 ids would be ~2 KB more
@@ -394,7 +386,7 @@ def test_the_ready_stream_is_bounded_by_dropping_the_oldest_undelivered_entries(
     async def go():
         s = store_factory(max_ready=4)
         for k in range(6):  # serve-only: nothing consumes
-            await s.log_experiences([_exp(f"chatcmpl-r{k}", 0)])
+            await s.log_experiences([experience(f"chatcmpl-r{k}", 0)])
             await s.post_reward(f"chatcmpl-r{k}", 0, 1.0)
         c = await s.counts()  # counts() sweeps
         assert (c.ready, c.backlog_dropped) == (4, 2)
@@ -403,7 +395,7 @@ def test_the_ready_stream_is_bounded_by_dropping_the_oldest_undelivered_entries(
         await s.ensure_group()
         held = await s.read_ready("t", 3, block_ms=10)  # a trainer holds three
         for k in range(6, 9):
-            await s.log_experiences([_exp(f"chatcmpl-r{k}", 0)])
+            await s.log_experiences([experience(f"chatcmpl-r{k}", 0)])
             await s.post_reward(f"chatcmpl-r{k}", 0, 1.0)
         c = await s.counts()
         assert c.ready == 4 and c.backlog_dropped == 5
@@ -417,7 +409,7 @@ def test_the_trainer_reads_the_freshest_first_or_the_oldest_and_never_an_entry_i
         s = store_factory()
         await s.ensure_group()
         for k in range(8):
-            await s.log_experiences([_exp(f"chatcmpl-f{k}", 0)])
+            await s.log_experiences([experience(f"chatcmpl-f{k}", 0)])
             await s.post_reward(f"chatcmpl-f{k}", 0, 1.0)
         newest = await s.read_ready("t", 3, block_ms=10)
         assert [b.experience.completion_id for b in newest] == ["chatcmpl-f7", "chatcmpl-f6", "chatcmpl-f5"]
@@ -438,14 +430,14 @@ def test_a_read_with_nothing_free_waits_for_a_new_entry(store_factory):
     async def go():
         s = store_factory()
         await s.ensure_group()
-        await s.log_experiences([_exp("chatcmpl-w0", 0)])
+        await s.log_experiences([experience("chatcmpl-w0", 0)])
         await s.post_reward("chatcmpl-w0", 0, 1.0)
         held = await s.read_ready("t", 10, block_ms=10)
         assert len(held) == 1
 
         async def later():
             await asyncio.sleep(0.3)
-            await s.log_experiences([_exp("chatcmpl-w1", 0)])
+            await s.log_experiences([experience("chatcmpl-w1", 0)])
             await s.post_reward("chatcmpl-w1", 0, 1.0)
         task = asyncio.create_task(later())
         t0 = asyncio.get_running_loop().time()
@@ -465,7 +457,7 @@ def test_waiting_experiences_past_the_staleness_threshold_are_dropped_before_the
         s = store_factory()
         await s.ensure_group()
         for k in range(6):  # choice k's oldest token came from policy version k
-            await s.log_experiences([_exp(f"chatcmpl-s{k}", 0, versions=((k, 0, 2), (k + 1, 2, 3)))])
+            await s.log_experiences([experience(f"chatcmpl-s{k}", 0, versions=((k, 0, 2), (k + 1, 2, 3)))])
             await s.post_reward(f"chatcmpl-s{k}", 0, 1.0)
         held = await s.read_ready("t", 1, block_ms=10, newest_first=False)  # a trainer holds s0
         assert held[0].experience.completion_id == "chatcmpl-s0"
@@ -479,21 +471,10 @@ def test_waiting_experiences_past_the_staleness_threshold_are_dropped_before_the
     run(go())
 
 
-def _big(cid, i, n_keys=16):
-    """A choice of a request with the largest fields `explorer.limits` lets through: a 512-char
-    ``user``, 16 metadata pairs of 64 + 512 characters, a ~64 KB json-schema grammar."""
-    schema = {"type": "object", "properties": {f"p{k:05d}": {"type": "string", "description": "x" * 40}
-                                               for k in range(1200)}}
-    return _exp(cid, i).model_copy(update={
-        "response_token_ids": [5], "behaviour_logprobs": [-1.0], "token_versions": [(0, 0, 1)],
-        "user": "u" * 512, "metadata": {f"{k:02d}".ljust(64, "k"): "v" * 512 for k in range(n_keys)},
-        "sampling": SamplingInfo(temperature=1.0, top_p=1.0, max_tokens=1, structured_outputs={"json": schema})})
-
-
 def test_the_fields_a_completion_shares_are_stored_once_and_every_read_sees_them(store_factory):
     async def go():
         s = store_factory()
-        exps = [_big("chatcmpl-s", i) for i in range(4)]
+        exps = [large_experience("chatcmpl-s", i) for i in range(4)]
         await s.log_experiences(exps)
         for i in range(4):
             raw = await s.redis.get(s._k("exp", "chatcmpl-s", str(i)))
@@ -520,7 +501,7 @@ def test_the_fields_a_completion_shares_are_stored_once_and_every_read_sees_them
 def test_a_field_the_choices_do_not_share_stays_with_each_choice(store_factory):
     async def go():
         s = store_factory()
-        exps = [_exp("chatcmpl-d", i).model_copy(update={"user": f"u{i}", "metadata": {"k": "v"}}) for i in range(3)]
+        exps = [experience("chatcmpl-d", i).model_copy(update={"user": f"u{i}", "metadata": {"k": "v"}}) for i in range(3)]
         await s.log_experiences(exps)
         assert '"user":"u1"' in await s.redis.get(s._k("exp", "chatcmpl-d", "1"))
         assert '"metadata"' not in await s.redis.get(s._k("exp", "chatcmpl-d", "1"))
@@ -532,7 +513,7 @@ def test_a_field_the_choices_do_not_share_stays_with_each_choice(store_factory):
 def test_a_record_whose_shared_key_holds_only_the_prompt_ids_still_reads(store_factory):
     async def go():
         s = store_factory()
-        e = _exp("chatcmpl-o", 0)
+        e = experience("chatcmpl-o", 0)
         await s.redis.set(s._k("exp", "chatcmpl-o", "0"), e.model_dump_json(exclude={"prompt_token_ids"}), ex=60)
         await s.redis.set(s._k("pr", "chatcmpl-o"), "[1,2]", ex=60)
         assert await s.get_experience("chatcmpl-o", 0) == e
@@ -550,8 +531,8 @@ def test_logging_n16_with_the_largest_fields_grows_redis_by_less_than_twice_thei
     ``used_memory`` (stored once, not 16 times: 16 copies would be ~20x)."""
     async def go():
         s = store_factory()
-        await s.log_experiences([_big("chatcmpl-warm", i) for i in range(16)])  # loads the script
-        exps = [_big("chatcmpl-amp", i) for i in range(16)]
+        await s.log_experiences([large_experience("chatcmpl-warm", i) for i in range(16)])  # loads the script
+        exps = [large_experience("chatcmpl-amp", i) for i in range(16)]
         field_bytes = len(exps[0].model_dump_json(include={"user", "metadata", "sampling"}).encode())
         assert field_bytes > 70_000
         # used_memory counts every client's buffers too: the least growth of a few tries is the

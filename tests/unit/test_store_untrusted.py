@@ -15,7 +15,7 @@ from serve_rft.buffer.records import RewardNotFinite, RewardOutOfRange
 from serve_rft.buffer.redis_server import start_redis
 from serve_rft.buffer.store import ExperienceStore
 from serve_rft.config.buffer import BufferConfig
-from tests.unit.test_store import _exp
+from tests.support.experiences import experience
 
 
 def run(coro):
@@ -57,7 +57,7 @@ def test_the_reward_script_writes_nothing_for_a_reward_whose_square_overflows(re
     reward is then recorded normally."""
     async def go():
         s = _store(redis_server.url)
-        await s.log_experiences([_exp("chatcmpl-big", 0)])
+        await s.log_experiences([experience("chatcmpl-big", 0)])
         before = await _snapshot(s)
         status, _ = await s._reward(args=_reward_args(s, "chatcmpl-big", 0, "1e200"))
         assert int(status) == 422
@@ -72,7 +72,7 @@ def test_the_reward_script_writes_nothing_for_a_reward_whose_square_overflows(re
 def test_the_reward_script_writes_nothing_when_a_per_version_sum_would_overflow(redis_server):
     async def go():
         s = _store(redis_server.url)
-        await s.log_experiences([_exp("chatcmpl-q", 0)])
+        await s.log_experiences([experience("chatcmpl-q", 0)])
         keys = [k async for k in s.redis.scan_iter(match=f"{s.p}:cmp:*")]
         created, ver = await s.redis.hmget(keys[0], "created", "ver")
         vk = f"{s.p}:vr:{ver}:{int(float(created) // 3600)}"
@@ -92,7 +92,7 @@ def test_the_reward_script_writes_nothing_when_a_per_version_sum_would_overflow(
 def test_post_reward_refuses_what_cannot_be_recorded_before_any_write(redis_server, reward):
     async def go():
         s = _store(redis_server.url)  # no reward_range: only finiteness is checked
-        await s.log_experiences([_exp("chatcmpl-x", 0)])
+        await s.log_experiences([experience("chatcmpl-x", 0)])
         before = await _snapshot(s)
         with pytest.raises(RewardNotFinite):
             await s.post_reward("chatcmpl-x", 0, reward)
@@ -104,7 +104,7 @@ def test_post_reward_refuses_what_cannot_be_recorded_before_any_write(redis_serv
 def test_post_reward_refuses_a_reward_outside_the_range_before_any_write(redis_server):
     async def go():
         s = _store(redis_server.url, reward_range=(-1.0, 1.0))
-        await s.log_experiences([_exp("chatcmpl-r", 0), _exp("chatcmpl-r", 1)])
+        await s.log_experiences([experience("chatcmpl-r", 0), experience("chatcmpl-r", 1)])
         before = await _snapshot(s)
         for bad in (1e39, 1.0000001, -2, 1e20):
             with pytest.raises(RewardOutOfRange, match="reward_range"):
@@ -124,7 +124,7 @@ def test_a_lost_read_never_hands_out_an_entry_the_trainer_holds(redis_server):
         s = _store(redis_server.url)
         await s.ensure_group()
         for k in range(3):
-            await s.log_experiences([_exp(f"chatcmpl-{k}", 0)])
+            await s.log_experiences([experience(f"chatcmpl-{k}", 0)])
             await s.post_reward(f"chatcmpl-{k}", 0, float(k))
         first = await s.read_ready("t", 2, block_ms=10)
         held = {e.stream_id for e in first}
@@ -151,7 +151,7 @@ def test_a_lost_read_never_lets_drop_stale_take_an_entry_the_trainer_holds(redis
         s = _store(redis_server.url)
         await s.ensure_group()
         for k in range(2):
-            await s.log_experiences([_exp(f"chatcmpl-s{k}", 0, versions=((1, 0, 3),))])
+            await s.log_experiences([experience(f"chatcmpl-s{k}", 0, versions=((1, 0, 3),))])
             await s.post_reward(f"chatcmpl-s{k}", 0, 0.0)
         held = {e.stream_id for e in await s.read_ready("t", 1, block_ms=10)}
         ready = s._k("ready")
@@ -168,10 +168,10 @@ def test_a_late_sweep_leaves_no_key_without_a_ttl(redis_server):
     state and group hashes expired and does not re-create them (without a TTL, for good)."""
     async def go():
         s = _store(redis_server.url, reward_timeout_s=1.0, trained_ttl_s=1.0, group_timeout_s=1.0)
-        await s.log_experiences([_exp("chatcmpl-a", 0, group="u:g"), _exp("chatcmpl-a", 1, group="u:g")],
+        await s.log_experiences([experience("chatcmpl-a", 0, group="u:g"), experience("chatcmpl-a", 1, group="u:g")],
                                 group_size=3)
         await s.post_reward("chatcmpl-a", 0, 1.0)  # held: its group waits for the others
-        await s.log_experiences([_exp("chatcmpl-b", 0)])  # pending, never rewarded
+        await s.log_experiences([experience("chatcmpl-b", 0)])  # pending, never rewarded
         await asyncio.sleep(2.5)  # past every TTL (ceil(1 + 1) s for the rewarded member)
         await s.sweep(now=time.time() + 10_000)
         permanent = {s._k(k) for k in ("pending", "stat", "gdl", "ready")}
@@ -198,7 +198,7 @@ def test_a_reward_the_store_answered_survives_kill_9_of_redis_with_the_default_d
 
         async def post():
             s = ExperienceStore(server.url, prefix="k", reconnect_s=1.0)
-            await s.log_experiences([_exp("chatcmpl-d", 0)])
+            await s.log_experiences([experience("chatcmpl-d", 0)])
             assert await s.post_reward("chatcmpl-d", 0, 0.75) is True
             await s.close()
         run(post())
@@ -226,7 +226,7 @@ def test_an_ack_with_a_malformed_id_or_member_retires_the_rest_and_counts_them(r
         s = _store(redis_server.url)
         await s.ensure_group()
         for k in range(2):
-            await s.log_experiences([_exp(f"chatcmpl-m{k}", 0)])
+            await s.log_experiences([experience(f"chatcmpl-m{k}", 0)])
             await s.post_reward(f"chatcmpl-m{k}", 0, 1.0)
         got = sorted(await s.read_ready("t", 2, block_ms=10), key=lambda e: e.stream_id)
         assert await s.ack_entries([(got[0].stream_id, got[0].member, 3), ("not-an-id", "x:0", 3),

@@ -6,70 +6,11 @@ is durable only once its folder is fsynced). Order observed with a spy on ``os.f
 
 import asyncio
 import os
-from pathlib import Path
 
-from serve_rft.config import Config
-from serve_rft.trainer.feed import ExperienceFeed
-from serve_rft.trainer.publishing import Publishing
-from serve_rft.trainer.state import PUBLISHED_FILE, save_state
+from serve_rft.trainer.state import PUBLISHED_FILE
 from serve_rft.weights import CheckpointMethod
 from serve_rft.weights.folders import MARKER, version_dir
-
-
-class _Tiny:
-    def save_pretrained(self, path, safe_serialization=True):
-        (Path(path) / "model.safetensors").write_bytes(b"weights")
-        (Path(path) / "config.json").write_text("{}")
-
-
-class _Policy:
-    def publish_model(self):
-        return _Tiny()
-
-    def check_finite(self) -> None:
-        pass
-
-    def save(self, root, model, version, step, trained, tokenizer_dir, keep, published):
-        return save_state(root, model, None, version, step, None, trained, None, keep, published=published)
-
-
-class _Remote:
-    def __init__(self, log, name, value=None):
-        self.log, self.name, self.value = log, name, value
-
-    async def remote(self, *args):
-        self.log.append((self.name,))
-        return self.value
-
-
-class _Sync:
-    def __init__(self, log):
-        self.in_use_versions = _Remote([], "in_use", [])
-        self.publish = _Remote(log, "announce")
-
-
-class _Store:
-    def __init__(self, log):
-        self.log = log
-
-    async def ack_entries(self, entries, state="trained"):
-        self.log.append(("ack",))
-        return len(entries), 0
-
-
-class _Trainer(Publishing):
-    def __init__(self, tmp: Path, log):
-        self.cfg = Config()
-        self.cfg.trainer.save_interval = 1
-        self.cfg.synchronizer.verify = False
-        self.state_root = tmp / "trainer_state"
-        self.model_path = str(tmp)
-        self.step_num = self.version = 1
-        self.phase = "training"
-        self.published = None
-        self.unpublished, self.unsaved = [], [("1-0", "c:0", 1)]
-        self.publishes_since_save = 0
-        self.feed = ExperienceFeed(self.cfg.trainer, _Store(log), None)
+from tests.support.trainers import PublishingTrainer, StandInPolicy, StandInSynchronizer
 
 
 def test_marker_rename_and_parents_are_fsynced_before_announce_and_ack(tmp_path, monkeypatch):
@@ -91,10 +32,10 @@ def test_marker_rename_and_parents_are_fsynced_before_announce_and_ack(tmp_path,
     monkeypatch.setattr(os, "fsync", fsync)
     monkeypatch.setattr(os, "rename", rename)
     monkeypatch.setattr(os, "replace", replace)
-    trainer = _Trainer(tmp_path, log)
+    trainer = PublishingTrainer(tmp_path, log)
     weights = CheckpointMethod(tmp_path / "weights")
     weights.prepare()
-    asyncio.run(trainer._publish(_Policy(), weights, _Sync(log), trainer.feed.store))
+    asyncio.run(trainer._publish(StandInPolicy(), weights, StandInSynchronizer(log), trainer.feed.store))
 
     def at(event: tuple) -> int:
         assert event in log, f"{event} never happened: {log}"

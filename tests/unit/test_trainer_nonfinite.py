@@ -125,20 +125,20 @@ def test_non_finite_weights_or_adam_moments_are_refused(trainer):
 
 
 def test_a_publish_refuses_non_finite_weights_before_anything_is_sent_or_saved(tmp_path):
-    from tests.unit.test_trainer_durability import _Policy, _Sync, _Trainer
+    from tests.support.trainers import PublishingTrainer, StandInPolicy, StandInSynchronizer
 
     from serve_rft.weights import CheckpointMethod
 
-    class _Poisoned(_Policy):
+    class _Poisoned(StandInPolicy):
         def check_finite(self):
             raise NonFiniteState("1 trainer tensors hold NaN or infinity")
 
     log: list = []
-    trainer = _Trainer(tmp_path, log)
+    trainer = PublishingTrainer(tmp_path, log)
     weights = CheckpointMethod(tmp_path / "weights")
     weights.prepare()
     with pytest.raises(NonFiniteState):
-        asyncio.run(trainer._publish(_Poisoned(), weights, _Sync(log), trainer.feed.store))
+        asyncio.run(trainer._publish(_Poisoned(), weights, StandInSynchronizer(log), trainer.feed.store))
     assert log == [] and weights.latest_version() == 0 and latest_state(trainer.state_root) is None
     assert published_floor(trainer.state_root) == 0  # not even the version number is taken
 

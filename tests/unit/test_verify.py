@@ -54,14 +54,14 @@ def test_trainer_reset_takes_the_incumbents_weights_and_clears_adam(embedded_mod
     from serve_rft.config import load_config
     from serve_rft.weights import CheckpointMethod
     from serve_rft.trainer.policy import PolicyTrainer
-    from tests.unit.test_lora import _batch
+    from tests.support.batches import small_batch
 
     cfg = load_config(None, ["trainer.lr=0.01"])
     p = PolicyTrainer(cfg, str(embedded_model))
     before = {k: v.clone() for k, v in p.model.state_dict().items()}
     handle = CheckpointMethod(tmp_path / "ck").send(p.publish_model(), 1)
     handle["probe"] = trainer_probe(p.publish_model(), 1)
-    p.step(_batch(0))
+    p.step(small_batch(0))
     assert any(not torch.equal(before[k], v) for k, v in p.model.state_dict().items())
     assert p.optimizer.state
     assert p.reset_to(handle, 1) == 0.0  # the probe of the weights now held is the published one
@@ -78,12 +78,12 @@ def test_trainer_reset_refuses_weights_that_are_not_the_versions(embedded_model,
     from serve_rft.config import load_config
     from serve_rft.weights import CheckpointMethod
     from serve_rft.trainer.policy import PolicyTrainer
-    from tests.unit.test_lora import _batch
+    from tests.support.batches import small_batch
 
     cfg = load_config(None, ["trainer.lr=0.01"])
     p = PolicyTrainer(cfg, str(embedded_model))
     handle = CheckpointMethod(tmp_path / "ck").send(p.publish_model(), 1)
-    p.step(_batch(0))
+    p.step(small_batch(0))
     handle["probe"] = trainer_probe(p.publish_model(), 1)  # the trained weights', not the folder's
     with pytest.raises(ProbeMismatch):
         p.reset_to(handle, 1)

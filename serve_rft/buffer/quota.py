@@ -21,7 +21,7 @@ import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
-QUOTA = """
+QUOTA = """#!lua flags=allow-oom
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
 local rr, rb = tonumber(ARGV[1]), tonumber(ARGV[2])
@@ -57,7 +57,10 @@ return {1, 0, 0}
 (a rate of 0: that dimension is unlimited). Returns ``{allowed, wait_ms, limit}``: ``{1, 0, 0}``
 taken; ``{0, wait_ms, 1 | 2}`` refused, nothing taken, enough tokens in ``wait_ms`` ms (1: the
 request bucket is short, 2: the byte bucket); ``{0, 0, 3}`` the bytes exceed the byte burst (never
-allowed). Expiry: when both buckets would be full again, plus 1 s."""
+allowed). Expiry: when both buckets would be full again, plus 1 s. Runs with ``allow-oom`` (Redis
+docs, "Scripting with Lua", script flags): past ``maxmemory`` (noeviction) the bucket, a small hash
+with a TTL, is still written, so a key that fills the store is still held to its quota rather than
+the check failing open."""
 
 LIMITS = {1: "requests", 2: "bytes", 3: "bytes"}
 

@@ -407,3 +407,35 @@ def test_quota_settings_are_bounded_and_a_burst_of_0_is_one_seconds_worth():
             QuotasConfig.model_validate({"inference": bad})
     with pytest.raises(ValidationError):
         QuotasConfig.model_validate({"timeout_s": 0})
+
+
+def test_the_quota_still_refuses_when_redis_is_past_maxmemory(tmp_path, prefix):
+    """A key that fills the store (noeviction, past maxmemory) is still held to its quota: the
+    bucket script runs with ``allow-oom`` (its hash is tiny and expires), so it neither raises
+    OutOfMemoryError (which would fail the check open) nor lets the key pass unchecked."""
+    import redis
+
+    from serve_rft.buffer.redis_server import start_redis
+
+    server = start_redis(tmp_path / "redis", maxmemory_bytes=4 * 1024 * 1024)
+    try:
+        r = redis.Redis.from_url(server.url)
+        pipe = r.pipeline(transaction=False)
+        for i in range(400):  # ~1.7 MB, then small writes until one is refused
+            pipe.set(f"big:{i}", b"x" * 4096)
+        pipe.execute()
+        with pytest.raises(redis.exceptions.OutOfMemoryError):
+            for i in range(10_000):
+                pipe = r.pipeline(transaction=False)
+                for j in range(100):
+                    pipe.set(f"fill:{i}:{j}", b"x" * 16)
+                pipe.execute()
+        with pytest.raises(redis.exceptions.OutOfMemoryError):
+            r.hset("one-more", "r", "1")
+        r.close()
+        rates = Rates(requests_per_s=0.001, request_burst=2, bytes_per_s=0, bytes_burst=0)
+        d, _ = _takes(QuotaBuckets(server.url, prefix, timeout_s=5.0), 3, rates)
+        assert [x.allowed for x in d] == [True, True, False]
+        assert d[2].limit == "requests" and d[2].wait_s > 900
+    finally:
+        server.stop()

@@ -158,15 +158,19 @@ return n
 """
 
 _ACKNOWLEDGED = """
--- XACK one ready entry; true if this call acknowledged it. An entry still in the stream but in
--- no pending entries list (the list was lost: an AOF restored to an earlier point, a failover to
--- a lagging replica) was delivered all the same, and is acknowledged now too; one acknowledged
--- before is no longer in the stream (XDEL), so a retried acknowledgement counts nothing twice.
--- A malformed id is no entry (XACK would raise midway through a list, after earlier writes).
-local function acknowledged(P, id)
+-- XACK the ready entry `id` of member `m` ('' for an entry without one); true if this call
+-- acknowledged it. An entry still in the stream but in no pending entries list (the list was
+-- lost: an AOF restored to an earlier point, a failover to a lagging replica) was delivered all
+-- the same, and is acknowledged now too, if its member is `m`: a stream whose ids were reused
+-- (a failover to a replica whose clock is behind) may hold another, never delivered, entry under
+-- that id. One acknowledged before is no longer in the stream (XDEL), so a retried
+-- acknowledgement counts nothing twice. A malformed id is no entry (XACK would raise midway
+-- through a list, after earlier writes).
+local function acknowledged(P, id, m)
   if not string.find(id, '^%d+%-%d+$') then return false end
   if redis.call('XACK', P..':ready', 'trainer', id) == 1 then return true end
-  return #redis.call('XRANGE', P..':ready', id, id) > 0
+  local page = redis.call('XRANGE', P..':ready', id, id)
+  return #page > 0 and (entry_fields(page[1])['member'] or '') == m
 end
 """
 
@@ -368,7 +372,7 @@ local P, ttl, k = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
 local trained, dropped, constrained = 0, 0, 0
 for j = 0, k - 1 do
   local id, m, state, v = ARGV[4 + 4*j], ARGV[5 + 4*j], ARGV[6 + 4*j], ARGV[7 + 4*j]
-  if acknowledged(P, id) then
+  if acknowledged(P, id, m) then
     remove_entry(P, id)
     local sep = string.find(m, ':[^:]*$')
     if sep then  -- a member that names no choice ("{cid}:{i}") has no state to mark
@@ -400,7 +404,7 @@ local P, maxlen, ttl, k = ARGV[1], ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4])
 local n = 0
 for j = 0, k - 1 do
   local id, m, why, exp, r = ARGV[5 + 5*j], ARGV[6 + 5*j], ARGV[7 + 5*j], ARGV[8 + 5*j], ARGV[9 + 5*j]
-  if acknowledged(P, id) then
+  if acknowledged(P, id, m) then
     local _, shared = remove_entry(P, id)
     redis.call('XADD', P..':dead', 'MAXLEN', '~', maxlen, '*', 'id', id, 'member', m, 'reason', why,
                'exp', exp, 'reward', r, 'prompt', shared or '')

@@ -8,7 +8,9 @@
 - text: a ``\\uD800``-``\\uDFFF`` escape that is not half of a surrogate pair parses (Python's json
   keeps it) but cannot be encoded as UTF-8, so neither stored nor answered; it is refused (400,
   ``param`` the dotted path of the string) before anything is generated (RFC 8259 §8.2: such
-  strings are "unpredictable" to receivers);
+  strings are "unpredictable" to receivers); raw surrogate bytes (``ED A0 80``, no escape) are
+  not text in the body's encoding: the body is decoded strictly before parsing and refused (400)
+  (``json.loads`` of bytes would decode them with ``surrogatepass`` and keep them);
 - ``NaN`` / ``Infinity`` parse (Python's json accepts them) and are refused by the field that
   receives them, with that field as ``param`` (a reward: 422; a sampling setting: 400);
 - a body larger than `THREAD_PARSE_BYTES` is parsed on a worker thread, off the event loop.
@@ -107,20 +109,28 @@ def parse_json(raw: bytes) -> Any:
     """Parse a request body (module docstring for the bounds).
 
     Raises:
-        ApiError: 400 not JSON, nested deeper than `MAX_JSON_DEPTH`, an oversized integer, a
-            string that is not valid Unicode (``param``: where).
+        ApiError: 400 bytes that are not text in the body's encoding (UTF-8, UTF-16 or UTF-32 as
+            RFC 8259 §8.1 / `json.detect_encoding` tell; raw surrogate bytes included), not JSON,
+            nested deeper than `MAX_JSON_DEPTH`, an oversized integer, a string that is not valid
+            Unicode (a lone surrogate escape; ``param``: where).
     """
+    encoding = json.detect_encoding(raw)
+    try:  # strict: json.loads(bytes) would let raw surrogate bytes through (surrogatepass)
+        text = raw.decode(encoding)
+    except UnicodeDecodeError as e:
+        raise ApiError(400, f"request body is not valid {e.encoding.upper()} at byte {e.start}: {e.reason} "
+                       "(a surrogate or other byte sequence that is not text)", code="invalid_json") from None
     try:
-        obj = json.loads(raw, parse_int=_int)
+        obj = json.loads(text, parse_int=_int)
     except RecursionError:
         raise ApiError(400, f"request body is nested more than {MAX_JSON_DEPTH} levels deep",
                        code="invalid_json") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except json.JSONDecodeError as e:
         raise ApiError(400, f"request body is not valid JSON: {e}") from None  # vLLM's shape: no code
     if _depth(obj) > MAX_JSON_DEPTH:
         raise ApiError(400, f"request body is nested more than {MAX_JSON_DEPTH} levels deep", code="invalid_json")
     # only a surrogate escape puts one in a string (a UTF-16 / UTF-32 body: always look)
-    if _SURROGATE_ESCAPE.search(raw) or json.detect_encoding(raw) != "utf-8":
+    if _SURROGATE_ESCAPE.search(raw) or encoding != "utf-8":
         where = unencodable_text(obj)
         if where is not None:
             raise ApiError(400, f"{where}: text is not valid Unicode (a lone surrogate escape such as "

@@ -76,3 +76,17 @@ def test_valid_unicode_parses(raw):
 
     parsed = parse_json(raw)
     json.dumps(parsed, ensure_ascii=False).encode("utf-8")  # what storing it does
+
+
+@pytest.mark.parametrize("raw", [
+    b'{"completion_id": "x\xed\xa0\x80", "reward": 1}',  # /v1/rewards: a raw UTF-8-encoded surrogate
+    b'{"messages": [{"role": "user", "content": "hi"}], "group_id": "g\xed\xb0\x80"}',  # a chat's group_id
+    b'{"conversation_id": "\xed\xbf\xbf"}',
+    '{"completion_id": "x'.encode("utf-16-le") + b"\x00\xd8" + '", "reward": 1}'.encode("utf-16-le"),
+])
+def test_raw_surrogate_bytes_are_a_400_not_text(raw):
+    """Raw surrogate bytes (no ``\\u`` escape) are not valid UTF-8 / UTF-16: the body is refused
+    before parsing, so no unencodable string reaches the store (redis-py would raise)."""
+    with pytest.raises(ApiError) as e:
+        parse_json(raw)
+    assert e.value.status == 400 and "not valid" in e.value.message and "UTF-" in e.value.message

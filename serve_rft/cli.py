@@ -21,7 +21,9 @@ from rich.console import Console
 
 from serve_rft.config import Config, ServiceConfig, load_config
 
-cli = typer.Typer(add_completion=False, no_args_is_help=True,
+# show_locals off: a traceback's locals would print the config (Redis password, API keys); older
+# typer releases (pyproject allows >=0.12) default it to True
+cli = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_show_locals=False,
                   help="Serve an LLM with vLLM on Ray Serve and improve it online with RL.")
 console = Console(stderr=True)
 

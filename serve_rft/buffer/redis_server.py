@@ -19,7 +19,7 @@ import shutil
 import socket
 import subprocess
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from serve_rft.buffer.redis_auth import CONFIG_FILE, run_password, with_password, write_private
 from serve_rft.proc import die_with_parent
@@ -108,7 +108,7 @@ class RedisServer:
     proc: subprocess.Popen
     port: int
     data_dir: Path
-    password: str | None = None
+    password: str | None = field(default=None, repr=False)  # a traceback's locals never show it
 
     @property
     def url(self) -> str:

@@ -12,8 +12,8 @@ from serve_rft.config.base import StrictSection
 
 class BufferConfig(StrictSection):
     redis_url: str | None = Field(
-        None, description="Existing Redis to use. None: start an embedded redis-server."
-    )
+        None, repr=False, description="Existing Redis to use. None: start an embedded redis-server."
+    )  # repr=False: the URL may carry the password; a traceback's locals never show it
     key_prefix: str = Field("srft", description="Prefix of every Redis key of this service.")
     reward_timeout_s: float = Field(
         3600.0, gt=0, description="An experience with no reward after this long expires, s."

@@ -36,8 +36,8 @@ def _env_tenants() -> dict:
 class TenantKeys(StrictSection):
     """The keys of one tenant: its inference keys and its reward keys (a grader's)."""
 
-    api_keys: list[str] = Field(default_factory=list, description="The tenant's inference keys.")
-    reward_keys: list[str] = Field(default_factory=list, description="The tenant's reward keys: "
+    api_keys: list[str] = Field(default_factory=list, repr=False, description="The tenant's inference keys.")
+    reward_keys: list[str] = Field(default_factory=list, repr=False, description="The tenant's reward keys: "
                                    "POST /v1/rewards and GET /v1/experiences/{id} of its own completions.")
 
 
@@ -108,7 +108,7 @@ class QuotasConfig(StrictSection):
 
 
 class ServiceConfig(StrictSection):
-    # keys are secrets: a refused config's error never echoes them
+    # keys are secrets: a refused config's error never echoes them, nor does a repr (repr=False)
     model_config = ConfigDict(extra="forbid", validate_assignment=True, hide_input_in_errors=True)
 
     host: str = Field("127.0.0.1", description="Address the HTTP front door binds (serve-rft up). A "
@@ -131,15 +131,15 @@ class ServiceConfig(StrictSection):
         8080, ge=0, le=65535, description="Prometheus endpoint (/metrics) of a locally started Ray "
         "(Ray's metrics export port; 0 picks a free one). A joined cluster keeps its own.")
     api_keys: list[str] = Field(
-        default_factory=lambda: _env_list("SERVE_RFT_API_KEYS"),
+        default_factory=lambda: _env_list("SERVE_RFT_API_KEYS"), repr=False,
         description="Inference keys (env SERVE_RFT_API_KEYS, comma-separated) of the tenant 'default': "
         "chat, completions, models. No keys of any kind: no auth (loopback only, see allow_unauthenticated).")
     reward_keys: list[str] = Field(
-        default_factory=lambda: _env_list("SERVE_RFT_REWARD_KEYS"),
+        default_factory=lambda: _env_list("SERVE_RFT_REWARD_KEYS"), repr=False,
         description="Reward keys (env SERVE_RFT_REWARD_KEYS): POST /v1/rewards and GET "
         "/v1/experiences/{id} of the default tenant's completions, nothing else.")
     admin_keys: list[str] = Field(
-        default_factory=lambda: _env_list("SERVE_RFT_ADMIN_KEYS"),
+        default_factory=lambda: _env_list("SERVE_RFT_ADMIN_KEYS"), repr=False,
         description="Admin keys (env SERVE_RFT_ADMIN_KEYS): every route (rewards, experiences, "
         "status, sync operations, /docs and /openapi.json) and inference too.")
     tenants: dict[str, TenantKeys] = Field(

@@ -158,3 +158,24 @@ def test_shipped_serve_configs_refuse_to_deploy_without_keys(no_key_env, monkeyp
         app_builder(args)
     monkeypatch.setenv("SERVE_RFT_ADMIN_KEYS", "adm")
     app_builder(args)
+
+
+def test_repr_carries_no_password_or_key_but_the_dump_for_ray_actors_does():
+    """A traceback that prints locals (an older typer's pretty exceptions) shows reprs: they
+    carry no Redis password and no API key; ``model_dump_json`` (how actors get the config)
+    carries both."""
+    import typer
+
+    from serve_rft.cli import cli
+
+    url = "redis://:hunter2-redis@127.0.0.1:6390/0"
+    cfg = load_config(None, [f"buffer.redis_url={url}", "service.api_keys=[sk-inference-1]",
+                             "service.reward_keys=[sk-reward-1]", "service.admin_keys=[sk-admin-1]",
+                             "service.tenants={acme: {api_keys: [sk-acme-1], reward_keys: [sk-acme-r]}}"])
+    secrets = ("hunter2-redis", "sk-inference-1", "sk-reward-1", "sk-admin-1", "sk-acme-1", "sk-acme-r")
+    for shown in (repr(cfg), str(cfg), repr(cfg.buffer), repr(cfg.service), repr(cfg.service.tenants)):
+        assert not [s for s in secrets if s in shown], shown
+    dumped = cfg.model_dump_json()
+    assert all(s in dumped for s in secrets)
+    assert Config.model_validate_json(dumped).buffer.redis_url == url
+    assert isinstance(cli, typer.Typer) and cli.pretty_exceptions_show_locals is False

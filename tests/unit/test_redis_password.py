@@ -168,3 +168,12 @@ def test_the_ready_line_shows_the_redis_url_without_its_password():
     stack.cfg.buffer.redis_url, stack.redis = "redis://db.example:6379/0", None  # an operator's Redis
     info = json.loads(ready_line(stack, "serve"))
     assert info["redis_url"] == "redis://db.example:6379/0" and info["redis_pid"] is None
+
+
+def test_the_server_repr_carries_no_password(tmp_path):
+    server = start_redis(tmp_path / "data", password="hunter2-embedded")
+    try:
+        assert "hunter2-embedded" in server.url
+        assert "hunter2-embedded" not in repr(server) and "hunter2-embedded" not in str(server)
+    finally:
+        server.stop()

@@ -59,7 +59,7 @@ class ReadyStream:
         possibly more than ``count``.
         """
         held = exclude or set()
-        await self.sweep()
+        await self.sweep(exclude=held)
         try:
             raw, last = await self._read_free(consumer, count, newest_first, held)
             if not raw and block_ms > 0:  # nothing free: wait for an entry newer than the newest
@@ -136,7 +136,8 @@ class ReadyStream:
         apply, left out of the loss) with ``version``, in one script. Entries already acknowledged are
         skipped, so a retried ack counts nothing twice; an entry still in the stream whose
         delivery Redis lost (in no pending entries list: an AOF restored to an earlier point) is
-        acknowledged all the same.
+        acknowledged all the same if it is of the same member; one a sweep shed after its
+        delivery (``backlog-dropped``) is counted as ``state`` and no longer as backlog-dropped.
 
         Returns:
             (newly trained, newly acknowledged untrained: stale-dropped or constrained).

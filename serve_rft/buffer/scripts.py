@@ -257,12 +257,15 @@ return {201, ARGV[4]}
 """
 
 SWEEP = ALLOW_OOM + _COMMON + """
--- ARGV: P, now, reward_timeout_s, limit, max_ready ; expire pending experiences, release timed-out
+-- ARGV: P, now, reward_timeout_s, limit, max_ready, then the stream ids the caller holds (a
+-- trainer's; none from any other caller) ; expire pending experiences, release timed-out
 -- groups, drop the oldest undelivered ready entries past max_ready (0: no bound), at most `limit`
 -- of each per call (one call never blocks Redis for long; the caller loops)
 -- returns {expired, groups released by timeout, ready entries dropped}
 local P, now, rto, lim = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
 local max_ready = tonumber(ARGV[5])
+local also = {}
+for j = 6, #ARGV do also[#also + 1] = ARGV[j] end
 local gone = redis.call('ZRANGEBYSCORE', P..':pending', '-inf', now, 'LIMIT', 0, lim)
 for _, m in ipairs(gone) do
   redis.call('ZREM', P..':pending', m)
@@ -298,12 +301,14 @@ end
 if timed_out > 0 then redis.call('HINCRBY', P..':stat', 'groups_timed_out', timed_out) end
 -- the ready stream past max_ready: nothing consumes it fast enough (serve-only mode, a trainer
 -- slower than the traffic); the oldest entries no trainer holds are dropped,
--- each choice marked and counted (entries a trainer holds are never touched)
+-- each choice marked and counted (entries in the pending entries list or in `also` are never
+-- touched; a sweep by a replica cannot know what a trainer holds once that list was lost: ACK
+-- counts a choice shed after its delivery as the trainer says, and no longer as dropped)
 local shed = 0
 local rk = P..':ready'
 local excess = max_ready > 0 and redis.call('XLEN', rk) - max_ready or 0
 if excess > 0 then
-  for _, e in ipairs(free_entries(rk, math.min(excess, lim), false)) do
+  for _, e in ipairs(free_entries(rk, math.min(excess, lim), false, also)) do
     local f = entry_fields(e)
     local m = f['member'] or ''
     local sep = string.find(m, ':[^:]*$')
@@ -367,14 +372,18 @@ return n
 ACK = ALLOW_OOM + _PAYLOAD + _ACKNOWLEDGED + """
 -- ARGV: P, trained_ttl_s, count, then per entry: stream id, member, state (trained | stale-dropped
 -- | constrained: sampled under a grammar, left out of the loss), version
--- Returns {trained, not trained}.
+-- Returns {trained, not trained}. A choice in state backlog-dropped was shed by a sweep after its
+-- delivery (one that could not know the trainer held it: the pending entries list was lost), so
+-- is marked and counted as `state` now, and no longer as backlog-dropped.
 local P, ttl, k = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
-local trained, dropped, constrained = 0, 0, 0
+local trained, dropped, constrained, unshed = 0, 0, 0, 0
 for j = 0, k - 1 do
   local id, m, state, v = ARGV[4 + 4*j], ARGV[5 + 4*j], ARGV[6 + 4*j], ARGV[7 + 4*j]
-  if acknowledged(P, id, m) then
-    remove_entry(P, id)
-    local sep = string.find(m, ':[^:]*$')
+  local sep = string.find(m, ':[^:]*$')
+  local shed = sep and redis.call('HGET', P..':st:'..string.sub(m, 1, sep - 1), string.sub(m, sep + 1))
+                   == 'backlog-dropped'
+  if shed or acknowledged(P, id, m) then
+    if shed then unshed = unshed + 1 else remove_entry(P, id) end
     if sep then  -- a member that names no choice ("{cid}:{i}") has no state to mark
       local cid, i = string.sub(m, 1, sep - 1), string.sub(m, sep + 1)
       local st = P..':st:'..cid
@@ -391,6 +400,7 @@ end
 if trained > 0 then redis.call('HINCRBY', P..':stat', 'trained', trained) end
 if dropped > 0 then redis.call('HINCRBY', P..':stat', 'stale_dropped', dropped) end
 if constrained > 0 then redis.call('HINCRBY', P..':stat', 'constrained', constrained) end
+if unshed > 0 then redis.call('HINCRBY', P..':stat', 'backlog_dropped', -unshed) end
 return {trained, dropped + constrained}
 """
 

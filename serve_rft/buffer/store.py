@@ -386,11 +386,14 @@ class ExperienceStore(ReadyStream):
                 token_versions=[list(t) for t in json.loads(raw)["token_versions"]] if raw else None))
         return out
 
-    async def sweep(self, now: float | None = None) -> tuple[int, int]:
+    async def sweep(self, now: float | None = None, exclude: set[str] | None = None) -> tuple[int, int]:
         """Expire pending experiences past their deadline, release timed-out groups, and drop
         the oldest undelivered ready entries past ``max_ready`` (state ``backlog-dropped``,
         counted), in script calls of at most `SWEEP_BATCH` of each (a backlog of a million
-        expiries never holds Redis in one long script).
+        expiries never holds Redis in one long script). ``exclude``: stream ids the caller (a
+        trainer) holds, never dropped even when the consumer group's pending entries list lost
+        them; a sweep by any other caller cannot know those, and `ack` counts an entry it shed
+        after delivery as trained (or as the trainer says).
 
         Returns:
             (experiences expired, groups released by timeout) in this call; both counted.
@@ -399,7 +402,7 @@ class ExperienceStore(ReadyStream):
         expired = released = 0
         while True:
             e, r, shed = await self._sweep(args=[self.p, now, self.reward_timeout_s, SWEEP_BATCH,
-                                                 self.max_ready or 0])
+                                                 self.max_ready or 0, *sorted(exclude or ())])
             expired, released = expired + int(e), released + int(r)
             if int(e) < SWEEP_BATCH and int(r) < SWEEP_BATCH and int(shed) < SWEEP_BATCH:
                 return expired, released

@@ -56,3 +56,33 @@ def test_an_ack_after_the_pending_list_was_lost_leaves_an_entry_of_another_membe
         assert await s.redis.hget(s._k("st", "chatcmpl-a"), "0") == "trained"
         await s.close()
     run(go())
+
+
+def test_entries_a_trainer_holds_after_a_lost_pending_list_are_counted_once_trained(store_factory):
+    """The pending entries list is lost while the trainer holds three trained, unacknowledged
+    entries and the ready stream is past ``max_ready``: the trainer's own sweep (in its read)
+    sheds only what it does not hold; one by a replica (``counts``), which cannot know, sheds the
+    oldest held one, and the trainer's acknowledgement then counts all three trained, once."""
+    async def go():
+        s = store_factory(max_ready=3)
+        await s.ensure_group()
+        held = []
+        for k in range(3):
+            await _released(s, f"chatcmpl-h{k}", 1)
+            held += await s.read_ready("t", 1, block_ms=10)
+        assert len(held) == 3
+        await _lose_pending_list(s)
+        await _released(s, "chatcmpl-h3", 1)
+        assert await s.read_ready("t", 1, block_ms=10, exclude={b.stream_id for b in held}) == []
+        states = [x.state for k in range(4) for x in await s.choices(f"chatcmpl-h{k}")]
+        assert states == ["ready", "ready", "ready", "backlog-dropped"]
+        await _released(s, "chatcmpl-h4", 1)
+        assert (await s.counts()).backlog_dropped == 2  # a replica's sweep: chatcmpl-h0 goes
+        assert [x.state for x in await s.choices("chatcmpl-h0")] == ["backlog-dropped"]
+        assert await s.ack(held, version=1) == (3, 0)
+        assert await s.ack(held, version=1) == (0, 0)
+        c = await s.counts()
+        assert (c.trained, c.backlog_dropped, c.ready) == (3, 1, 1)
+        assert [x.state for k in range(3) for x in await s.choices(f"chatcmpl-h{k}")] == ["trained"] * 3
+        await s.close()
+    run(go())

@@ -163,7 +163,8 @@ class ReadyStream:
     async def dead_letter(self, letters: list[DeadLetter]) -> int:
         """Move ready entries that cannot be trained to the dead-letter stream ``P:dead``
         (acknowledged, choice state ``dead-letter``, counted as ``dead_lettered``); entries
-        already acknowledged are skipped.
+        already acknowledged are skipped. A letter whose ``exp`` is not ``whole`` carries its
+        completion's shared fields in ``prompt`` (copied from the entry); a whole one does not.
 
         Returns:
             Entries moved now.
@@ -172,7 +173,7 @@ class ReadyStream:
             return 0
         args: list = [self.p, DEAD_LETTER_MAXLEN, max(1, math.ceil(self.trained_ttl_s)), len(letters)]
         for d in letters:
-            args += [d.stream_id, d.member, d.reason, d.exp, d.reward]
+            args += [d.stream_id, d.member, d.reason, d.exp, d.reward, int(d.whole)]
         return int(await self._dead_letter(args=args))
 
     async def dead_letters(self, count: int = 100) -> list[dict[str, str]]:

@@ -110,18 +110,23 @@ class ChoiceState:
 
 @dataclass
 class DeadLetter:
-    """A ready entry that cannot be trained, with why (`ExperienceStore.dead_letter`)."""
+    """A ready entry that cannot be trained, with why (`ExperienceStore.dead_letter`). ``whole``:
+    ``exp`` holds the whole experience (its completion's shared fields included), so the letter
+    needs no copy of them; otherwise ``exp`` is the entry's record as stored, and the store
+    copies the shared fields into the letter."""
 
     stream_id: str
     member: str
     reason: str
     exp: str = ""
     reward: str = ""
+    whole: bool = False
 
     @classmethod
     def of(cls, entry: RewardedExperience, reason: str) -> "DeadLetter":
         """A parsed ready entry with why it cannot be trained (its experience kept whole)."""
-        return cls(entry.stream_id, entry.member, reason, entry.experience.model_dump_json(), repr(entry.reward))
+        return cls(entry.stream_id, entry.member, reason, entry.experience.model_dump_json(), repr(entry.reward),
+                   whole=True)
 
 
 SHARED = ("sampling", "user", "metadata")

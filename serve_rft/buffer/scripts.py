@@ -27,18 +27,22 @@ local function drop_entry(P, e)
   if redis.call('HINCRBY', rp, 'refs', -1) <= 0 then redis.call('DEL', rp) end
 end
 
--- Remove the ready entry `id` if it is still in the stream (`drop_entry`); returns its fields
--- and its completion's shared fields (its own copy or its payload's, '' if none), or nil
-local function remove_entry(P, id)
+-- Remove the ready entry `id` if it is still in the stream (`drop_entry`). With `want_shared`,
+-- returns its completion's shared fields (its own copy or its payload's, '' if none); else ''
+-- (its payload is not read)
+local function remove_entry(P, id, want_shared)
   local page = redis.call('XRANGE', P..':ready', id, id)
-  if #page == 0 then return nil end
-  local f = entry_fields(page[1])
-  local shared = f['prompt']
-  if not shared and f['prompt_ref'] then
-    shared = redis.call('HGET', P..':rp:'..f['prompt_ref'], 'payload')
+  if #page == 0 then return '' end
+  local shared
+  if want_shared then
+    local f = entry_fields(page[1])
+    shared = f['prompt']
+    if not shared and f['prompt_ref'] then
+      shared = redis.call('HGET', P..':rp:'..f['prompt_ref'], 'payload')
+    end
   end
   drop_entry(P, page[1])
-  return f, shared or ''
+  return shared or ''
 end
 """
 
@@ -383,7 +387,7 @@ for j = 0, k - 1 do
   local shed = sep and redis.call('HGET', P..':st:'..string.sub(m, 1, sep - 1), string.sub(m, sep + 1))
                    == 'backlog-dropped'
   if shed or acknowledged(P, id, m) then
-    if shed then unshed = unshed + 1 else remove_entry(P, id) end
+    if shed then unshed = unshed + 1 else remove_entry(P, id, false) end
     if sep then  -- a member that names no choice ("{cid}:{i}") has no state to mark
       local cid, i = string.sub(m, 1, sep - 1), string.sub(m, sep + 1)
       local st = P..':st:'..cid
@@ -406,18 +410,21 @@ return {trained, dropped + constrained}
 
 DEAD_LETTER = ALLOW_OOM + _PAYLOAD + _ACKNOWLEDGED + """
 -- ARGV: P, maxlen, trained_ttl_s, count, then per entry: stream id, member ('' if unknown),
--- reason, exp JSON ('' if none), reward ('' if none)
+-- reason, exp JSON ('' if none), reward ('' if none), whole ('1': exp holds the whole experience,
+-- shared fields included; '0': the entry's exp as stored, without them)
 -- Moves ready entries that cannot be trained to the dead-letter stream P:dead (kept for
--- inspection and replay, capped at about maxlen entries, trimmed without a script: each letter
--- carries its own copy of the shared fields, `prompt`), acknowledging them; returns how many
+-- inspection and replay, capped at about maxlen entries, trimmed without a script: a letter
+-- whose exp is not whole carries its own copy of the shared fields, `prompt`; a whole one has
+-- `prompt` ''), acknowledging them; returns how many
 local P, maxlen, ttl, k = ARGV[1], ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4])
 local n = 0
 for j = 0, k - 1 do
-  local id, m, why, exp, r = ARGV[5 + 5*j], ARGV[6 + 5*j], ARGV[7 + 5*j], ARGV[8 + 5*j], ARGV[9 + 5*j]
+  local id, m, why, exp, r = ARGV[5 + 6*j], ARGV[6 + 6*j], ARGV[7 + 6*j], ARGV[8 + 6*j], ARGV[9 + 6*j]
+  local whole = ARGV[10 + 6*j] == '1'
   if acknowledged(P, id, m) then
-    local _, shared = remove_entry(P, id)
+    local shared = remove_entry(P, id, not whole)
     redis.call('XADD', P..':dead', 'MAXLEN', '~', maxlen, '*', 'id', id, 'member', m, 'reason', why,
-               'exp', exp, 'reward', r, 'prompt', shared or '')
+               'exp', exp, 'reward', r, 'prompt', shared)
     redis.call('HDEL', P..':attempts', id)
     local sep = m ~= '' and string.find(m, ':[^:]*$')
     if sep then

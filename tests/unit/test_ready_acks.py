@@ -8,8 +8,9 @@ import uuid
 
 import pytest
 
+from serve_rft.buffer.records import DeadLetter
 from serve_rft.buffer.store import ExperienceStore
-from tests.support.experiences import experience
+from tests.support.experiences import experience, large_experience
 
 
 def run(coro):
@@ -84,5 +85,28 @@ def test_entries_a_trainer_holds_after_a_lost_pending_list_are_counted_once_trai
         c = await s.counts()
         assert (c.trained, c.backlog_dropped, c.ready) == (3, 1, 1)
         assert [x.state for k in range(3) for x in await s.choices(f"chatcmpl-h{k}")] == ["trained"] * 3
+        await s.close()
+    run(go())
+
+
+def test_a_whole_dead_letter_holds_the_shared_fields_once(store_factory):
+    """A letter of a parsed entry (`DeadLetter.of`: its ``exp`` is the whole experience) stores
+    the completion's largest shared fields once, not a second time in ``prompt``: dead letters
+    are written past maxmemory (allow-oom), up to ``DEAD_LETTER_MAXLEN`` of them."""
+    async def go():
+        s = store_factory()
+        await s.ensure_group()
+        exps = [large_experience("chatcmpl-w", i) for i in range(2)]
+        await s.log_experiences(exps)
+        for i in range(2):
+            await s.post_reward("chatcmpl-w", i, 1.0)
+        got = await s.read_ready("t", 10, block_ms=10)
+        assert await s.dead_letter([DeadLetter.of(b, "test") for b in got]) == 2
+        field_bytes = len(exps[0].model_dump_json(include={"user", "metadata", "sampling"}).encode())
+        assert field_bytes > 70_000
+        for d in await s.dead_letters():
+            assert len(d["exp"]) + len(d["prompt"]) < 1.5 * field_bytes
+            assert type(exps[0]).model_validate_json(d["exp"]) == exps[int(d["member"].rsplit(":", 1)[1])]
+        assert await s.redis.xlen(s._k("ready")) == 0 and not await s.redis.exists(s._k("rp", "chatcmpl-w"))
         await s.close()
     run(go())

@@ -24,6 +24,13 @@ from serve_rft.explorer.http import AUTHORIZED, app
 from serve_rft.explorer.protocol import ApiError, parse_reward_body
 
 
+def _store_unavailable(advice: str) -> ApiError:
+    """504 + Retry-After: the store did not answer in time. 504, not 503: HAProxy re-sends a 503
+    to another replica, which waits on the same store."""
+    return ApiError(504, "the experience store is unavailable" + advice, type_="service_unavailable",
+                    code="store_unavailable", retry_after=2)
+
+
 class AdminRoutes:
     """``/v1/rewards``, ``/v1/experiences/{id}``, ``/v1/status`` and ``/v1/sync/*``."""
 
@@ -55,10 +62,7 @@ class AdminRoutes:
             results = await asyncio.wait_for(rewards_api.post_rewards(self.store, req, identity_of(request)),
                                              self.cfg.buffer.store_wait_s)
         except (asyncio.TimeoutError, RedisError):
-            # 504, not 503: HAProxy re-sends a 503 to another replica, which waits on the same store
-            raise ApiError(504, "the experience store is unavailable; retry (items already recorded "
-                           "answer duplicate)", type_="service_unavailable", code="store_unavailable",
-                           retry_after=2) from None
+            raise _store_unavailable("; retry (items already recorded answer duplicate)") from None
         self.metrics.reward_results(results)
         status = rewards_api.batch_status(results)
         return JSONResponse(rewards_api.batch_body(results), status_code=status,
@@ -67,8 +71,19 @@ class AdminRoutes:
     @app.get("/v1/experiences/{completion_id}", dependencies=AUTHORIZED)
     async def experience(self, request: Request, completion_id: str) -> JSONResponse:
         """Each choice's state, reward, info and versions (`rewards_api.describe_completion`): a
-        reward key reads its own tenant's completions (another's: 404), an admin key any."""
-        return JSONResponse(await rewards_api.describe_completion(self.store, completion_id, identity_of(request)))
+        reward key reads its own tenant's completions (another's: 404), an admin key any.
+
+        Raises:
+            ApiError: 404 unknown (or another tenant's) completion, 504 the store did not answer
+                within ``buffer.store_wait_s`` (with Retry-After).
+        """
+        try:
+            body = await asyncio.wait_for(
+                rewards_api.describe_completion(self.store, completion_id, identity_of(request)),
+                self.cfg.buffer.store_wait_s)
+        except (asyncio.TimeoutError, RedisError):
+            raise _store_unavailable("; retry") from None
+        return JSONResponse(body)
 
     @app.get("/v1/status", dependencies=AUTHORIZED)
     async def status(self) -> JSONResponse:

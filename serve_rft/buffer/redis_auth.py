@@ -57,6 +57,19 @@ def write_private(path: Path, text: str, replace: bool = False) -> None:
         os.close(fd)
 
 
+def private_dir(path: str | Path) -> Path:
+    """Create ``path`` (and missing parents) if absent and make it mode 0700, created or existing:
+    the redis data directory holds the AOF (every tenant's prompts, completions and rewards).
+
+    Raises:
+        PermissionError: ``path`` is another user's (it cannot be chmodded).
+    """
+    path = Path(path)
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    os.chmod(path, 0o700)
+    return path
+
+
 def run_password(data_dir: str | Path) -> str:
     """The data directory's Redis password: read from ``data_dir/password``, or created there once
     (``secrets.token_urlsafe(32)``: 256 random bits, URL-safe characters) and kept for every later
@@ -65,8 +78,7 @@ def run_password(data_dir: str | Path) -> str:
     Raises:
         PermissionError / ValueError: the file exists but is open to others or empty (`read_private`).
     """
-    data = Path(data_dir)
-    data.mkdir(parents=True, exist_ok=True)
+    data = private_dir(data_dir)
     path = data / PASSWORD_FILE
     try:
         write_private(path, secrets.token_urlsafe(32) + "\n")

@@ -21,7 +21,7 @@ import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from serve_rft.buffer.redis_auth import CONFIG_FILE, run_password, with_password, write_private
+from serve_rft.buffer.redis_auth import CONFIG_FILE, private_dir, run_password, with_password, write_private
 from serve_rft.proc import die_with_parent
 
 
@@ -134,7 +134,8 @@ class RedisServer:
 def start_redis(data_dir: str | Path, port: int | None = None, timeout_s: float = 20.0,
                 appendfsync: str = "always", maxmemory_bytes: int | None = None,
                 password: str | None = None) -> RedisServer:
-    """Start ``redis-server`` with append-only persistence in ``data_dir``.
+    """Start ``redis-server`` with append-only persistence in ``data_dir`` (created or made mode
+    0700: its AOF holds every tenant's prompts and rewards; `private_dir`).
 
     Args:
         password: the ``requirepass`` clients must AUTH with (None: none). It reaches redis-server
@@ -156,8 +157,7 @@ def start_redis(data_dir: str | Path, port: int | None = None, timeout_s: float 
     exe = shutil.which("redis-server")
     if exe is None:
         raise FileNotFoundError("redis-server not found on PATH; run scripts/bootstrap.sh")
-    data = Path(data_dir).resolve()
-    data.mkdir(parents=True, exist_ok=True)
+    data = private_dir(Path(data_dir).resolve())
     port = port or free_port()
     conf = data / CONFIG_FILE
     conf.unlink(missing_ok=True)
@@ -316,7 +316,7 @@ def _lock_dir(data_dir: Path) -> int:
     Raises:
         DataDirInUse: another process holds it.
     """
-    data_dir.mkdir(parents=True, exist_ok=True)
+    private_dir(data_dir)
     fd = os.open(data_dir / "serve-rft.lock", os.O_RDWR | os.O_CREAT, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -177,3 +177,26 @@ def test_the_server_repr_carries_no_password(tmp_path):
         assert "hunter2-embedded" not in repr(server) and "hunter2-embedded" not in str(server)
     finally:
         server.stop()
+
+
+def test_the_data_directory_is_closed_to_other_users(tmp_path):
+    """The AOF holds every tenant's prompts and rewards: the data directory is 0700, made so when
+    created (whatever the umask) and when it already exists open to others."""
+    old = os.umask(0o022)
+    try:
+        fresh = tmp_path / "fresh" / "data"
+        run_password(fresh)
+        assert _mode(fresh) == 0o700
+        existing = tmp_path / "existing"
+        existing.mkdir(mode=0o755)
+        os.chmod(existing, 0o755)
+        server = start_redis(existing)
+        try:
+            assert _mode(existing) == 0o700
+        finally:
+            server.stop()
+        also = tmp_path / "new-plain"
+        start_redis(also).stop()
+        assert _mode(also) == 0o700
+    finally:
+        os.umask(old)

@@ -23,8 +23,9 @@ def _env_list(name: str) -> list[str]:
 DEFAULT_TENANT = "default"
 """The tenant of the flat key lists (``api_keys``, ``reward_keys``), of admin keys' own
 completions and of a service without keys: its ids are stored unprefixed."""
-TENANT_NAME = r"^[A-Za-z0-9_.-]{1,64}$"
-"""A tenant's name: 1-64 letters, digits, ``_ . -`` (it becomes part of Redis keys and group ids)."""
+TENANT_NAME = r"[A-Za-z0-9_.-]{1,64}"
+"""A tenant's name, matched whole (`re.fullmatch`): 1-64 letters, digits, ``_ . -`` (it becomes part
+of Redis keys and group ids)."""
 
 
 def _env_tenants() -> dict:
@@ -178,7 +179,7 @@ class ServiceConfig(StrictSection):
         # tenant's too would be both every tenant's and one tenant's
         owner: dict[str, str] = {k: "admin_keys" for k in self.admin_keys if k}
         for name, keys in self.tenant_keys().items():
-            if not re.match(TENANT_NAME, name):
+            if not re.fullmatch(TENANT_NAME, name):
                 raise ValueError(f"service.tenants: tenant name {name!r} must be 1-64 letters, digits, '_', '.' or '-'")
             for k in {*keys.api_keys, *keys.reward_keys} - {""}:
                 if owner.setdefault(k, f"tenant {name!r}") != f"tenant {name!r}":

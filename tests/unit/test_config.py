@@ -179,3 +179,14 @@ def test_repr_carries_no_password_or_key_but_the_dump_for_ray_actors_does():
     assert all(s in dumped for s in secrets)
     assert Config.model_validate_json(dumped).buffer.redis_url == url
     assert isinstance(cli, typer.Typer) and cli.pretty_exceptions_show_locals is False
+
+
+@pytest.mark.parametrize("name", ["alice\n", "", "a" * 65, "a b", "a:b", "alice\nbob"])
+def test_a_tenant_name_must_match_whole(name):
+    """A tenant name becomes part of Redis keys and group ids: the whole name must match (a
+    trailing newline too is refused)."""
+    from serve_rft.config import ServiceConfig
+
+    with pytest.raises(ValidationError):
+        ServiceConfig.model_validate({"tenants": {name: {"api_keys": ["sk-t"]}}})
+    assert ServiceConfig.model_validate({"tenants": {"alice.b-c_1": {"api_keys": ["sk-t"]}}}).tenants

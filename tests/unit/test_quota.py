@@ -13,6 +13,7 @@ within 1 s."""
 from __future__ import annotations
 
 import asyncio
+from asyncio import run
 import math
 import socket
 import time
@@ -32,10 +33,6 @@ from serve_rft.explorer.quota import PAUSE_AFTER_FAILURE_S, QuotaCheck
 
 SLACK = 0.01
 """s: the client's monotonic clock against the Redis server's ``TIME`` over one test."""
-
-
-def run(coro):
-    return asyncio.run(coro)
 
 
 class Metrics:

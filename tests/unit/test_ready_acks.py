@@ -3,25 +3,10 @@
 that the caller did not hold, and nothing the trainer trained is miscounted (against a real
 redis-server, started by the session fixture)."""
 
-import asyncio
-import uuid
-
-import pytest
+from asyncio import run
 
 from serve_rft.buffer.records import DeadLetter
-from serve_rft.buffer.store import ExperienceStore
 from tests.support.experiences import experience, large_experience
-
-
-def run(coro):
-    return asyncio.run(coro)
-
-
-@pytest.fixture
-def store_factory(redis_server):
-    def make(**kw):
-        return ExperienceStore(redis_server.url, prefix=f"t{uuid.uuid4().hex[:8]}", **kw)
-    return make
 
 
 async def _released(s, cid, n):

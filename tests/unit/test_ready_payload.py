@@ -2,26 +2,13 @@
 released choice; every path that removes a ready entry releases its reference exactly once
 (against a real redis-server, started by the session fixture)."""
 
-import asyncio
+from asyncio import run
 import json
-import uuid
 
 import pytest
 
 from serve_rft.buffer.records import DeadLetter
-from serve_rft.buffer.store import ExperienceStore
 from tests.support.experiences import experience, large_experience
-
-
-def run(coro):
-    return asyncio.run(coro)
-
-
-@pytest.fixture
-def store_factory(redis_server):
-    def make(**kw):
-        return ExperienceStore(redis_server.url, prefix=f"t{uuid.uuid4().hex[:8]}", **kw)
-    return make
 
 
 async def _refs(s, cid) -> int | None:

@@ -1,7 +1,7 @@
 """The experience store against a real redis-server (started by the session fixture)."""
 
 import asyncio
-import uuid
+from asyncio import run
 
 import pytest
 
@@ -9,17 +9,6 @@ from serve_rft.buffer.records import (RewardConflict, RewardExpired, RewardNotFi
                                       UnknownChoice)
 from serve_rft.buffer.store import ExperienceStore
 from tests.support.experiences import experience, large_experience
-
-
-def run(coro):
-    return asyncio.run(coro)
-
-
-@pytest.fixture
-def store_factory(redis_server):
-    def make(**kw):
-        return ExperienceStore(redis_server.url, prefix=f"t{uuid.uuid4().hex[:8]}", **kw)
-    return make
 
 
 def test_log_reward_read_ack_roundtrip(store_factory):

@@ -3,6 +3,7 @@ whole or not at all, a held entry is never handed out twice, a late sweep leaks 
 reward the store answered survives a kill -9 of redis-server."""
 
 import asyncio
+from asyncio import run
 import os
 import signal
 import time
@@ -16,10 +17,6 @@ from serve_rft.buffer.redis_server import start_redis
 from serve_rft.buffer.store import ExperienceStore
 from serve_rft.config.buffer import BufferConfig
 from tests.support.experiences import experience
-
-
-def run(coro):
-    return asyncio.run(coro)
 
 
 def _store(url, **kw):

@@ -352,14 +352,11 @@ class ExperienceStore(ReadyStream):
         n = await self.redis.hget(self._k("cmp", completion_id), "n")
         return int(n) if n is not None else None
 
-    async def completion_group(self, completion_id: str) -> str | None:
-        return await self.redis.hget(self._k("cmp", completion_id), "group")
-
-    async def completion_owner(self, completion_id: str) -> str | None:
-        """The tenant a logged completion belongs to, or None if unknown (a record logged
-        without one is the default tenant's)."""
-        n, tenant = await self.redis.hmget(self._k("cmp", completion_id), ["n", "tenant"])
-        return None if n is None else (tenant or DEFAULT_TENANT)
+    async def completion_meta(self, completion_id: str) -> tuple[int, str, str | None] | None:
+        """A logged completion's (choices, tenant, stored group key) in one read, or None if
+        unknown (a record logged without a tenant is the default tenant's)."""
+        n, tenant, group = await self.redis.hmget(self._k("cmp", completion_id), ["n", "tenant", "group"])
+        return None if n is None else (int(n), tenant or DEFAULT_TENANT, group)
 
     async def conversation_turns(self, conversation_id: str, tenant: str = DEFAULT_TENANT) -> list[str]:
         """Completion ids of ``tenant``'s conversation's assistant turns, oldest first (at most

@@ -51,16 +51,17 @@ def _unknown(completion_id: str) -> ApiError:
     return ApiError(404, f"no completion {completion_id!r}", "completion_id", code="not_found")
 
 
-async def _owner(store: ExperienceStore, completion_id: str, who: Identity) -> str:
-    """The tenant of ``completion_id`` if ``who`` reaches it.
+async def _reached(store: ExperienceStore, completion_id: str, who: Identity) -> tuple[int, str, str | None]:
+    """``completion_id``'s (choices, tenant, stored group key) if ``who`` reaches it
+    (`ExperienceStore.completion_meta`).
 
     Raises:
         ApiError: 404 unknown, or another tenant's (`_unknown`).
     """
-    owner = await store.completion_owner(completion_id)
-    if not who.reaches(owner):
+    meta = await store.completion_meta(completion_id)
+    if meta is None or not who.reaches(meta[1]):
         raise _unknown(completion_id)
-    return owner
+    return meta
 
 
 async def _items(store: ExperienceStore, req: RewardRequest, who: Identity) -> list[RewardItem]:
@@ -76,10 +77,7 @@ async def _items(store: ExperienceStore, req: RewardRequest, who: Identity) -> l
     if isinstance(req, RewardBatch):
         return list(req.rewards)
     if isinstance(req, ChoiceRewards):
-        await _owner(store, req.completion_id, who)
-        n = await store.num_choices(req.completion_id)
-        if n is None:
-            raise _unknown(req.completion_id)
+        n, _, _ = await _reached(store, req.completion_id, who)
         if len(req.rewards) != n:
             raise ApiError(422, f"completion {req.completion_id!r} has {n} choices, got {len(req.rewards)} "
                            "rewards", "rewards", code="invalid_reward")
@@ -130,10 +128,10 @@ async def _post_one(store: ExperienceStore, req: RewardRequest, item: RewardItem
     """
     try:
         if isinstance(req, GroupRewards):
-            owner = await store.completion_owner(item.completion_id)
-            group = await store.completion_group(item.completion_id)
-            if group is None or not who.reaches(owner):
+            meta = await store.completion_meta(item.completion_id)
+            if meta is None or meta[2] is None or not who.reaches(meta[1]):
                 raise UnknownChoice(f"no completion {item.completion_id!r}")
+            _, owner, group = meta
             if shown_group(group, owner) != req.group_id:
                 return _refused(item, ApiError(422, f"completion {item.completion_id!r} is not in group "
                                                f"{req.group_id!r}", "group_id", code="not_in_group"))
@@ -198,11 +196,10 @@ async def describe_completion(store: ExperienceStore, completion_id: str, who: I
     Raises:
         ApiError: 404 unknown (or no longer kept, or another tenant's) completion.
     """
-    owner = await _owner(store, completion_id, who)
+    _, owner, group = await _reached(store, completion_id, who)
     choices = await store.choices(completion_id)
     if choices is None:
         raise _unknown(completion_id)
-    group = await store.completion_group(completion_id)
     return {"object": "experience", "completion_id": completion_id, "tenant": owner,
             "group_id": shown_group(group, owner) if group else group,
             "choices": [asdict(c) for c in choices]}

@@ -16,12 +16,12 @@ from serve_rft.explorer.protocol import ApiError
 
 
 class HangingStore:
-    async def completion_owner(self, completion_id):
+    async def completion_meta(self, completion_id):
         await asyncio.sleep(60)
 
 
 class RefusingStore:
-    async def completion_owner(self, completion_id):
+    async def completion_meta(self, completion_id):
         raise RedisConnectionError("Connection refused")
 
 

@@ -1,7 +1,8 @@
 """The store's Redis Lua scripts: every state change of an experience is one of these, atomic.
 
 Keys are built inside the scripts from the prefix (``ARGV[1]``), so the store needs a single
-Redis node (not Redis Cluster). Schema: `serve_rft.buffer.store`.
+Redis node (not Redis Cluster). Schema: `serve_rft.buffer.store`. The trainer's scripts on the
+ready stream are in `serve_rft.buffer.scripts_ready`.
 """
 
 # Shared Lua helpers of the ready entries' payload: a completion's shared fields (``P:pr:{cid}``)
@@ -9,7 +10,7 @@ Redis node (not Redis Cluster). Schema: `serve_rft.buffer.store`.
 # entries name it in their ``prompt_ref`` field), deleted with the last of them. It has no TTL:
 # every removal of a ready entry goes through `drop_entry` or `remove_entry`, which release the
 # reference exactly when XDEL removed the entry (XDEL returns how many it removed).
-_PAYLOAD = """
+PAYLOAD_HELPERS = """
 -- A stream entry's fields ({id, {k1, v1, ...}}) as a table
 local function entry_fields(e)
   local f = {}
@@ -47,7 +48,7 @@ end
 """
 
 # Shared Lua helpers: release a group (its held, rewarded members go to the ready stream).
-_COMMON = _PAYLOAD + """
+GROUP_HELPERS = PAYLOAD_HELPERS + """
 local function release(P, gid)
   local g = P..':grp:'..gid
   local gm = P..':gm:'..gid
@@ -161,28 +162,11 @@ redis.call('HINCRBY', P..':stat', 'logged', n)
 return n
 """
 
-_ACKNOWLEDGED = """
--- XACK the ready entry `id` of member `m` ('' for an entry without one); true if this call
--- acknowledged it. An entry still in the stream but in no pending entries list (the list was
--- lost: an AOF restored to an earlier point, a failover to a lagging replica) was delivered all
--- the same, and is acknowledged now too, if its member is `m`: a stream whose ids were reused
--- (a failover to a replica whose clock is behind) may hold another, never delivered, entry under
--- that id. One acknowledged before is no longer in the stream (XDEL), so a retried
--- acknowledgement counts nothing twice. A malformed id is no entry (XACK would raise midway
--- through a list, after earlier writes).
-local function acknowledged(P, id, m)
-  if not string.find(id, '^%d+%-%d+$') then return false end
-  if redis.call('XACK', P..':ready', 'trainer', id) == 1 then return true end
-  local page = redis.call('XRANGE', P..':ready', id, id)
-  return #page > 0 and (entry_fields(page[1])['member'] or '') == m
-end
-"""
-
 # Scripts that free memory (or move it) run even when Redis is past maxmemory (noeviction):
 # the trainer's acknowledgements and the sweep's expiries are how a full store drains.
 ALLOW_OOM = "#!lua flags=allow-oom\n"
 
-REWARD = _COMMON + """
+REWARD = GROUP_HELPERS + """
 -- ARGV: P, cid, i, reward, info, now, group_timeout_s, ttl_rewarded, tenant ('' any: an admin)
 -- A completion of another tenant than `tenant` answers 404, as one never logged (a record
 -- without a tenant was logged for the default tenant)
@@ -260,7 +244,7 @@ end
 return {201, ARGV[4]}
 """
 
-SWEEP = ALLOW_OOM + _COMMON + """
+SWEEP = ALLOW_OOM + GROUP_HELPERS + """
 -- ARGV: P, now, reward_timeout_s, limit, max_ready, then the stream ids the caller holds (a
 -- trainer's; none from any other caller) ; expire pending experiences, release timed-out
 -- groups, drop the oldest undelivered ready entries past max_ready (0: no bound), at most `limit`
@@ -324,117 +308,4 @@ if excess > 0 then
   if shed > 0 then redis.call('HINCRBY', P..':stat', 'backlog_dropped', shed) end
 end
 return {#gone, timed_out, shed}
-"""
-
-READ = ALLOW_OOM + _COMMON + """
--- ARGV: P, consumer, count, newest (1 | 0), then the stream ids the caller holds
--- Deliver to `consumer` of the trainer group up to `count` ready entries no consumer holds, the
--- newest (1) or the oldest (0) first: XCLAIM ... FORCE puts each in the consumer's pending
--- entries list, as XREADGROUP would, whatever its position in the stream. An entry the caller
--- holds is never delivered again, even when the pending entries list lost it (an AOF restored
--- to an earlier point, a failover to a lagging replica).
--- returns {entries (as XRANGE gives them), the newest id in the stream or '0-0'}
-local P, c, n, newest = ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4] == '1'
-local rk = P..':ready'
-local also, ids = {}, {}
-for j = 5, #ARGV do also[#also + 1] = ARGV[j] end
-for _, e in ipairs(free_entries(rk, n, newest, also)) do ids[#ids + 1] = e[1] end
-local top = redis.call('XREVRANGE', rk, '+', '-', 'COUNT', 1)
-local last = top[1] and top[1][1] or '0-0'
-if #ids == 0 then return {{}, last} end
-ids[#ids + 1] = 'FORCE'  -- (unpack expands only as the last argument)
-return {redis.call('XCLAIM', rk, 'trainer', c, 0, unpack(ids)), last}
-"""
-
-DROP_STALE = ALLOW_OOM + _COMMON + """
--- ARGV: P, threshold, version, trained_ttl_s, limit, then the stream ids the caller holds
--- Of the `limit` oldest ready entries no trainer holds, drop those whose oldest token's policy
--- version (field v) is below `threshold` (past the trainer's staleness bound): each choice
--- marked stale-dropped with the trainer's `version`, counted. Returns how many.
-local P, thr, ver, ttl, lim = ARGV[1], tonumber(ARGV[2]), ARGV[3], tonumber(ARGV[4]), tonumber(ARGV[5])
-local rk = P..':ready'
-local n, also = 0, {}
-for j = 6, #ARGV do also[#also + 1] = ARGV[j] end
-for _, e in ipairs(free_entries(rk, lim, false, also)) do
-  local f = entry_fields(e)
-  local v, m = tonumber(f['v'] or ''), f['member'] or ''
-  local sep = string.find(m, ':[^:]*$')
-  if v and v < thr and sep then
-    local st = P..':st:'..string.sub(m, 1, sep - 1)
-    local i = string.sub(m, sep + 1)
-    redis.call('HSET', st, i, 'stale-dropped', 'v'..i, ver)
-    if redis.call('TTL', st) < ttl then redis.call('EXPIRE', st, ttl) end
-    drop_entry(P, e)
-    redis.call('HDEL', P..':attempts', e[1])
-    n = n + 1
-  end
-end
-if n > 0 then redis.call('HINCRBY', P..':stat', 'stale_dropped', n) end
-return n
-"""
-
-ACK = ALLOW_OOM + _PAYLOAD + _ACKNOWLEDGED + """
--- ARGV: P, trained_ttl_s, count, then per entry: stream id, member, state (trained | stale-dropped
--- | constrained: sampled under a grammar, left out of the loss), version
--- Returns {trained, not trained}. A choice in state backlog-dropped was shed by a sweep after its
--- delivery (one that could not know the trainer held it: the pending entries list was lost), so
--- is marked and counted as `state` now, and no longer as backlog-dropped.
-local P, ttl, k = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
-local trained, dropped, constrained, unshed = 0, 0, 0, 0
-for j = 0, k - 1 do
-  local id, m, state, v = ARGV[4 + 4*j], ARGV[5 + 4*j], ARGV[6 + 4*j], ARGV[7 + 4*j]
-  local sep = string.find(m, ':[^:]*$')
-  local shed = sep and redis.call('HGET', P..':st:'..string.sub(m, 1, sep - 1), string.sub(m, sep + 1))
-                   == 'backlog-dropped'
-  if shed or acknowledged(P, id, m) then
-    if shed then unshed = unshed + 1 else remove_entry(P, id, false) end
-    if sep then  -- a member that names no choice ("{cid}:{i}") has no state to mark
-      local cid, i = string.sub(m, 1, sep - 1), string.sub(m, sep + 1)
-      local st = P..':st:'..cid
-      redis.call('HSET', st, i, state, 'v'..i, v)
-      -- readable trained_ttl_s from now (a state hash that had expired is not left without a TTL)
-      if redis.call('TTL', st) < ttl then redis.call('EXPIRE', st, ttl) end
-    end
-    redis.call('HDEL', P..':attempts', id)
-    if state == 'trained' then trained = trained + 1
-    elseif state == 'constrained' then constrained = constrained + 1
-    else dropped = dropped + 1 end
-  end
-end
-if trained > 0 then redis.call('HINCRBY', P..':stat', 'trained', trained) end
-if dropped > 0 then redis.call('HINCRBY', P..':stat', 'stale_dropped', dropped) end
-if constrained > 0 then redis.call('HINCRBY', P..':stat', 'constrained', constrained) end
-if unshed > 0 then redis.call('HINCRBY', P..':stat', 'backlog_dropped', -unshed) end
-return {trained, dropped + constrained}
-"""
-
-DEAD_LETTER = ALLOW_OOM + _PAYLOAD + _ACKNOWLEDGED + """
--- ARGV: P, maxlen, trained_ttl_s, count, then per entry: stream id, member ('' if unknown),
--- reason, exp JSON ('' if none), reward ('' if none), whole ('1': exp holds the whole experience,
--- shared fields included; '0': the entry's exp as stored, without them)
--- Moves ready entries that cannot be trained to the dead-letter stream P:dead (kept for
--- inspection and replay, capped at about maxlen entries, trimmed without a script: a letter
--- whose exp is not whole carries its own copy of the shared fields, `prompt`; a whole one has
--- `prompt` ''), acknowledging them; returns how many
-local P, maxlen, ttl, k = ARGV[1], ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4])
-local n = 0
-for j = 0, k - 1 do
-  local id, m, why, exp, r = ARGV[5 + 6*j], ARGV[6 + 6*j], ARGV[7 + 6*j], ARGV[8 + 6*j], ARGV[9 + 6*j]
-  local whole = ARGV[10 + 6*j] == '1'
-  if acknowledged(P, id, m) then
-    local shared = remove_entry(P, id, not whole)
-    redis.call('XADD', P..':dead', 'MAXLEN', '~', maxlen, '*', 'id', id, 'member', m, 'reason', why,
-               'exp', exp, 'reward', r, 'prompt', shared)
-    redis.call('HDEL', P..':attempts', id)
-    local sep = m ~= '' and string.find(m, ':[^:]*$')
-    if sep then
-      local st = P..':st:'..string.sub(m, 1, sep - 1)
-      redis.call('HSET', st, string.sub(m, sep + 1), 'dead-letter')
-      if redis.call('TTL', st) < ttl then redis.call('EXPIRE', st, ttl) end
-    end
-    n = n + 1
-  end
-end
-if n > 0 then redis.call('HINCRBY', P..':stat', 'dead_lettered', n) end
-return n
 """

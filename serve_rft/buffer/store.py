@@ -99,7 +99,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import OutOfMemoryError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from serve_rft.buffer import scripts
+from serve_rft.buffer import scripts, scripts_ready
 from serve_rft.buffer.ready import SWEEP_BATCH, ReadyStream
 from serve_rft.buffer.records import (ChoiceState, ConversationFull, GroupSizeConflict, RewardConflict,
                                       RewardExpired, RewardNotFinite, RewardOutOfRange, StoreCounts, StoreFull,
@@ -154,10 +154,10 @@ class ExperienceStore(ReadyStream):
         self._log = self.redis.register_script(scripts.LOG)
         self._reward = self.redis.register_script(scripts.REWARD)
         self._sweep = self.redis.register_script(scripts.SWEEP)
-        self._ack = self.redis.register_script(scripts.ACK)
-        self._read_script = self.redis.register_script(scripts.READ)
-        self._drop_stale = self.redis.register_script(scripts.DROP_STALE)
-        self._dead_letter = self.redis.register_script(scripts.DEAD_LETTER)
+        self._ack = self.redis.register_script(scripts_ready.ACK)
+        self._read_script = self.redis.register_script(scripts_ready.READ)
+        self._drop_stale = self.redis.register_script(scripts_ready.DROP_STALE)
+        self._dead_letter = self.redis.register_script(scripts_ready.DEAD_LETTER)
 
     @classmethod
     def from_config(cls, buffer_cfg) -> "ExperienceStore":

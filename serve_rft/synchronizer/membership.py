@@ -70,17 +70,32 @@ class ReplicaInfo:
     def clear_sync(self) -> None:
         self.granted = self.sync_started = self.lease_until = None
 
+    def status(self, now: float) -> dict:
+        """This replica for `SyncState.status` (JSON-able; ``backoff_s`` / ``last_seen_s_ago``:
+        seconds from ``now``, the caller's clock)."""
+        return {"id": self.replica_id, "state": self.state.value, "policy_version": self.policy_version,
+                "alive": self.alive, "drained": self.drained, "undraining": self.undraining,
+                "warming": self.warming, "granted": self.granted,
+                "refused": self.refused, "pid": self.pid, "node_id": self.node_id,
+                "failures": self.failures, "last_error": self.last_error,
+                "backoff_s": round(max(0.0, self.backoff_until - now), 3) if self.backoff_version else 0.0,
+                "last_sync_s": self.last_sync_s, "last_seen_s_ago": round(now - self.last_seen, 3),
+                "last_sync": self.last_sync, "explorer_step": self.schedule.explorer_step,
+                "sync_due": self.schedule.due, "sync_requested": self.schedule.open_request(),
+                "sync_timeouts": self.schedule.timeouts}
+
 
 class Membership:
     """Replicas by id with O(1) counts.
 
     Args:
         replica_timeout_s: a RUNNING replica unheard this long is STOPPED.
-        on_change: ``(replica, kind, detail)`` after every state change (the event log).
+        on_change: ``(replica, kind, detail, now)`` after every state change (the event log;
+            ``now``: the change's time, s).
     """
 
     def __init__(self, replica_timeout_s: float,
-                 on_change: Callable[[ReplicaInfo, str, str | None], None] = lambda r, k, d: None):
+                 on_change: Callable[[ReplicaInfo, str, str | None, float], None] = lambda r, k, d, t: None):
         self.replica_timeout_s = replica_timeout_s
         self.on_change = on_change
         self.replicas: dict[str, ReplicaInfo] = {}
@@ -117,7 +132,7 @@ class Membership:
             setattr(r, k, v)
         self._count(r, +1)
         if r.state is not before or kind != "state":
-            self.on_change(r, kind, detail)
+            self.on_change(r, kind, detail, now)
 
     def add(self, replica_id: str, version: int, now: float) -> ReplicaInfo:
         r = self.replicas[replica_id] = ReplicaInfo(replica_id, ComponentState.STOPPED, version, now)

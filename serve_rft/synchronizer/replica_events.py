@@ -1,22 +1,42 @@
 """The synchronizer state's side that hears from the replicas: who is there, what each serves.
 
-A mixin of `serve_rft.synchronizer.state.SyncState` (its module docstring gives the membership
+A component of `serve_rft.synchronizer.state.SyncState` (its module docstring gives the membership
 rules): a replica registers (or re-introduces itself to a restarted synchronizer), polls with a
 heartbeat, renews the lease of a sync in flight, is drained or undrained by an operator, leaves
-gracefully, is reported dead by Ray, or expires unheard. Pure Python, every call takes ``now``.
-
-Uses of the state: ``cfg``, ``members``, ``versions``, ``rollout``, ``pinned``, ``incumbent``,
-``_update`` and ``_now``.
+gracefully, is reported dead by Ray, or expires unheard. Pure Python, every call takes ``now``
+(unix seconds of the caller's clock). It holds no state of its own: the replicas live in the
+`Membership`, the versions in `Versions`, the incumbent and pin in the `Rollout` it is given.
 """
 
 from __future__ import annotations
 
-from serve_rft.synchronizer.membership import ReplicaInfo
+from typing import Callable
+
+from serve_rft.config import SynchronizerConfig
+from serve_rft.synchronizer.membership import Membership, ReplicaInfo
+from serve_rft.synchronizer.rollout import Rollout
+from serve_rft.synchronizer.versions import Versions
 from serve_rft.types import ComponentState, PublishedVersion
 
 
 class ReplicaEvents:
-    """`SyncState`'s membership transitions (module docstring)."""
+    """The membership transitions (module docstring).
+
+    Args:
+        cfg: the synchronizer's settings (sync style, lease, rollout kind).
+        members: the replicas (read, and changed through ``update``).
+        versions: the version registry (a registering replica brings its handles).
+        rollout: the incumbent and pinned versions (`initial`); its lag clocks close when a
+            replica goes.
+        update: ``(replica, now, kind="state", detail=None, **changes)``: every change of a
+            replica's ``state`` / ``policy_version`` / ``drained`` / ``warming`` / ``undraining``
+            goes through it (`Membership.update`, with the state's clock noted).
+    """
+
+    def __init__(self, cfg: SynchronizerConfig, members: Membership, versions: Versions, rollout: Rollout,
+                 update: Callable[..., None]):
+        self.cfg, self.members, self.versions, self.rollout = cfg, members, versions, rollout
+        self._update = update
 
     def register(self, replica_id: str, version: int, now: float, base_handle: dict | None = None,
                  handle: dict | None = None, drained: bool = False, pid: int | None = None,
@@ -28,7 +48,6 @@ class ReplicaEvents:
         replica's own flag is older), ``warming``: no request reached
         it yet (it is not counted in rotation until one does); ``pid`` / ``node_id``: its process and
         Ray node, kept for operators."""
-        self._now = now
         if base_handle is not None:
             self.versions.add(0, base_handle, now)
         if handle is not None and version > 0:
@@ -60,7 +79,8 @@ class ReplicaEvents:
     def initial(self) -> PublishedVersion | None:
         """What a replica starting now loads before it serves: the pinned version, else the
         incumbent (None: its initial weights)."""
-        version = self.pinned if self.pinned is not None else self.incumbent
+        pinned = self.rollout.pinned
+        version = pinned if pinned is not None else self.rollout.incumbent
         v = self.versions.get(version)
         if version == 0 or v is None or v.handle is None:
             return None
@@ -141,19 +161,20 @@ class ReplicaEvents:
 
     def left(self, replica_id: str, now: float) -> None:
         """Ray Serve stopped the replica gracefully (scale-down, redeploy)."""
-        self._now = now
         if self.members.gone(replica_id, now, "left"):
             self.rollout.close_lags(now)
 
     def lost(self, replica_id: str, now: float) -> None:
         """Ray reports the replica's actor dead."""
-        self._now = now
         if self.members.gone(replica_id, now, "lost"):
             self.rollout.close_lags(now)
 
     def expire(self, now: float, every_s: float = 0.0) -> list[str]:
-        """`Membership.expire`: STOPPED for replicas unheard (or whose sync lease lapsed)."""
-        self._now = now
+        """`Membership.expire`: STOPPED for replicas unheard (or whose sync lease lapsed).
+
+        Returns:
+            The ids newly STOPPED.
+        """
         stopped = self.members.expire(now, every_s)
         if stopped:
             self.rollout.close_lags(now)

@@ -47,9 +47,12 @@ TRAINER = "trainer"
 MAX_BACKOFF_FACTOR = 64
 
 
-class SyncState(ReplicaEvents):
-    """Replicas, versions, the rollout, and the rolling-sync grants (the replicas' own events:
-    `ReplicaEvents`).
+class SyncState:
+    """Replicas, versions, the rollout, and the rolling-sync grants.
+
+    Composed of `Membership` (``members``), `Versions` (``versions``), `Rollout` (``rollout``)
+    and `ReplicaEvents` (``replica_events``: the replicas' own events, which this class's
+    ``register`` ... ``expire`` delegate to).
 
     Args:
         cfg: the synchronizer's settings (`serve_rft.config.SynchronizerConfig`).
@@ -63,6 +66,7 @@ class SyncState(ReplicaEvents):
         self.versions = Versions(cfg.max_load_attempts, cfg.retain_versions)
         self.rollout = Rollout(cfg, self.versions, self.members, self.event,
                                lambda now: now < self.hold_grants_until)
+        self.replica_events = ReplicaEvents(cfg, self.members, self.versions, self.rollout, self._update)
         self.latest: PublishedVersion | None = None
         self.trainer_state = ComponentState.STOPPED
         self.trainer_step = 0
@@ -112,8 +116,8 @@ class SyncState(ReplicaEvents):
         if len(self.events) > self.max_events:
             del self.events[: len(self.events) - self.max_events]
 
-    def _replica_event(self, r: ReplicaInfo, kind: str, detail: str | None) -> None:
-        self.event(r.replica_id, r.state, r.policy_version, self._now, kind, detail)
+    def _replica_event(self, r: ReplicaInfo, kind: str, detail: str | None, now: float) -> None:
+        self.event(r.replica_id, r.state, r.policy_version, now, kind, detail)
 
     def _update(self, r: ReplicaInfo, now: float, kind: str = "state", detail: str | None = None,
                 **changes) -> None:
@@ -144,6 +148,53 @@ class SyncState(ReplicaEvents):
         """Live replicas that are due for a sync (their style's schedule) and serve a version
         below ``version``: those an NCCL trainer waits for in its sync window."""
         return sum(r.live and r.policy_version < version and r.schedule.due for r in self.members)
+
+    # -- the replicas' own events (serve_rft.synchronizer.replica_events) ------------------
+    def register(self, replica_id: str, version: int, now: float, base_handle: dict | None = None,
+                 handle: dict | None = None, drained: bool = False, pid: int | None = None,
+                 warming: bool = False, node_id: str | None = None) -> None:
+        """`ReplicaEvents.register`: a replica came up (or re-introduced itself) serving ``version``."""
+        self._now = now
+        self.replica_events.register(replica_id, version, now, base_handle=base_handle, handle=handle,
+                                     drained=drained, pid=pid, warming=warming, node_id=node_id)
+
+    def known(self, replica_id: str) -> bool:
+        """`ReplicaEvents.known`: False: the replica should `register` before it polls."""
+        return self.replica_events.known(replica_id)
+
+    def initial(self) -> PublishedVersion | None:
+        """`ReplicaEvents.initial`: what a replica starting now loads (None: its initial weights)."""
+        return self.replica_events.initial()
+
+    def heartbeat(self, replica_id: str, version: int, explorer_step: int, now: float,
+                  refused: int | None = None, ready: bool = True, drained: bool = False) -> None:
+        """`ReplicaEvents.heartbeat`: a replica's poll."""
+        self.replica_events.heartbeat(replica_id, version, explorer_step, now, refused, ready, drained)
+
+    def renew(self, replica_id: str, version: int, granted: int, now: float, drained: bool = False) -> bool:
+        """`ReplicaEvents.renew`: a syncing replica's lease renewal; whether another replica is in
+        rotation."""
+        return self.replica_events.renew(replica_id, version, granted, now, drained)
+
+    def set_drained(self, replica_id: str, drained: bool, now: float) -> None:
+        """`ReplicaEvents.set_drained`. Raises KeyError (unknown replica), ValueError (draining it
+        would leave no live replica in rotation)."""
+        self.replica_events.set_drained(replica_id, drained, now)
+
+    def left(self, replica_id: str, now: float) -> None:
+        """`ReplicaEvents.left`: Ray Serve stopped the replica gracefully."""
+        self._now = now
+        self.replica_events.left(replica_id, now)
+
+    def lost(self, replica_id: str, now: float) -> None:
+        """`ReplicaEvents.lost`: Ray reports the replica's actor dead."""
+        self._now = now
+        self.replica_events.lost(replica_id, now)
+
+    def expire(self, now: float, every_s: float = 0.0) -> list[str]:
+        """`ReplicaEvents.expire`: the ids of replicas newly STOPPED (unheard, or lease lapsed)."""
+        self._now = now
+        return self.replica_events.expire(now, every_s)
 
     # -- which version, when ---------------------------------------------------------
     def target(self, r: ReplicaInfo) -> int:
@@ -324,18 +375,6 @@ class SyncState(ReplicaEvents):
             "sync_style": self.cfg.sync_style.value,
             "rollout": self.rollout.status(),
             "trainer": {"state": self.trainer_state.value, "step": self.trainer_step},
-            "replicas": [
-                {"id": r.replica_id, "state": r.state.value, "policy_version": r.policy_version,
-                 "alive": r.alive, "drained": r.drained, "undraining": r.undraining, "warming": r.warming,
-                 "granted": r.granted,
-                 "refused": r.refused, "pid": r.pid, "node_id": r.node_id,
-                 "failures": r.failures, "last_error": r.last_error,
-                 "backoff_s": round(max(0.0, r.backoff_until - now), 3) if r.backoff_version else 0.0,
-                 "last_sync_s": r.last_sync_s, "last_seen_s_ago": round(now - r.last_seen, 3),
-                 "last_sync": r.last_sync, "explorer_step": r.schedule.explorer_step,
-                 "sync_due": r.schedule.due, "sync_requested": r.schedule.open_request(),
-                 "sync_timeouts": r.schedule.timeouts}
-                for r in sorted(self.members, key=lambda r: r.replica_id)
-            ],
+            "replicas": [r.status(now) for r in sorted(self.members, key=lambda r: r.replica_id)],
             "version_lag_s": {str(k): round(v, 3) for k, v in sorted(self.rollout.version_lags.items())},
         }

@@ -4,7 +4,7 @@ Talks to: the trainer (``publish``, ``set_trainer``), every explorer replica (``
 ``poll`` long-poll for a `PollReply`, ``renew`` while it syncs, ``synced`` / ``failed``,
 ``left``), the HTTP API (``status``, ``events``, ``rollout`` and the operator's ``pin``,
 ``rollback``, ``pause_promotion``, ``drain``), Ray (which replica actors are alive) and Redis (the
-canary's rewards, its own rollout snapshot). It never pushes into a replica: replicas pull (the
+canary's rewards, its own rollout snapshot; both through its `SyncMonitor`). It never pushes into a replica: replicas pull (the
 Trinity-RFT Synchronizer documentation, CHECKPOINT/MEMORY: "the Explorer initiates the sync
 request ... pulls the weights, then returns to RUNNING"). The rules live in the pure
 `serve_rft.synchronizer.state.SyncState`; this actor feeds it the clock and the world.
@@ -37,7 +37,7 @@ is pardoned (`serve_rft.synchronizer.membership.Membership.pardon`)."""
 
 
 @ray.remote(num_cpus=0, max_concurrency=1000)
-class Synchronizer(SyncMonitor):
+class Synchronizer:
     """Named actor ``serve_rft_synchronizer`` in namespace ``serve_rft``.
 
     Args:
@@ -51,12 +51,6 @@ class Synchronizer(SyncMonitor):
         self.cfg = cfg
         self.state = SyncState(cfg)
         self._changed = asyncio.Condition()
-        self._rebuilt = False
-        self._rebuild_lock = asyncio.Lock()
-        self._reconstructed = ray.get_runtime_context().was_current_actor_reconstructed
-        self._actor_names: dict[str, str] = {}  # replica id -> its Ray actor name (namespace serve)
-        self._ray_checked = float("-inf")
-        self._snapshot = ""
         self.store = None
         if buffer_json is not None:
             from serve_rft.buffer.store import ExperienceStore
@@ -65,9 +59,11 @@ class Synchronizer(SyncMonitor):
         from serve_rft.observability.sync_metrics import SyncMetrics
 
         self.metrics = SyncMetrics(cfg.sync_method.value)
-        self.state.hold_grants_until = float("inf")  # nothing is granted (or pruned) before `_rebuild`
+        # its rebuild and background checks; nothing is granted (or pruned) before `SyncMonitor.rebuild`
+        self.monitor = SyncMonitor(cfg, self.state, self.store, self.metrics, self._expire, self._notify,
+                                   ray.get_runtime_context().was_current_actor_reconstructed)
         self._ran_at = time.time()  # when this process was last seen running (`_awake`)
-        self._monitor = asyncio.get_running_loop().create_task(self._watch())
+        self._watch_task = asyncio.get_running_loop().create_task(self.monitor.watch())
         self._clock_task = asyncio.get_running_loop().create_task(self._clock())
 
     # -- its own clock -------------------------------------------------------------
@@ -100,21 +96,21 @@ class Synchronizer(SyncMonitor):
         """A replica serves ``version`` (``handle`` loads it; ``base_handle`` its initial weights);
         ``actor_name``: its Ray actor (how its death is noticed); ``pid`` / ``node_id``: its
         process and Ray node."""
-        await self._rebuild()
+        await self.monitor.rebuild()
         if actor_name:
-            self._actor_names[replica_id] = actor_name
+            self.monitor.watch_actor(replica_id, actor_name)
         self.state.register(replica_id, version, time.time(), base_handle=base_handle, handle=handle,
                             drained=drained, pid=pid, warming=warming, node_id=node_id)
         await self._notify()
 
     async def initial(self) -> PublishedVersion | None:
         """What a replica starting now loads before it takes traffic (pinned, else incumbent)."""
-        await self._rebuild()
+        await self.monitor.rebuild()
         return self.state.initial()
 
     async def latest(self) -> PublishedVersion | None:
         """The latest published version (the trainer numbers new versions after it)."""
-        await self._rebuild()
+        await self.monitor.rebuild()
         return self.state.latest
 
     # Heartbeats (every replica, every second) are not traced as Ray task events: the GCS keeps
@@ -130,7 +126,7 @@ class Synchronizer(SyncMonitor):
         refused so far while out of rotation; ``ready``: a request has reached it through the
         ingress (until then it is warming: not counted in rotation); ``drained``: it holds an
         operator's drain now (put back, it counts in rotation once it says it no longer does)."""
-        await self._rebuild()
+        await self.monitor.rebuild()
         if not self.state.known(replica_id):
             return PollReply(known=False)
         if traffic:
@@ -141,7 +137,7 @@ class Synchronizer(SyncMonitor):
             self._expire(now, EXPIRE_EVERY_S)
             self.state.heartbeat(replica_id, version, explorer_step, now, refused, ready, drained)
             try:
-                await self._check_ray()
+                await self.monitor.check_ray()
             except Exception:  # noqa: BLE001 - GCS busy: the grant below trusts the last answer,
                 log.exception("listing replica actors")  # the monitor tries again every second
             order = self.state.grant(replica_id, time.time())
@@ -182,14 +178,14 @@ class Synchronizer(SyncMonitor):
     async def left(self, replica_id: str) -> None:
         """Ray Serve stopped the replica gracefully (scale-down, redeploy)."""
         self.state.left(replica_id, time.time())
-        self._actor_names.pop(replica_id, None)
+        self.monitor.forget_actor(replica_id)
         await self._notify()
 
     # -- trainer -------------------------------------------------------------------
     async def publish(self, version: int, handle: dict) -> None:
         """The trainer published ``version``; ``handle`` is its sync method's handle.
         Idempotent for the latest version (a call retried across a restart)."""
-        await self._rebuild()
+        await self.monitor.rebuild()
         if version == self.state.latest_version() and self.state.latest is not None:
             return
         self.state.publish(PublishedVersion(version=version, handle=handle), time.time())
@@ -229,22 +225,22 @@ class Synchronizer(SyncMonitor):
     async def pin(self, version: int | None) -> dict:
         """Serve ``version`` everywhere (None unpins). Raises ValueError: not loadable."""
         self.state.pin(version, time.time())
-        await self._save_rollout()
+        await self.monitor.save_rollout()
         await self._notify()
         return self.state.rollout.status()
 
     async def rollback(self, version: int) -> dict:
         """Reject every version above ``version``; it becomes the incumbent. Raises ValueError."""
         rejected = self.state.rollback(version, time.time())
-        await self._save_rollout()
+        await self.monitor.save_rollout()
         await self._notify()
         if self.cfg.canary.on_reject == "reset":
-            await self._reset_trainer()
+            await self.monitor.reset_trainer()
         return {**self.state.rollout.status(), "rejected": rejected}
 
     async def pause_promotion(self, paused: bool) -> dict:
         self.state.set_promotion_paused(paused, time.time())
-        await self._save_rollout()
+        await self.monitor.save_rollout()
         await self._notify()
         return self.state.rollout.status()
 
@@ -254,6 +250,12 @@ class Synchronizer(SyncMonitor):
         self.state.set_drained(replica_id, drained, time.time())
         await self._notify()
         return {"id": replica_id, "drained": drained}
+
+    async def _notify(self) -> None:
+        """Refresh the metrics and wake every long-polling replica (a state change)."""
+        self.metrics.refresh(self.state)
+        async with self._changed:
+            self._changed.notify_all()
 
     # -- views ---------------------------------------------------------------------
     def status(self) -> dict:

@@ -1,13 +1,14 @@
 """The synchronizer actor's background side: its state rebuilt after a restart, and the monitor.
 
-A mixin of `serve_rft.synchronizer.actor.Synchronizer`. Every `MONITOR_PERIOD_S` the monitor
-reports replicas whose Ray actor is gone, expires silent ones, refreshes the metrics and wakes
-long-polls; then, bounded by `STORE_STEP_S` so a Redis outage never holds up the death checks,
-it judges an open canary window from the rewards filed by version and saves the rollout.
+A component of `serve_rft.synchronizer.actor.Synchronizer` (held as ``monitor``). Every
+`MONITOR_PERIOD_S` the monitor reports replicas whose Ray actor is gone, expires silent ones,
+refreshes the metrics and wakes long-polls; then, bounded by `STORE_STEP_S` so a Redis outage
+never holds up the death checks, it judges an open canary window from the rewards filed by version
+and saves the rollout.
 
-Uses of the actor: ``cfg``, ``state``, ``store``, ``metrics``, ``_changed``, ``_rebuilt``,
-``_rebuild_lock``, ``_reconstructed``, ``_actor_names``, ``_ray_checked``, ``_snapshot``,
-``_expire``.
+It owns the rebuild's progress, the replicas' Ray actor names and the last saved rollout snapshot;
+it receives the state, the store, the metrics and the actor's ``expire`` and ``notify`` through
+its constructor.
 """
 
 from __future__ import annotations
@@ -17,12 +18,15 @@ import json
 import logging
 import os
 import time
+from typing import Awaitable, Callable
 
 import ray
 from redis.exceptions import RedisError
 
+from serve_rft.config import SynchronizerConfig
 from serve_rft.names import find_trainer
 from serve_rft.synchronizer.canary import ArmStats
+from serve_rft.synchronizer.state import SyncState
 
 log = logging.getLogger("serve_rft.synchronizer")
 
@@ -38,9 +42,42 @@ to restart it."""
 
 
 class SyncMonitor:
-    """`Synchronizer`'s rebuild and monitor (module docstring)."""
+    """`Synchronizer`'s rebuild and monitor (module docstring). Until `rebuild` succeeds the state
+    grants and prunes nothing (its ``hold_grants_until`` is infinite).
 
-    async def _rebuild(self) -> bool:
+    Args:
+        cfg: the synchronizer's settings (``canary.on_reject``).
+        state: the state machine it rebuilds, feeds deaths and verdicts to, and snapshots.
+        store: an `serve_rft.buffer.store.ExperienceStore` (canary rewards, the saved rollout),
+            or None (no Redis: no canary verdicts, no saved rollout).
+        metrics: a `serve_rft.observability.sync_metrics.SyncMetrics` (canary arms, verdicts).
+        expire: ``now -> stopped ids``: the actor's expiry of silent replicas (unix s).
+        notify: refreshes the metrics and wakes the long-polls after a change (awaitable).
+        reconstructed: Ray restarted this actor (a restarted state waits for syncs in flight).
+    """
+
+    def __init__(self, cfg: SynchronizerConfig, state: SyncState, store, metrics,
+                 expire: Callable[[float], list[str]], notify: Callable[[], Awaitable[None]],
+                 reconstructed: bool = False):
+        self.cfg, self.state, self.store, self.metrics = cfg, state, store, metrics
+        self._expire, self._notify = expire, notify
+        self._reconstructed = reconstructed
+        self._rebuilt = False
+        self._rebuild_lock = asyncio.Lock()
+        self._actor_names: dict[str, str] = {}  # replica id -> its Ray actor name (namespace serve)
+        self._ray_checked = float("-inf")
+        self._snapshot = ""
+        state.hold_grants_until = float("inf")  # nothing is granted (or pruned) before `rebuild`
+
+    def watch_actor(self, replica_id: str, actor_name: str) -> None:
+        """Check ``replica_id``'s Ray actor ``actor_name`` (namespace ``serve``) for its death."""
+        self._actor_names[replica_id] = actor_name
+
+    def forget_actor(self, replica_id: str) -> None:
+        """``replica_id`` left: its actor's end is no death."""
+        self._actor_names.pop(replica_id, None)
+
+    async def rebuild(self) -> bool:
         """Once per process, until it succeeds: take back the saved rollout and the latest
         version from the trainer (replicas re-register themselves when their next poll finds them
         unknown). Until then nothing is granted, pruned or saved; a failure (Redis away) is
@@ -80,8 +117,9 @@ class SyncMonitor:
         if published is not None and published.version > self.state.latest_version():
             self.state.publish(published, now)
 
-    async def _check_ray(self, max_age_s: float = RAY_CHECK_MAX_AGE_S) -> None:
-        """Report replicas whose Ray actor is gone (kill -9, node loss) as lost."""
+    async def check_ray(self, max_age_s: float = RAY_CHECK_MAX_AGE_S) -> None:
+        """Report replicas whose Ray actor is gone (kill -9, node loss) as lost; asks Ray at most
+        once per ``max_age_s`` seconds. Raises what Ray's actor listing raises (the GCS busy)."""
         if time.monotonic() - self._ray_checked < max_age_s or not self._actor_names:
             return
         self._ray_checked = time.monotonic()
@@ -94,7 +132,7 @@ class SyncMonitor:
                 self.state.lost(rid, now)
                 del self._actor_names[rid]
 
-    async def _watch(self) -> None:
+    async def watch(self) -> None:
         """Every `MONITOR_PERIOD_S`: dead and silent replicas and the metrics, then the parts
         that need Redis (the canary verdict, the saved rollout) within `STORE_STEP_S`, so a
         Redis outage never holds up the death checks (a store step that runs out is tried again
@@ -104,8 +142,8 @@ class SyncMonitor:
         while True:
             await asyncio.sleep(MONITOR_PERIOD_S)
             try:
-                await self._rebuild()
-                await self._check_ray(0.0)
+                await self.rebuild()
+                await self.check_ray(0.0)
                 self._expire(time.time())
                 await self._notify()
                 try:
@@ -121,7 +159,7 @@ class SyncMonitor:
 
     async def _store_step(self) -> None:
         await self._judge_canary()
-        await self._save_rollout()
+        await self.save_rollout()
 
     async def _judge_canary(self) -> None:
         window = self.state.rollout.canary_window()
@@ -137,9 +175,9 @@ class SyncMonitor:
         self.metrics.verdict(verdict.decision)
         log.warning("canary verdict: %s (%s)", verdict.decision, verdict.reason)
         if verdict.decision == "rollback" and self.cfg.canary.on_reject == "reset":
-            await self._reset_trainer()
+            await self.reset_trainer()
 
-    async def _reset_trainer(self) -> None:
+    async def reset_trainer(self) -> None:
         """``canary.on_reject=reset``: the trainer continues from the incumbent's weights."""
         inc = self.state.versions.get(self.state.incumbent)
         trainer = find_trainer()
@@ -147,15 +185,12 @@ class SyncMonitor:
             return
         await trainer.reset_to.remote(self.state.incumbent, inc.handle if inc else None)
 
-    async def _save_rollout(self) -> None:
+    async def save_rollout(self) -> None:
+        """Save the rollout's snapshot to the store if it changed (not before `rebuild` read the
+        saved one). Raises RedisError: the store is away (retried by the monitor's next period)."""
         if self.store is None or not self._rebuilt:  # never overwrite a snapshot not yet read
             return
         snap = json.dumps(self.state.rollout.snapshot(), sort_keys=True)
         if snap != self._snapshot:
             await self.store.save_rollout(snap)
             self._snapshot = snap
-
-    async def _notify(self) -> None:
-        self.metrics.refresh(self.state)
-        async with self._changed:
-            self._changed.notify_all()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 
+from serve_rft.config import SynchronizerConfig
 from serve_rft.synchronizer import actor as sync_actor
 from serve_rft.synchronizer import monitor
 
@@ -35,16 +36,19 @@ def test_the_death_checks_run_every_period_while_redis_hangs(monkeypatch):
     monkeypatch.setattr(monitor, "MONITOR_PERIOD_S", 0.05)
     monkeypatch.setattr(monitor, "STORE_STEP_S", 0.1)
     sync = object.__new__(sync_actor.Synchronizer.__ray_metadata__.modified_class)
-    sync.state, sync.store, sync._snapshot = _State(), _Hanging(), ""
-    sync._rebuilt, sync._ran_at = True, time.time()
+    sync.state, sync._ran_at = _State(), time.time()
 
     async def nothing(*_a, **_k):
         return True
 
-    sync._rebuild = sync._check_ray = sync._notify = nothing
+    # the actor's own expiry (its stall pardon, then the state's), as the actor wires it
+    mon = monitor.SyncMonitor(SynchronizerConfig(), sync.state, _Hanging(), None, sync._expire, nothing)
+    assert sync.state.hold_grants_until == float("inf")  # nothing granted before the rebuild
+    mon._rebuilt = True  # rebuilt: the rollout is saved every period (and the save hangs)
+    mon.rebuild = mon.check_ray = nothing
 
     async def go():
-        task = asyncio.create_task(sync._watch())
+        task = asyncio.create_task(mon.watch())
         await asyncio.sleep(1.5)
         task.cancel()
 

@@ -143,8 +143,8 @@ class Synchronizer:
             order = self.state.grant(replica_id, time.time())
             r = self.state.members.get(replica_id)
             reply = PollReply(order=order, drained=self.state.drain_holds(replica_id),
-                              role="canary" if r is not None and self.state.candidate in (
-                                  r.policy_version, r.granted) else "incumbent")
+                              role="canary" if r is not None and self.state.rollout.is_canary(r)
+                              else "incumbent")
             if order is not None:
                 await self._notify()
                 return reply

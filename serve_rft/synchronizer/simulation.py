@@ -136,7 +136,7 @@ class Fleet:
 
     def _ray_check(self) -> None:
         """The synchronizer asks Ray which replica actors are alive before it grants a sync."""
-        for rid in self._unreported:
+        for rid in sorted(self._unreported):  # a fixed order: a seed replays the same run
             self.state.lost(rid, self.now)
         self._unreported.clear()
 

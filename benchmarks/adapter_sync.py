@@ -67,7 +67,7 @@ async def _throughput(engine, requests: int, max_tokens: int, reps: int = 5) -> 
 
 async def run(base: str, rank: int, repeats: int, requests: int, max_tokens: int) -> dict:
     from serve_rft.config import ExplorerConfig
-    from serve_rft.explorer.engine import ExplorerEngine
+    from serve_rft.explorer.engine.vllm_engine import ExplorerEngine
     from serve_rft.weights import CheckpointMethod, MemoryMethod
     from serve_rft.trainer.logprob_check import max_abs_diff
 

@@ -129,7 +129,7 @@ async def engine_logprob_cost(model: str, seconds: float = 8.0) -> dict:
     from vllm.sampling_params import RequestOutputKind
 
     from serve_rft.config import ExplorerConfig
-    from serve_rft.explorer.engine import ExplorerEngine
+    from serve_rft.explorer.engine.vllm_engine import ExplorerEngine
 
     tok = AutoTokenizer.from_pretrained(model)
     prompt = tok.apply_chat_template([{"role": "user", "content": "Tell me a story about the sea."}],

@@ -23,7 +23,7 @@ def main() -> None:
     from transformers import AutoModelForCausalLM
 
     from serve_rft.config import ExplorerConfig, ModelConfig
-    from serve_rft.explorer.engine import ExplorerEngine
+    from serve_rft.explorer.engine.vllm_engine import ExplorerEngine
     from serve_rft.model.embedded import resolve_model_path
     from serve_rft.trainer.logprob_check import agreement, sample, trainer_logprobs
 

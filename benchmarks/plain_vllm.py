@@ -53,7 +53,7 @@ def start_vllm(model: str, port: int, log: Path, threads: int = 1) -> tuple[subp
         The process (its own session: `stop` ends its group) and the base URL.
     """
     from serve_rft.config import ExplorerConfig
-    from serve_rft.explorer.engine import engine_env
+    from serve_rft.explorer.engine.vllm_engine import engine_env
 
     cfg = ExplorerConfig()
     engine_env(cfg)  # VLLM_CPU_* into this process's environment, inherited below

@@ -86,7 +86,7 @@ async def bench_model(name: str, model_dir: Path, work: Path, bucket_bytes: int)
     from transformers import AutoModelForCausalLM
 
     from serve_rft.config import ExplorerConfig
-    from serve_rft.explorer.engine import ExplorerEngine
+    from serve_rft.explorer.engine.vllm_engine import ExplorerEngine
     from serve_rft.weights import CheckpointMethod, MemoryMethod
 
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)

@@ -23,7 +23,7 @@ async def main() -> dict:
     from transformers import AutoModelForCausalLM
 
     from serve_rft.config import ExplorerConfig, ModelConfig
-    from serve_rft.explorer.engine import ExplorerEngine
+    from serve_rft.explorer.engine.vllm_engine import ExplorerEngine
     from serve_rft.model.embedded import ensure_embedded_model
     from serve_rft.trainer.logprob_check import max_abs_diff
 

@@ -1,7 +1,7 @@
 """Write the service's OpenAPI document to docs/reference/openapi.json.
 
-The document is what a replica serves at ``/openapi.json``: `serve_rft.explorer.openapi.build_openapi`
-of the FastAPI app in `serve_rft.explorer.http` after ``serve.ingress(app)(ExplorerReplica)``, as
+The document is what a replica serves at ``/openapi.json``: `serve_rft.explorer.http.openapi.build_openapi`
+of the FastAPI app in `serve_rft.explorer.http.app` after ``serve.ingress(app)(ExplorerReplica)``, as
 `serve_rft.service.app` binds it (Ray Serve turns the replica's methods into the app's routes). Building it imports vLLM (its request models are the chat and completion bodies), so the
 docs build reads the committed file; ``tests/unit/test_docs.py`` fails when the file differs from
 what the app builds.
@@ -24,7 +24,7 @@ def build() -> dict[str, Any]:
     """The OpenAPI 3.1 document of the replica's app (imports vLLM: seconds)."""
     from ray import serve
 
-    from serve_rft.explorer.openapi import build_openapi
+    from serve_rft.explorer.http.openapi import build_openapi
     from serve_rft.explorer.replica import ExplorerReplica, app
 
     serve.ingress(app)(ExplorerReplica)

@@ -104,7 +104,7 @@ class RequestLimits(StrictSection):
     """Size bounds on request fields that are kept with every choice's experience or handed to
     vLLM's grammar compiler, checked before anything is generated (a request over one: 400 naming
     the field). OpenAI's documented limits where it has them; generous bounds elsewhere. The
-    request body as a whole is bounded by serve_rft.explorer.body (8 MiB), ``metadata`` by
+    request body as a whole is bounded by serve_rft.explorer.http.body (8 MiB), ``metadata`` by
     OpenAI's 16 pairs, 64-character keys and 512-character values, ``stop`` by OpenAI's and vLLM's
     4 sequences."""
 

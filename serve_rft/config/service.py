@@ -79,7 +79,7 @@ class ScopeQuota(StrictSection):
 
 
 class QuotasConfig(StrictSection):
-    """Per-key quotas by the scope of the route (`serve_rft.explorer.auth`): a key's chat,
+    """Per-key quotas by the scope of the route (`serve_rft.explorer.http.auth`): a key's chat,
     completions and models requests draw on its inference buckets, its rewards on its rewards
     buckets, whatever key kind sends them (an admin key chatting is held to the inference quota).
     Buckets live in the store's Redis, shared by every replica. Off by default (every rate 0):

@@ -3,7 +3,7 @@
 One Ray Serve replica = one `ExplorerEngine`. The class assembles the replica's parts: its
 routes come from mixins (`OpenAIRoutes`: inference through vLLM's own serving classes;
 `AdminRoutes`: rewards, experiences, status, operator routes) on the app of
-`serve_rft.explorer.http`; `EngineTap` stands between vLLM's serving layer and the engine and
+`serve_rft.explorer.http.app`; `EngineTap` stands between vLLM's serving layer and the engine and
 hands every answer to `ExperienceLog`; `WeightSwap` owns the replica's side of every sync. Requests arrive from HAProxy straight
 to this replica's own HTTP server (Ray Serve's HAProxy mode, the default: serve_rft.service.ingress) or
 through Ray Serve's Python proxy, routed around draining replicas by
@@ -29,15 +29,15 @@ from redis.exceptions import RedisError
 
 from serve_rft.buffer.store import ExperienceStore
 from serve_rft.config import Config
-from serve_rft.explorer.admin_routes import AdminRoutes
-from serve_rft.explorer.auth import ApiKeys
-from serve_rft.explorer.engine_tap import EngineTap
-from serve_rft.explorer.experience_log import ExperienceLog
-from serve_rft.explorer.openai_routes import OpenAIRoutes
-from serve_rft.explorer.openai_serving import build_serving
-from serve_rft.explorer.http import REPLICA_HEADER, VERSION_HEADER, app
-from serve_rft.explorer.protocol import ApiError
-from serve_rft.explorer.quota import QuotaCheck
+from serve_rft.explorer.engine.engine_tap import EngineTap
+from serve_rft.explorer.engine.experience_log import ExperienceLog
+from serve_rft.explorer.engine.openai_serving import build_serving
+from serve_rft.explorer.http.admin_routes import AdminRoutes
+from serve_rft.explorer.http.app import REPLICA_HEADER, VERSION_HEADER, app
+from serve_rft.explorer.http.auth import ApiKeys
+from serve_rft.explorer.http.openai_routes import OpenAIRoutes
+from serve_rft.explorer.http.protocol import ApiError
+from serve_rft.explorer.http.quota import QuotaCheck
 from serve_rft.explorer.weight_swap import WeightSwap
 from serve_rft.observability.explorer_metrics import ExplorerMetrics
 from serve_rft.weights import method_class
@@ -55,7 +55,7 @@ class ExplorerReplica(OpenAIRoutes, AdminRoutes):
     async def __init__(self, config_json: str, model_path: str | None):
         from ray import serve
 
-        from serve_rft.explorer.engine import ExplorerEngine
+        from serve_rft.explorer.engine.vllm_engine import ExplorerEngine
         from serve_rft.control import ensure_control
 
         self.cfg = Config.model_validate_json(config_json)
@@ -118,8 +118,8 @@ class ExplorerReplica(OpenAIRoutes, AdminRoutes):
 
     # -- HTTP ----------------------------------------------------------------------------
     def authorize(self, request: Request) -> None:
-        """The API-key check of every route but /health (`serve_rft.explorer.http.authorize`);
-        the caller's `serve_rft.explorer.auth.Identity` is kept on ``request.state.identity``.
+        """The API-key check of every route but /health (`serve_rft.explorer.http.app.authorize`);
+        the caller's `serve_rft.explorer.http.auth.Identity` is kept on ``request.state.identity``.
         A request reached this replica, so the ingress routes to it (`WeightSwap.reached`).
 
         Raises:
@@ -127,7 +127,7 @@ class ExplorerReplica(OpenAIRoutes, AdminRoutes):
         """
         self.swap.reached = True
         try:
-            # the caller's tenant and scopes, for the route (`serve_rft.explorer.auth.identity_of`)
+            # the caller's tenant and scopes, for the route (`serve_rft.explorer.http.auth.identity_of`)
             request.state.identity = self.api_keys.check(request.url.path, request.headers.get("authorization"))
         except ApiError as e:
             if request.url.path in METERED:
@@ -135,7 +135,7 @@ class ExplorerReplica(OpenAIRoutes, AdminRoutes):
             raise
 
     async def check_quota(self, request: Request) -> None:
-        """The key's quota (`serve_rft.explorer.quota.QuotaCheck.check`), after `authorize`.
+        """The key's quota (`serve_rft.explorer.http.quota.QuotaCheck.check`), after `authorize`.
 
         Raises:
             ApiError: 429 / 413; counted by the request metrics of `METERED` paths.

@@ -34,10 +34,10 @@ from collections import OrderedDict
 from typing import Callable
 
 from serve_rft.config import Config
-from serve_rft.explorer.ingress_mode import haproxy_enabled, refusals_are_retried
+from serve_rft.explorer.http.ingress_mode import haproxy_enabled, refusals_are_retried
+from serve_rft.types import PollReply, SyncOrder
 from serve_rft.weights import EngineBroken, LoadFailed, load_or_restore, receiver_for
 from serve_rft.weights.verify import ProbeMismatch, VersionCorrupt, check_probe
-from serve_rft.types import PollReply, SyncOrder
 
 log = logging.getLogger("serve_rft.explorer")
 
@@ -106,7 +106,7 @@ class WeightSwap:
 
         Args:
             retryable: HAProxy could re-send this request (it fits its buffer,
-                `serve_rft.explorer.ingress_mode.fits_a_retry`). One it could not is never
+                `serve_rft.explorer.http.ingress_mode.fits_a_retry`). One it could not is never
                 refused for a drain: held while weights load, served during an operator's drain.
             request_id: the id HAProxy gave the request (`ingress_mode.haproxy_request_id`), if any.
         """

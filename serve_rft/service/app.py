@@ -16,7 +16,7 @@ from pathlib import Path
 
 from serve_rft.config import Config
 from serve_rft.config.service import check_exposure
-from serve_rft.explorer.ingress_mode import haproxy_enabled
+from serve_rft.explorer.http.ingress_mode import haproxy_enabled
 
 APP_NAME = "serve_rft"
 log = logging.getLogger("serve_rft.service")
@@ -42,7 +42,7 @@ def serve_http_host(cfg: Config, timeout_s: float = 30.0) -> str | None:
 
 def explorer_deployment(cfg: Config):
     """The `ExplorerReplica` class as a Serve deployment with its routing and scaling options
-    (`DrainAwareRouter` unless this process runs Ray Serve's HAProxy mode: serve_rft.explorer.ingress_mode)."""
+    (`DrainAwareRouter` unless this process runs Ray Serve's HAProxy mode: serve_rft.explorer.http.ingress_mode)."""
     from ray import serve
     from ray.serve.config import RequestRouterConfig
 

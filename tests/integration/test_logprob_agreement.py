@@ -23,7 +23,7 @@ def test_trainer_logprobs_match_vllm_behaviour_logprobs(embedded_model):
     from transformers import AutoModelForCausalLM
 
     from serve_rft.config import ExplorerConfig
-    from serve_rft.explorer.engine import ExplorerEngine
+    from serve_rft.explorer.engine.vllm_engine import ExplorerEngine
     from serve_rft.trainer.logprob_check import agreement, sample, trainer_logprobs
 
     rnd = random.Random(0)

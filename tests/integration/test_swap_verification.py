@@ -48,7 +48,7 @@ def test_swap_verifies_before_serving_and_never_reuses_another_versions_cache(em
     import ray
 
     from serve_rft.config import Config, SynchronizerConfig
-    from serve_rft.explorer.engine import ExplorerEngine
+    from serve_rft.explorer.engine.vllm_engine import ExplorerEngine
     from serve_rft.explorer.weight_swap import WeightSwap
     from serve_rft.weights import CheckpointMethod
     from serve_rft.trainer.token_logprobs import trainer_probe

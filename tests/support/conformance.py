@@ -173,7 +173,7 @@ CASES: list[tuple[str, str, str, Any]] = [
      {"model": "serve-rft", "messages": [{"role": "user", "content": "x"}], "max_tokens": 2, "service_tier": "auto"}),
 ]
 DELIBERATE_STATUS: dict[str, tuple[int, int]] = {
-    "refused_top_k": (400, 200),  # the trainer does not reproduce top_k (serve_rft/explorer/reproducible.py)
+    "refused_top_k": (400, 200),  # the trainer does not reproduce top_k (serve_rft/explorer/engine/reproducible.py)
     "refused_unknown_field": (400, 200),  # vLLM ignores a field it does not know; OpenAI (and we) refuse it
 }
 """Cases where serve_rft answers differently on purpose: (ours, vLLM's) status."""

@@ -1,13 +1,13 @@
 """A draining replica's admission: refuse only what HAProxy can re-send (`WeightSwap.admission`,
-`serve_rft.explorer.ingress_mode.fits_a_retry`). A refusal HAProxy cannot re-send reaches the
+`serve_rft.explorer.http.ingress_mode.fits_a_retry`). A refusal HAProxy cannot re-send reaches the
 client as a 503: a request failed because of a sync (CI once saw one for a 100 KB body)."""
 
 from __future__ import annotations
 
 import pytest
 
-from serve_rft.explorer import ingress_mode
-from serve_rft.explorer.ingress_mode import fits_a_retry, retry_capacity_bytes
+from serve_rft.explorer.http import ingress_mode
+from serve_rft.explorer.http.ingress_mode import fits_a_retry, retry_capacity_bytes
 from serve_rft.explorer.weight_swap import WeightSwap
 
 

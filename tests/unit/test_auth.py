@@ -4,8 +4,8 @@ stack test runs the same over a live service (tests/integration/test_stack_keep.
 
 import pytest
 
-from serve_rft.explorer.auth import ADMIN, INFERENCE, OPEN, REWARDS, ApiKeys, Identity, required_scope
-from serve_rft.explorer.protocol import ApiError
+from serve_rft.explorer.http.auth import ADMIN, INFERENCE, OPEN, REWARDS, ApiKeys, Identity, required_scope
+from serve_rft.explorer.http.protocol import ApiError
 
 KEYS = ApiKeys(["inf"], ["adm"], ["rew"])
 HEADERS = {"none": None, "empty bearer": "Bearer", "basic": "Basic adm", "unknown": "Bearer nope",
@@ -26,7 +26,7 @@ def _answer(keys: ApiKeys, path: str, header: str | None) -> int:
 def _routes() -> list[str]:
     """Every path the replica's app serves (the replica module registers its routes on it)."""
     import serve_rft.explorer.replica  # noqa: F401
-    from serve_rft.explorer.http import app
+    from serve_rft.explorer.http.app import app
 
     return [r.path.replace("{completion_id}", "x").replace("{replica_id}", "r").replace("{model_id:path}", "m")
             for r in app.routes]
@@ -120,7 +120,7 @@ def client():
     from fastapi import Request
     from fastapi.testclient import TestClient
 
-    from serve_rft.explorer import http
+    from serve_rft.explorer.http import app as http
 
     def check(request: Request) -> None:
         KEYS.check(request.url.path, request.headers.get("authorization"))

@@ -4,8 +4,8 @@ import asyncio
 
 import pytest
 
-from serve_rft.explorer.body import MAX_JSON_DEPTH, parse_json, read_body
-from serve_rft.explorer.protocol import ApiError, RewardItem
+from serve_rft.explorer.http.body import MAX_JSON_DEPTH, parse_json, read_body
+from serve_rft.explorer.http.protocol import ApiError, RewardItem
 
 
 @pytest.mark.parametrize("raw", [b"[" * 100_000, b"{\"a\": " * 70 + b"1" + b"}" * 70,
@@ -41,7 +41,7 @@ def test_the_size_bound_holds_while_streaming_and_on_the_declared_length():
 
 
 def test_strict_types_and_vllms_seed_bound():
-    from serve_rft.explorer.openai_request import parse_request
+    from serve_rft.explorer.http.openai_request import parse_request
 
     base = {"messages": [{"role": "user", "content": "x"}]}
     for bad in ({"stream": "yes"}, {"seed": 2**64}, {"n": "2"}, {"logprobs": 1}, {"model": 5}, {"stop": ""},

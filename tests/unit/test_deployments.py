@@ -56,7 +56,7 @@ def test_drain_aware_router_only_without_haproxy(monkeypatch):
 
 
 def test_refusals_only_when_haproxy_retries_them(monkeypatch):
-    from serve_rft.explorer.ingress_mode import refusals_are_retried
+    from serve_rft.explorer.http.ingress_mode import refusals_are_retried
     from serve_rft.service.ingress import RETRY_ON
 
     monkeypatch.setenv("RAY_SERVE_ENABLE_HA_PROXY", "1")

@@ -4,8 +4,8 @@ import asyncio
 import uuid
 
 from serve_rft.buffer.store import ExperienceStore
-from serve_rft.explorer.experience_log import ExperienceLog, Sampled
-from serve_rft.explorer.engine_tap import RequestContext
+from serve_rft.explorer.engine.engine_tap import RequestContext
+from serve_rft.explorer.engine.experience_log import ExperienceLog, Sampled
 from serve_rft.types import SamplingInfo
 
 

@@ -10,9 +10,9 @@ import pytest
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from serve_rft.config import load_config
-from serve_rft.explorer.admin_routes import AdminRoutes
-from serve_rft.explorer.auth import OPEN
-from serve_rft.explorer.protocol import ApiError
+from serve_rft.explorer.http.admin_routes import AdminRoutes
+from serve_rft.explorer.http.auth import OPEN
+from serve_rft.explorer.http.protocol import ApiError
 
 
 class HangingStore:

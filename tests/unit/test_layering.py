@@ -1,6 +1,7 @@
 """The package's import order: each runtime role imports only from the floors below it (no import
-circle, no import running back up, function-local imports included). docs/architecture.md
-(Floors) draws the same floors."""
+circle, no import running back up, function-local imports included); inside the explorer, its
+engine part never imports its HTTP part and neither imports the deployment that composes them.
+docs/architecture.md (Floors) draws the same floors."""
 
 from __future__ import annotations
 
@@ -58,3 +59,61 @@ def test_every_import_goes_to_the_same_or_a_lower_floor():
             if floor[there] > floor[here]:
                 upward.append(f"{path.relative_to(PACKAGE)} ({here}) imports {target} ({there})")
     assert not upward, "imports running back up:\n" + "\n".join(upward)
+
+
+# Inside the explorer: the engine part under the HTTP part under the deployment that composes them.
+EXPLORER = PACKAGE / "explorer"
+EXPLORER_PARTS = ["engine", "http", "deployment"]  # bottom to top; deployment: the modules directly
+# under explorer/ (replica.py composes the parts; weight_swap.py, router.py)
+WEB_FRAMEWORKS = ("fastapi", "starlette")
+
+
+def _part(module: str) -> str:
+    """``serve_rft.explorer.http.auth`` and ``serve_rft.explorer.http`` -> ``http``;
+    ``serve_rft.explorer.replica`` -> ``deployment``."""
+    parts = module.split(".")
+    nested = len(parts) > 3 or len(parts) == 3 and (EXPLORER / parts[2]).is_dir()
+    return parts[2] if nested else "deployment"
+
+
+def _explorer_imports(path: Path) -> tuple[set[str], set[str]]:
+    """(the serve_rft.explorer modules ``path`` imports, the top-level names of all it imports),
+    at module level or inside functions. ``from serve_rft.explorer.http import auth`` counts as
+    ``serve_rft.explorer.http.auth``."""
+    inner, top = set(), set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+        else:
+            continue
+        top |= {n.split(".")[0] for n in names}
+        for name in names:
+            if name.startswith("serve_rft.explorer.") and _is_module(name):
+                inner.add(name)
+    return inner, top
+
+
+def _is_module(name: str) -> bool:
+    """Whether dotted ``name`` is a module or package of the source tree (not a class in one)."""
+    rel = Path(*name.split(".")[1:])
+    return (PACKAGE / rel).with_suffix(".py").exists() or (PACKAGE / rel / "__init__.py").exists()
+
+
+def test_explorer_engine_never_imports_http_and_neither_part_imports_the_deployment():
+    rank = {part: i for i, part in enumerate(EXPLORER_PARTS)}
+    files = {p: _part("serve_rft." + ".".join(p.relative_to(PACKAGE).with_suffix("").parts))
+             for p in EXPLORER.rglob("*.py") if p.name != "__init__.py"}
+    assert set(files.values()) == set(EXPLORER_PARTS), files
+    upward, web = [], []
+    for path, here in files.items():
+        inner, top = _explorer_imports(path)
+        for target in inner:
+            there = _part(target)
+            if there not in rank or rank[there] > rank[here]:
+                upward.append(f"{path.relative_to(PACKAGE)} ({here}) imports {target} ({there})")
+        if here == "engine" and top & set(WEB_FRAMEWORKS):
+            web.append(f"{path.relative_to(PACKAGE)} imports {sorted(top & set(WEB_FRAMEWORKS))}")
+    assert not upward, "explorer imports running back up:\n" + "\n".join(upward)
+    assert not web, "the engine part knows no HTTP framework:\n" + "\n".join(web)

@@ -3,9 +3,9 @@ reproduce refused with a 400 that names the field, serve_rft's extensions taken 
 
 import pytest
 
-from serve_rft.explorer.engine_tap import response_id, sampling_info
-from serve_rft.explorer.openai_request import REFUSED, parse_request
-from serve_rft.explorer.protocol import ApiError
+from serve_rft.explorer.engine.engine_tap import response_id, sampling_info
+from serve_rft.explorer.http.openai_request import REFUSED, parse_request
+from serve_rft.explorer.http.protocol import ApiError
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}]}
 
@@ -118,7 +118,7 @@ def test_sampling_info_keeps_a_grammar_constraint():
 # --- size bounds before anything is generated (RequestLimits) ---
 
 from serve_rft.config.explorer import RequestLimits  # noqa: E402
-from serve_rft.explorer.openai_request import check_limits  # noqa: E402
+from serve_rft.explorer.http.openai_request import check_limits  # noqa: E402
 
 LIMITS = RequestLimits()
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
@@ -198,7 +198,7 @@ def test_user_and_stop_of_the_wrong_type_are_a_400(value):
 def test_text_that_cannot_be_stored_is_refused_before_generation(raw, param):
     """A lone surrogate escape parses in Python but fails UTF-8 encoding when the experience is
     serialised: refused at parsing, naming where it is."""
-    from serve_rft.explorer.body import parse_json
+    from serve_rft.explorer.http.body import parse_json
 
     with pytest.raises(ApiError) as e:
         parse_request(parse_json(raw), "chat", max_n=16)

@@ -57,7 +57,7 @@ def test_engine_arguments_serve_rft_owns_or_vllm_lacks_are_refused_before_anythi
 
 def test_engine_kwargs_put_serve_rfts_arguments_first_and_pass_the_rest_through():
     from serve_rft.config.explorer import ExplorerConfig
-    from serve_rft.explorer.engine_args import LOGPROBS_MODE, engine_kwargs
+    from serve_rft.explorer.engine.engine_args import LOGPROBS_MODE, engine_kwargs
 
     cfg = ExplorerConfig(engine_args={"enable_prefix_caching": False, "max_num_batched_tokens": 4096})
     kw = engine_kwargs(cfg, "/m", seed=7, on_cpu=True)

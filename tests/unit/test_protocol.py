@@ -1,11 +1,11 @@
 import pytest
 from pydantic import ValidationError
 
-from serve_rft.explorer.protocol import parse_reward_body
+from serve_rft.explorer.http.protocol import parse_reward_body
 
 
 def test_reward_body_single_and_batch():
-    from serve_rft.explorer.protocol import ChoiceRewards, ConversationReward, GroupRewards, RewardItem
+    from serve_rft.explorer.http.protocol import ChoiceRewards, ConversationReward, GroupRewards, RewardItem
 
     one = parse_reward_body({"completion_id": "c", "choice_index": 1, "reward": 0.5})
     assert isinstance(one, RewardItem) and (one.completion_id, one.choice_index, one.reward) == ("c", 1, 0.5)

@@ -25,11 +25,11 @@ from starlette.requests import Request
 
 from serve_rft.buffer.quota import Decision, QuotaBuckets, Rates, key_identity
 from serve_rft.config.service import QuotasConfig
-from serve_rft.explorer.auth import ApiKeys
-from serve_rft.explorer.body import read_body
-from serve_rft.explorer.protocol import ApiError
-from serve_rft.explorer import quota as quota_module
-from serve_rft.explorer.quota import PAUSE_AFTER_FAILURE_S, QuotaCheck
+from serve_rft.explorer.http import quota as quota_module
+from serve_rft.explorer.http.auth import ApiKeys
+from serve_rft.explorer.http.body import read_body
+from serve_rft.explorer.http.protocol import ApiError
+from serve_rft.explorer.http.quota import PAUSE_AFTER_FAILURE_S, QuotaCheck
 
 SLACK = 0.01
 """s: the client's monotonic clock against the Redis server's ``TIME`` over one test."""
@@ -362,7 +362,7 @@ def test_over_the_replicas_app_a_throttled_key_gets_429_json_and_another_key_is_
     app's cached API document alone.)"""
     from fastapi.testclient import TestClient
 
-    from serve_rft.explorer import http
+    from serve_rft.explorer.http import app as http
 
     check = QuotaCheck(_quotas(admin={"requests_per_s": 0.001, "request_burst": 2}), KEYS,
                        QuotaBuckets(redis_server.url, prefix), Metrics())

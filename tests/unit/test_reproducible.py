@@ -3,7 +3,7 @@ dropped at start, and a request whose final vLLM SamplingParams it cannot reprod
 
 import pytest
 
-from serve_rft.explorer.reproducible import NOT_REPRODUCED, REPRODUCED_DEFAULTS, check, split_defaults
+from serve_rft.explorer.engine.reproducible import NOT_REPRODUCED, REPRODUCED_DEFAULTS, check, split_defaults
 
 QWEN_INSTRUCT = {"repetition_penalty": 1.05, "temperature": 0.7, "top_k": 20, "top_p": 0.8, "max_tokens": 512}
 """Qwen2.5-7B-Instruct's generation_config.json as vLLM's get_diff_sampling_param() reads it."""

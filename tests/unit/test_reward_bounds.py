@@ -9,8 +9,8 @@ from pydantic import ValidationError
 
 from serve_rft.buffer.store import ExperienceStore
 from serve_rft.config.buffer import BufferConfig
-from serve_rft.explorer import rewards_api
-from serve_rft.explorer.protocol import ApiError, parse_reward_body
+from serve_rft.explorer.http import rewards_api
+from serve_rft.explorer.http.protocol import ApiError, parse_reward_body
 from tests.support.experiences import experience
 
 LAX = ["1.5", True, False, "nan", None, [1.0], {"v": 1}]

@@ -4,8 +4,8 @@ import asyncio
 import uuid
 
 from serve_rft.buffer.store import ExperienceStore
-from serve_rft.explorer import rewards_api
-from serve_rft.explorer.protocol import parse_reward_body
+from serve_rft.explorer.http import rewards_api
+from serve_rft.explorer.http.protocol import parse_reward_body
 from tests.support.experiences import experience
 
 

@@ -7,12 +7,12 @@ import uuid
 import pytest
 
 from serve_rft.buffer.store import ExperienceStore
-from serve_rft.explorer import rewards_api
-from serve_rft.explorer.auth import ApiKeys
-from serve_rft.explorer.engine_tap import RequestContext, cache_salt
-from serve_rft.explorer.experience_log import ExperienceLog, Sampled
-from serve_rft.explorer.openai_request import check_against_store
-from serve_rft.explorer.protocol import ApiError, parse_reward_body
+from serve_rft.explorer.engine.engine_tap import RequestContext, cache_salt
+from serve_rft.explorer.engine.experience_log import ExperienceLog, Sampled
+from serve_rft.explorer.http import rewards_api
+from serve_rft.explorer.http.auth import ApiKeys
+from serve_rft.explorer.http.openai_request import check_against_store
+from serve_rft.explorer.http.protocol import ApiError, parse_reward_body
 from serve_rft.types import SamplingInfo
 
 KEYS = ApiKeys(["inf"], ["adm"], ["rew"], {"alice": (["a-inf"], ["a-rew"]), "mallory": (["m-inf"], ["m-rew"])})
@@ -193,7 +193,7 @@ def test_the_engine_tap_salts_each_request_with_its_tenant():
 
     from vllm import SamplingParams
 
-    from serve_rft.explorer.engine_tap import CURRENT, EngineTap
+    from serve_rft.explorer.engine.engine_tap import CURRENT, EngineTap
 
     prompts = []
     llm = SimpleNamespace(generate=lambda prompt, *args, **kwargs: prompts.append(prompt))

@@ -25,7 +25,7 @@ from typing import Any
 
 from starlette.requests import Request
 
-from serve_rft.explorer.protocol import ApiError
+from serve_rft.explorer.http.protocol import ApiError
 
 MAX_BODY_BYTES = 8 * 1024 * 1024
 MAX_JSON_DEPTH = 64

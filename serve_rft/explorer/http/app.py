@@ -5,10 +5,10 @@ Routes raise `ApiError` and never build an error response themselves: the except
 below answer it (with ``Retry-After`` where the client should try again), and FastAPI's own
 404 / 405 / 422 answers get the same JSON shape. Routes that need a key declare
 ``dependencies=AUTHORIZED``; the dependency asks the replica serving the request
-(`ExplorerReplica.authorize`: key scopes in `serve_rft.explorer.auth`; then
-`ExplorerReplica.check_quota`: per-key quotas in `serve_rft.explorer.quota`). FastAPI's own
+(`ExplorerReplica.authorize`: key scopes in `serve_rft.explorer.http.auth`; then
+`ExplorerReplica.check_quota`: per-key quotas in `serve_rft.explorer.http.quota`). FastAPI's own
 ``/openapi.json``, ``/docs`` and ``/redoc`` are replaced by routes behind the same check
-(`serve_rft.explorer.openapi.install`: the admin scope when keys are on).
+(`serve_rft.explorer.http.openapi.install`: the admin scope when keys are on).
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from serve_rft.explorer import openapi
-from serve_rft.explorer.protocol import ApiError
+from serve_rft.explorer.http import openapi
+from serve_rft.explorer.http.protocol import ApiError
 
 REPLICA_HEADER = "x-serve-rft-replica"
 VERSION_HEADER = "x-serve-rft-policy-version"
@@ -40,8 +40,8 @@ async def authorize(request: Request) -> None:
     key's quota (before the route reads the body or generates anything).
 
     Raises:
-        ApiError: 401 / 403 (`serve_rft.explorer.auth.ApiKeys.check`); 429 / 413 (the key's quota:
-            `serve_rft.explorer.quota.QuotaCheck.check`).
+        ApiError: 401 / 403 (`serve_rft.explorer.http.auth.ApiKeys.check`); 429 / 413 (the key's quota:
+            `serve_rft.explorer.http.quota.QuotaCheck.check`).
     """
     from ray import serve
 

@@ -15,7 +15,7 @@ or a reward of a ``rewards`` list or a conversation that the store would refuse:
 number, or outside ``buffer.reward_range``) is refused whole, before anything is recorded; in a
 batch or a group each item's reward is checked with its own result. Nothing accepted is dropped.
 
-Tenants (`serve_rft.explorer.auth.Identity`): a caller reaches only its own tenant's completions
+Tenants (`serve_rft.explorer.http.auth.Identity`): a caller reaches only its own tenant's completions
 (an admin reaches all). Another tenant's completion is answered exactly as one that does not
 exist (404, ``not_found``, same message), checked before anything is written; a
 ``conversation_id`` names the caller's own conversation, a ``group_id`` the group as the
@@ -31,8 +31,8 @@ from typing import Any
 from serve_rft.buffer.records import (RewardConflict, RewardError, RewardExpired, RewardNotFinite,
                                       RewardOutOfRange, StoreFull, UnknownChoice, shown_group)
 from serve_rft.buffer.store import ExperienceStore
-from serve_rft.explorer.auth import OPEN, Identity
-from serve_rft.explorer.protocol import (ApiError, ChoiceRewards, ConversationReward, GroupRewards,
+from serve_rft.explorer.http.auth import OPEN, Identity
+from serve_rft.explorer.http.protocol import (ApiError, ChoiceRewards, ConversationReward, GroupRewards,
                                          RewardBatch, RewardItem, RewardRequest)
 
 REFUSALS: dict[type[Exception], tuple[int, str, str | None]] = {

@@ -37,9 +37,9 @@ from redis.exceptions import RedisError
 
 from serve_rft.buffer.records import ConversationFull, GroupSizeConflict, client_group
 from serve_rft.config.explorer import RequestLimits
-from serve_rft.explorer.engine_tap import RequestContext
-from serve_rft.explorer.protocol import INT64_MAX, INT64_MIN, ApiError
-from serve_rft.explorer.reproducible import NOT_REPRODUCED
+from serve_rft.explorer.engine.engine_tap import RequestContext
+from serve_rft.explorer.engine.reproducible import NOT_REPRODUCED
+from serve_rft.explorer.http.protocol import INT64_MAX, INT64_MIN, ApiError
 
 
 class Extensions(BaseModel):

@@ -1,7 +1,7 @@
 """The engine tap: vLLM's OpenAI serving layer talks to the replica's engine through it, and every
 answer it serves becomes experiences in the store before the answer ends.
 
-vLLM's own serving classes (`serve_rft.explorer.openai_serving`) render chat templates, parse
+vLLM's own serving classes (`serve_rft.explorer.engine.openai_serving`) render chat templates, parse
 tool calls, apply structured outputs and shape every response and stream chunk exactly as vLLM's
 server does. They call ``engine_client.generate(prompt, sampling_params, request_id, ...)``;
 `EngineTap` is that engine client. For each call it
@@ -36,8 +36,8 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
 from serve_rft.config.service import DEFAULT_TENANT
-from serve_rft.explorer import reproducible
-from serve_rft.explorer.experience_log import ExperienceLog, Sampled
+from serve_rft.explorer.engine import reproducible
+from serve_rft.explorer.engine.experience_log import ExperienceLog, Sampled
 from serve_rft.types import SamplingInfo
 
 
@@ -55,7 +55,7 @@ class RequestContext:
         finished: the engine finished the request (a stream that ends without it failed).
         t0: arrival, `time.perf_counter` (for time to first token).
         metadata, user: OpenAI's request fields, kept with the experiences.
-        tenant: the caller's tenant (`serve_rft.explorer.auth.Identity.tenant`): owns the
+        tenant: the caller's tenant (`serve_rft.explorer.http.auth.Identity.tenant`): owns the
             experiences and namespaces the group and conversation ids; salts the prefix cache.
     """
 
@@ -130,7 +130,7 @@ class EngineTap:
 
         Raises:
             vllm.exceptions.VLLMValidationError: a logged request whose sampling the trainer
-                cannot reproduce (`serve_rft.explorer.reproducible.check`).
+                cannot reproduce (`serve_rft.explorer.engine.reproducible.check`).
         """
         from vllm.sampling_params import RequestOutputKind
 

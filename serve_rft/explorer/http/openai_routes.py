@@ -3,10 +3,10 @@
 A mixin of `ExplorerReplica`. A request passes the weight swap's admission (serve; hold while
 this lone replica loads new weights, or while it drains a request too large for HAProxy to re-send;
 or refuse with 503 while it drains, which HAProxy re-sends to a serving replica), is parsed on the replica's tokenizer thread (bounded JSON,
-`serve_rft.explorer.body`; what may be asked, `serve_rft.explorer.openai_request`) and is answered
-by vLLM's own serving classes (`serve_rft.explorer.openai_serving`), whose engine calls go through
+`serve_rft.explorer.http.body`; what may be asked, `serve_rft.explorer.http.openai_request`) and is answered
+by vLLM's own serving classes (`serve_rft.explorer.engine.openai_serving`), whose engine calls go through
 the tap that logs each answer as experiences before the answer ends
-(`serve_rft.explorer.engine_tap`). Every answer carries the replica and its policy version in
+(`serve_rft.explorer.engine.engine_tap`). Every answer carries the replica and its policy version in
 headers. ``/v1/responses`` is not served (404, with the reason).
 
 Uses of the replica: ``cfg``, ``swap``, ``serving``, ``metrics``, ``replica_id``, ``cpu`` (its
@@ -22,13 +22,13 @@ from collections.abc import AsyncIterator
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from serve_rft.explorer.auth import identity_of
-from serve_rft.explorer.body import parse_json, read_body
-from serve_rft.explorer.engine_tap import CURRENT, RequestContext
-from serve_rft.explorer.http import AUTHORIZED, app
-from serve_rft.explorer.ingress_mode import REQUEST_ID_HEADER, fits_a_retry, haproxy_request_id, head_bytes
-from serve_rft.explorer.openai_request import check_against_store, parse_request
-from serve_rft.explorer.protocol import ApiError
+from serve_rft.explorer.engine.engine_tap import CURRENT, RequestContext
+from serve_rft.explorer.http.app import AUTHORIZED, app
+from serve_rft.explorer.http.auth import identity_of
+from serve_rft.explorer.http.body import parse_json, read_body
+from serve_rft.explorer.http.ingress_mode import REQUEST_ID_HEADER, fits_a_retry, haproxy_request_id, head_bytes
+from serve_rft.explorer.http.openai_request import check_against_store, parse_request
+from serve_rft.explorer.http.protocol import ApiError
 
 ROUTES = {"chat": "chat", "completion": "completions"}
 

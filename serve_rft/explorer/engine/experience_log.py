@@ -104,7 +104,7 @@ class ExperienceLog:
         Args:
             req: the request's ``store``, ``group_id``, ``group_size``, ``conversation_id``,
                 ``created_at``, ``user``, ``metadata`` and ``tenant`` (a
-                `serve_rft.explorer.engine_tap.RequestContext`).
+                `serve_rft.explorer.engine.engine_tap.RequestContext`).
             cid: the response's id (what rewards name).
             prompt_ids: the token ids the engine consumed.
             version: the policy version of tokens without a version span.

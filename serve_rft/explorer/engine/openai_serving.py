@@ -6,9 +6,9 @@ classes vLLM's OpenAI server uses (``OpenAIServingChat``, ``OpenAIServingComplet
 the tool-call parser chosen by ``explorer.tool_call_parser``), built here as
 ``vllm.entrypoints.launchers.api_server.app_state.init_app_state`` builds them, so request
 validation, sampling defaults (the model's ``generation_config.json``, those the trainer
-reproduces: `serve_rft.explorer.reproducible.split_defaults`), chat templates, tool
+reproduces: `serve_rft.explorer.engine.reproducible.split_defaults`), chat templates, tool
 calls, structured outputs and every response shape are vLLM's. They reach the engine only through
-`serve_rft.explorer.engine_tap.EngineTap`, which logs each answer as experiences.
+`serve_rft.explorer.engine.engine_tap.EngineTap`, which logs each answer as experiences.
 
 ``system_fingerprint`` names the policy version that produced the answer (``policy-v{N}``).
 """
@@ -19,8 +19,8 @@ import logging
 from dataclasses import dataclass
 
 from serve_rft.config import Config
-from serve_rft.explorer.engine_tap import CURRENT
-from serve_rft.explorer.reproducible import split_defaults
+from serve_rft.explorer.engine.engine_tap import CURRENT
+from serve_rft.explorer.engine.reproducible import split_defaults
 
 log = logging.getLogger(__name__)
 

@@ -59,7 +59,7 @@ def engine_kwargs(cfg, model_path: str, *, seed: int, on_cpu: bool, weight_trans
         # vLLM logs through the process's handlers instead, at VLLM_LOGGING_LEVEL (`engine_env`).
         logging_config=LoggingConfig(configure_logging=False),
         gpu_memory_utilization=cfg.gpu_memory_utilization,
-        worker_extension_cls="serve_rft.explorer.worker_ext.PolicyWeightsExtension",
+        worker_extension_cls="serve_rft.explorer.engine.worker_ext.PolicyWeightsExtension",
     )
     if weight_transfer is not None:
         from vllm.config.weight_transfer import WeightTransferConfig

@@ -1,11 +1,11 @@
 """The service's OpenAPI document, with the request bodies the routes parse themselves.
 
-The routes read raw bodies (`serve_rft.explorer.body`: bounded size, depth and integers) and
-validate them with the pydantic models of `serve_rft.explorer.protocol`, so FastAPI cannot see
+The routes read raw bodies (`serve_rft.explorer.http.body`: bounded size, depth and integers) and
+validate them with the pydantic models of `serve_rft.explorer.http.protocol`, so FastAPI cannot see
 the bodies; this module puts those models' JSON schemas into ``/openapi.json``. Clients and
 schemathesis (tests/integration/test_stack.py) read it. The document and the pages that show
 it (``/docs``: Swagger UI, ``/redoc``) take the admin scope when keys are on
-(`serve_rft.explorer.auth`); a browser does not send the key with the page's own fetch of
+(`serve_rft.explorer.http.auth`); a browser does not send the key with the page's own fetch of
 ``/openapi.json``, so with keys on read the document with a client that sends it.
 """
 
@@ -19,8 +19,8 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import HTMLResponse, JSONResponse
 from pydantic import TypeAdapter
 
-from serve_rft.explorer.protocol import RewardRequest
-from serve_rft.explorer.sync_api import DrainRequest, PinRequest, PromotionRequest, RollbackRequest
+from serve_rft.explorer.http.protocol import RewardRequest
+from serve_rft.explorer.http.sync_api import DrainRequest, PinRequest, PromotionRequest, RollbackRequest
 
 REF = "#/components/schemas/{model}"
 BODIES: dict[str, Any] = {
@@ -78,7 +78,7 @@ def _openai_bodies() -> dict[str, Any]:
     from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
     from vllm.entrypoints.openai.completion.protocol import CompletionRequest
 
-    from serve_rft.explorer.openai_request import Extensions
+    from serve_rft.explorer.http.openai_request import Extensions
 
     def with_extensions(model):
         class Request(model, Extensions):  # the schema: vLLM's fields and ours

@@ -20,7 +20,7 @@ from typing import Any, Awaitable
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from serve_rft.explorer.protocol import ApiError
+from serve_rft.explorer.http.protocol import ApiError
 
 
 class _Body(BaseModel):

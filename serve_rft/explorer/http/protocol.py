@@ -1,6 +1,6 @@
 """serve_rft's own HTTP types: the reward requests and the OpenAI error JSON.
 
-Chat and completion requests are vLLM's protocol classes (`serve_rft.explorer.openai_request`).
+Chat and completion requests are vLLM's protocol classes (`serve_rft.explorer.http.openai_request`).
 Anything a client can get wrong becomes an `ApiError` with a 4xx status and the OpenAI error
 body ``{"error": {"message", "type", "param", "code"}}``.
 """

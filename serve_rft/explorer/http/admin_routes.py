@@ -1,8 +1,8 @@
 """The replica's routes besides inference: rewards, experiences, status and the operator's
 rollout routes. A mixin of `ExplorerReplica` (Ray Serve finds class-based routes through the
-class's bases); each route is a thin shim over `serve_rft.explorer.rewards_api`, the
-`ExperienceStore` or the `Synchronizer` actor (`serve_rft.explorer.sync_api`), and refusals are
-raised as `ApiError` (answered by `serve_rft.explorer.http`).
+class's bases); each route is a thin shim over `serve_rft.explorer.http.rewards_api`, the
+`ExperienceStore` or the `Synchronizer` actor (`serve_rft.explorer.http.sync_api`), and refusals are
+raised as `ApiError` (answered by `serve_rft.explorer.http.app`).
 
 Uses of the replica: ``cfg``, ``store``, ``sync`` (the synchronizer's handle), ``metrics``.
 """
@@ -17,11 +17,11 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from redis.exceptions import RedisError
 
-from serve_rft.explorer import rewards_api, sync_api
-from serve_rft.explorer.auth import identity_of
-from serve_rft.explorer.body import read_json
-from serve_rft.explorer.http import AUTHORIZED, app
-from serve_rft.explorer.protocol import ApiError, parse_reward_body
+from serve_rft.explorer.http import rewards_api, sync_api
+from serve_rft.explorer.http.app import AUTHORIZED, app
+from serve_rft.explorer.http.auth import identity_of
+from serve_rft.explorer.http.body import read_json
+from serve_rft.explorer.http.protocol import ApiError, parse_reward_body
 
 
 def _store_unavailable(advice: str) -> ApiError:
@@ -36,8 +36,8 @@ class AdminRoutes:
 
     @app.post("/v1/rewards", dependencies=AUTHORIZED)
     async def rewards(self, request: Request) -> JSONResponse:
-        """Post rewards (forms: `serve_rft.explorer.protocol.parse_reward_body`; semantics:
-        `serve_rft.explorer.rewards_api`)."""
+        """Post rewards (forms: `serve_rft.explorer.http.protocol.parse_reward_body`; semantics:
+        `serve_rft.explorer.http.rewards_api`)."""
         t0 = time.perf_counter()
         try:
             response = await self._rewards(request)
@@ -116,7 +116,7 @@ class AdminRoutes:
 
     @app.get("/v1/sync/rollout", dependencies=AUTHORIZED)
     async def sync_rollout(self) -> JSONResponse:
-        """The rollout (`serve_rft.explorer.sync_api`)."""
+        """The rollout (`serve_rft.explorer.http.sync_api`)."""
         return JSONResponse(await sync_api.call(self.sync.rollout.remote(), self.cfg.explorer.peer_wait_s))
 
     @app.post("/v1/sync/pin", dependencies=AUTHORIZED)

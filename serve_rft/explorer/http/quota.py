@@ -1,11 +1,11 @@
 """The per-key quota check of every keyed route: after the key check, before the body is parsed
 or anything is generated.
 
-Each API key has, per scope of route (`serve_rft.explorer.auth`: inference, rewards, admin), a
+Each API key has, per scope of route (`serve_rft.explorer.http.auth`: inference, rewards, admin), a
 request bucket and a byte bucket (`serve_rft.buffer.quota`, in the store's Redis, shared by every
 replica), sized by ``service.quotas.<scope>`` (`serve_rft.config.service.QuotasConfig`; off by
 default). A request costs one request and its body's bytes: ``Content-Length``, or for a body sent
-without one (chunked) the body as read, bounded first (`serve_rft.explorer.body.read_body`) and
+without one (chunked) the body as read, bounded first (`serve_rft.explorer.http.body.read_body`) and
 kept for the route. A key short of either gets 429 with ``Retry-After`` (whole seconds, rounded
 up) and OpenAI's rate-limit error JSON: ``type`` the limit reached (``requests``; ``bytes`` where
 OpenAI says ``tokens``), ``code`` ``rate_limit_exceeded`` (OpenAI's error codes guide,
@@ -32,11 +32,11 @@ from redis.exceptions import RedisError
 from starlette.requests import Request
 
 from serve_rft.buffer.quota import QuotaBuckets, Rates, key_identity
-from serve_rft.explorer.auth import ApiKeys, required_scope
-from serve_rft.explorer.body import MAX_BODY_BYTES, read_body
-from serve_rft.explorer.protocol import ApiError
+from serve_rft.explorer.http.auth import ApiKeys, required_scope
+from serve_rft.explorer.http.body import MAX_BODY_BYTES, read_body
+from serve_rft.explorer.http.protocol import ApiError
 
-log = logging.getLogger("serve_rft.explorer.quota")
+log = logging.getLogger("serve_rft.explorer.http.quota")
 PAUSE_AFTER_FAILURE_S = 1.0
 """After a failed check, requests pass unchecked this long before Redis is tried again, s."""
 

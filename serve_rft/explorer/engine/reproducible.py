@@ -6,7 +6,7 @@ sampler does exactly that when nothing else touches the logits. vLLM's serving l
 request's ``SamplingParams`` from the request's fields *and* the model's
 ``generation_config.json`` (``ModelConfig.get_diff_sampling_param``: ``top_k``, ``min_p``,
 ``repetition_penalty`` and penalties are common there, e.g. Qwen2.5-Instruct's ``top_k=20,
-repetition_penalty=1.05``), after `serve_rft.explorer.openai_request` has checked the request.
+repetition_penalty=1.05``), after `serve_rft.explorer.http.openai_request` has checked the request.
 So two checks keep a ratio from being silently wrong:
 
 - `split_defaults` at start: the model's defaults the trainer reproduces (``temperature``,

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from typing import Iterable, Mapping
 
 from serve_rft.config.service import DEFAULT_TENANT
-from serve_rft.explorer.protocol import ApiError
+from serve_rft.explorer.http.protocol import ApiError
 
 INFERENCE, REWARDS, ADMIN = "inference", "rewards", "admin"
 INFERENCE_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/models")
@@ -95,7 +95,7 @@ OPEN = Identity(DEFAULT_TENANT, frozenset({INFERENCE, REWARDS, ADMIN}))
 
 
 def identity_of(request) -> Identity:
-    """The `Identity` the key check stored on ``request`` (`serve_rft.explorer.http.authorize`)."""
+    """The `Identity` the key check stored on ``request`` (`serve_rft.explorer.http.app.authorize`)."""
     return request.state.identity
 
 

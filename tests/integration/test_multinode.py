@@ -16,13 +16,16 @@ again on C, which loads the latest version before serving; versions keep rolling
 requests in flight through B fail; every reward answered 2xx is kept and none trained twice.
 
 With autoscaling (deployments/serve_config_autoscaling.yaml, two nodes: the head and one
-explorer node) a ramp of users makes Serve add a replica and, once it is over, remove it, while
-versions keep rolling and no request fails.
+explorer node) and CHECKPOINT sync (the trainer on the head writes version folders under the
+run_dir every node mounts, the replicas on the other node load them): a ramp of users makes
+Serve add a replica, which joins on the latest version, and, once the ramp is over, remove it
+again, while versions keep rolling and no request fails.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import http.server
 import subprocess
 import sys
@@ -37,7 +40,13 @@ import httpx
 import pytest
 import yaml
 
-from tests.support.load import Users, every_accepted_reward_is_kept, get_status, live_replicas, wait_for
+from tests.support.load import (
+    Users,
+    every_accepted_reward_is_kept,
+    get_status,
+    live_replicas,
+    wait_for,
+)
 from tests.support.ray_cluster import RayCluster, RayNode
 
 pytestmark = pytest.mark.integration
@@ -105,12 +114,37 @@ def _all_on(st: dict, version: int, replicas: int = 2) -> bool:
     return len(live) >= replicas and all(r["policy_version"] >= version for r in live)
 
 
+@dataclasses.dataclass
+class Deployment:
+    """A deployed service: its Ray ``cluster``, service ``url`` and the serve ``config`` file."""
+
+    cluster: RayCluster
+    url: str
+    config: Path
+
+    def deploy(self) -> None:
+        """``serve deploy`` of ``config`` (as it is now) onto the cluster."""
+        serve = str(Path(sys.executable).parent / "serve")
+        out = subprocess.run([serve, "deploy", str(self.config), "--address", self.cluster.dashboard_url],
+                             env=self.cluster.env, capture_output=True, text=True, timeout=120, check=False)
+        assert out.returncode == 0, out.stdout + out.stderr
+
+    def update_autoscaling(self, **changes) -> None:
+        """Redeploy with ``changes`` to the explorer's ``autoscaling_config`` only: a lightweight
+        config update that keeps the running replicas (Ray Serve, "Updating Applications In-Place",
+        Lightweight Config Updates); the application's args stay as they are."""
+        cfg = yaml.safe_load(self.config.read_text())
+        cfg["applications"][0]["deployments"][0]["autoscaling_config"].update(changes)
+        self.config.write_text(yaml.safe_dump(cfg))
+        self.deploy()
+
+
 @contextlib.contextmanager
 def deployed(tmp_path: Path, redis_url: str, model: Path, sync_method: str, explorer_cpus: tuple[int, ...],
              autoscaling: dict | None = None):
     """Ray nodes (the head: trainer; one explorer node per entry of ``explorer_cpus``, named b,
     c, ..., with that many CPUs), the code zip served over HTTP, ``serve deploy`` of the shipped
-    config with ``sync_method`` (and ``autoscaling``: `_serve_config`); yields (cluster, url) once
+    config with ``sync_method`` (and ``autoscaling``: `_serve_config`); yields a `Deployment` once
     two replicas serve. Ends every node by its process id."""
     from serve_rft.buffer.redis_server import free_port
 
@@ -131,16 +165,14 @@ def deployed(tmp_path: Path, redis_url: str, model: Path, sync_method: str, expl
             f"synchronizer.sync_method={sync_method}", f"trainer.label_selector={{{ROLE}: trainer}}",
             "trainer.min_batch_size=4", "trainer.batch_size=16", "trainer.batch_wait_s=0.5",
             "trainer.max_batch_wait_s=10", "synchronizer.max_version_lag_s=10"], autoscaling)
-        serve = str(Path(sys.executable).parent / "serve")
-        out = subprocess.run([serve, "deploy", str(config), "--address", cluster.dashboard_url],
-                             env=cluster.env, capture_output=True, text=True, timeout=120)
-        assert out.returncode == 0, out.stdout + out.stderr
+        deployment = Deployment(cluster, url, config)
+        deployment.deploy()
 
         def healthy():
             return httpx.get(f"{url}/health", timeout=10).status_code == 200 and len(live_replicas(_status(url))) >= 2
         wait_for(healthy, 600, lambda: "the deployed service to be healthy with two replicas\n"
                  + "\n".join(f"--- {n.name}\n{n.log_tail(1500)}" for n in cluster.nodes))
-        yield cluster, url
+        yield deployment
     finally:
         if server is not None:
             server.shutdown()
@@ -159,25 +191,11 @@ def _placed(cluster: RayCluster, url: str) -> dict:
     return st
 
 
-def test_checkpoint_sync_reaches_replicas_on_other_nodes_through_the_shared_run_dir(
-        redis_server, embedded_model, tmp_path):
-    """CHECKPOINT: the trainer on the head writes version folders under ``run_dir`` (the path every
-    node mounts: here the same disk), the replicas on B and C load them and verify the probe."""
-    with deployed(tmp_path, redis_server.url, embedded_model, "checkpoint", (1, 1)) as (cluster, url):
-        _placed(cluster, url)
-        with Users(url) as users:
-            wait_for(lambda: (s := _status(url))["policy_version"] >= 2 and _all_on(s, 2), 400,
-                     lambda: f"version 2 on both replicas: {_status(url)['replicas']}")
-        assert not [c for c in users.chats if not c["ok"]], users.chats
-        folders = sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir())
-        assert folders, "no version folder under run_dir"
-        assert all(r["last_sync"] and r["last_sync"]["bytes"] > 0 for r in live_replicas(_status(url))), _status(url)
-
-
 def test_serve_deploy_on_three_ray_nodes_syncs_across_them_and_survives_losing_one(
         redis_server, embedded_model, tmp_path):
-    with deployed(tmp_path, redis_server.url, embedded_model, "memory", (1, 2)) as (cluster, url):
-        head, b, c = cluster.nodes
+    with deployed(tmp_path, redis_server.url, embedded_model, "memory", (1, 2)) as d:
+        cluster, url = d.cluster, d.url
+        _, b, c = cluster.nodes
         st = _placed(cluster, url)
         before = st["experiences"]
         with Users(url) as users:
@@ -209,24 +227,36 @@ def test_serve_deploy_on_three_ray_nodes_syncs_across_them_and_survives_losing_o
         every_accepted_reward_is_kept(url, users, before)
 
 
-def test_serve_deploy_autoscaling_adds_and_removes_replicas_while_versions_roll(
+def _events(url: str, since: float) -> list[dict]:
+    return httpx.get(f"{url}/v1/sync/events", params={"since": since}, timeout=30).json()["events"]
+
+
+def test_serve_deploy_autoscaling_adds_and_removes_replicas_while_checkpoint_versions_roll(
         redis_server, embedded_model, tmp_path):
     """``serve deploy`` of deployments/serve_config_autoscaling.yaml on two Ray nodes (the head:
-    trainer; B, three CPUs: the explorer replicas). Six closed-loop users with long answers (more
-    requests in flight than one per replica, the target) make Serve add a third replica, which
-    takes the next versions with the others (that an added replica loads the incumbent before it
-    serves is tested on the single-node stack); one user afterwards makes Serve
-    remove it again after ``downscale_delay_s``, while versions keep rolling onto the two left.
-    No request fails; every reward answered 2xx is kept, none trained twice.
+    trainer; B, three CPUs: the explorer replicas) with CHECKPOINT sync: the trainer on the head
+    writes version folders under ``run_dir`` (the path every node mounts: here the same disk) and
+    the replicas on B load them. Six closed-loop users with long answers (more requests in flight
+    than one per replica, the target) make Serve add a third replica, which joins on the latest
+    version and takes the next versions with the others; then the operator shortens
+    ``downscale_delay_s`` (a lightweight config update: the replicas keep running) and, with one
+    user left, Serve removes a replica, which leaves the rollout, while versions keep rolling onto
+    the two left. No request fails; every reward answered 2xx is kept, none trained twice.
 
-    The downscale delay is longer than a replica's start (about 45 s here): with 20 s Serve took
-    the new replica away again while it was still starting. The explorer replicas share one node,
-    so no node's proxy is left without replicas and drained (docs/operations/autoscaling.md)."""
+    The first downscale delay is longer than a replica's start (about 45 s here): with 20 s Serve
+    took the new replica away again while it was still starting (a starting replica slows the
+    running ones' metric reports on two cores). The explorer replicas share one node, so no
+    node's proxy is left without replicas and drained (docs/operations/autoscaling.md)."""
     scaling = {"min_replicas": 2, "max_replicas": 3, "initial_replicas": 2, "target_ongoing_requests": 1.0,
                "upscale_delay_s": 2.0, "downscale_delay_s": 120.0}
-    with deployed(tmp_path, redis_server.url, embedded_model, "memory", (3,), scaling) as (cluster, url):
-        before = _status(url)["experiences"]
-        first_ids = {r["id"] for r in live_replicas(_status(url))}
+    with deployed(tmp_path, redis_server.url, embedded_model, "checkpoint", (3,), scaling) as d:
+        url = d.url
+        head, b = d.cluster.nodes
+        st = _status(url)
+        assert _on(head, st["trainer"]["pid"]), ("the trainer on the head (trainer.label_selector)", st["trainer"])
+        assert all(_on(b, r["pid"]) for r in live_replicas(st)), ("the replicas on node B", st["replicas"])
+        before = st["experiences"]
+        first_ids = {r["id"] for r in live_replicas(st)}
         timeline = []
         t0 = time.time()
 
@@ -242,13 +272,19 @@ def test_serve_deploy_autoscaling_adds_and_removes_replicas_while_versions_roll(
         with Users(url, users=6, max_tokens=96) as busy:
             st = wait_for(lambda: len(live_replicas(s := observe())) >= 3 and s, 400,
                           lambda: f"a third replica under load: {timeline[-5:]}")
-            assert [r for r in live_replicas(st) if r["id"] not in first_ids], st["replicas"]
+            added = [r for r in live_replicas(st) if r["id"] not in first_ids]
+            assert added and all(_on(b, r["pid"]) for r in added), st["replicas"]
             v = st["policy_version"]
             wait_for(lambda: (s := observe())["policy_version"] > v and _all_on(s, v + 1, 3), 400,
                      lambda: f"a newer version on all three replicas: {timeline[-5:]}")
+        joined = {e["component"] for e in _events(url, t0) if e["kind"] == "joined"}
+        assert {r["id"] for r in added} <= joined, (joined, added)
+        d.update_autoscaling(downscale_delay_s=10.0)
+        t_calm = time.time()
         with Users(url, users=1) as calm:
             wait_for(lambda: len(live_replicas(observe())) == 2, 400,
                      lambda: f"Serve to remove a replica with one user: {timeline[-5:]}", period_s=2.0)
+            print(f"autoscaling: a replica removed {time.time() - t_calm:.0f} s after the delay's update")
             v = _status(url)["policy_version"]
             wait_for(lambda: (s := observe())["policy_version"] > v and _all_on(s, v + 1), 400,
                      lambda: f"a newer version on the two replicas left: {timeline[-5:]}", period_s=2.0)
@@ -256,5 +292,12 @@ def test_serve_deploy_autoscaling_adds_and_removes_replicas_while_versions_roll(
         print("autoscaling:", {"chat_requests": len(busy.chats) + len(calm.chats),
                                "rewards_accepted": len(busy.accepted) + len(calm.accepted)})
         assert not [c for c in busy.chats + calm.chats if not c["ok"]], busy.chats + calm.chats
+        events = _events(url, t0)
+        assert any(e["kind"] == "left" for e in events if e["t"] >= t_calm), "the removed replica left the rollout"
+        synced = {e["component"] for e in events if e["kind"] == "synced"}
+        assert len(synced) >= 3, synced  # versions rolled onto the added replica too
+        folders = sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir())
+        assert folders, "no version folder under run_dir"
+        assert all(r["last_sync"] and r["last_sync"]["bytes"] > 0 for r in live_replicas(_status(url))), _status(url)
         busy.accepted.update(calm.accepted)
         every_accepted_reward_is_kept(url, busy, before)

@@ -9,8 +9,9 @@ behind HAProxy, CHECKPOINT, FIXED style): every step made deterministic.
   another serves, under load: only requests in flight on it fail; the synchronizer learns of the
   death from Ray (at the latest from its missed heartbeats); its vLLM engine processes exit by themselves; Serve's replacement starts
   on the latest version;
-- scale 2 -> 3 -> 2 under load (Serve autoscaling): the new replica starts on the latest
-  version, the stopped one leaves, versions keep rolling, no request fails.
+- scale 2 -> 3 -> 2 under load (Serve autoscaling: the new replica joins on the latest version,
+  the stopped one leaves, versions keep rolling, no request fails) runs where operators deploy
+  autoscaling, with ``serve deploy`` on Ray nodes: tests/integration/test_multinode.py.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ pytestmark = pytest.mark.integration
 LAG_S = 10.0
 OVERRIDES = [
     "explorer.autoscaling={min_replicas: 2, max_replicas: 3, target_ongoing_requests: 3, "
-    "upscale_delay_s: 2, downscale_delay_s: 120}",  # shorter delays cancelled the third replica as it started
+    "upscale_delay_s: 2, downscale_delay_s: 120}",  # an added replica stays; 2 -> 3 -> 2: test_multinode.py
     f"synchronizer.max_version_lag_s={LAG_S}",
 ]
 
@@ -344,28 +345,3 @@ def test_kill_9_of_a_replica_while_it_syncs_fails_only_its_own_requests(stack):
                 except ProcessLookupError:
                     pass
     assert any(not isinstance(x, int) for x in long_result), long_result  # in flight on a: broken by the kill
-
-
-def test_scale_2_to_3_to_2_under_load_keeps_rolling_without_failures(stack):
-    t0 = time.time()
-    with Load(stack, users=16, max_tokens=32) as heavy:  # ~10 requests in flight: > 3 per replica
-        st = _wait(lambda: (lambda s: s if len(live_replicas(s)) >= 3 else None)(_status(stack)), 420,
-                   "a third replica (autoscaling up)", period_s=2.0)
-        t_up = time.time()
-        new = [e for e in _events(stack, t0) if e["kind"] == "joined"]
-        assert new
-        _wait(lambda: _publishes(stack, t_up), 180, "a version with three replicas")
-    with Load(stack, users=1) as light:
-        _wait(lambda: (lambda s: s if len(live_replicas(s)) == 2 else None)(_status(stack)), 360,
-              "back to two replicas (autoscaling down)", period_s=2.0)
-        t_down = time.time()
-        _wait(lambda: _publishes(stack, t_down), 240, "a version after scaling down")
-    st = _trainer_idle(stack)
-    latest = st["policy_version"]
-    _wait(lambda: all(r["policy_version"] == latest for r in live_replicas(_status(stack))), LAG_S + 5,
-          "every replica on the latest version")
-    assert not heavy.failures() and not light.failures(), (heavy.failures()[:3], light.failures()[:3])
-    events = _events(stack, t0)
-    assert any(e["kind"] == "left" for e in events), "the scaled-down replica left"
-    syncs = {e["component"] for e in events if e["kind"] == "synced"}
-    assert len(syncs) >= 3, syncs  # versions rolled on the added replica too

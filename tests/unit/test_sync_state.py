@@ -250,3 +250,32 @@ def test_a_stall_of_the_synchronizer_itself_is_pardoned_not_counted_as_the_repli
     # silence after the resume counts: r0 stops polling and times out replica_timeout_s later
     s.heartbeat("r1", 0, 0, now=resumed + 12)
     assert s.expire(now=resumed + 14) == ["r0"]
+
+
+def test_replica_events_work_from_the_collaborators_they_are_given():
+    """`ReplicaEvents` is a component: built from a config, a membership, versions, a rollout and
+    an update function alone (no SyncState), it registers, hears, expires and loses replicas, and
+    every change reaches the membership's on_change with the change's own time."""
+    from serve_rft.synchronizer.membership import Membership
+    from serve_rft.synchronizer.replica_events import ReplicaEvents
+    from serve_rft.synchronizer.rollout import Rollout
+    from serve_rft.synchronizer.versions import Versions
+
+    cfg = SynchronizerConfig(sync_style="trainer_driven", replica_timeout_s=10)
+    changes = []
+    members = Membership(cfg.replica_timeout_s, lambda r, kind, detail, now: changes.append((r.replica_id, kind, now)))
+    versions = Versions()
+    rollout = Rollout(cfg, versions, members, lambda *a: None, lambda now: False)
+    ev = ReplicaEvents(cfg, members, versions, rollout, members.update)
+    ev.register("r0", 0, 100.0, base_handle={"method": "checkpoint", "path": "/base"})
+    ev.register("r1", 2, 100.5, handle={"method": "checkpoint", "path": "/v2"})
+    assert ev.known("r0") and ev.known("r1") and members.n_live == members.n_in_rotation == 2
+    assert ev.initial() is None  # the incumbent is the initial weights
+    rollout.pin(2, 101.0)
+    assert ev.initial().version == 2 and ev.initial().handle == {"method": "checkpoint", "path": "/v2"}
+    ev.heartbeat("r1", 2, 0, 105.0)
+    assert ev.expire(111.0) == ["r0"]  # unheard for more than replica_timeout_s
+    ev.lost("r1", 112.0)
+    assert not members.get("r1").alive and members.n_live == 0
+    assert changes == [("r0", "joined", 100.0), ("r1", "joined", 100.5), ("r0", "timeout", 111.0),
+                       ("r1", "lost", 112.0)]

@@ -73,7 +73,7 @@ class SyncState:
         self.events: list[SyncEvent] = []
         self.sync_seconds_ewma = 1.0  # a sync's duration, for the lag trigger's reserve
         self.hold_grants_until = float("-inf")
-        self._now = 0.0
+        self._now = 0.0  # the clock of the latest replica or rollout change (`in_use_versions`' default)
 
     def restarted(self, now: float) -> None:
         """This state replaces one that was lost (Ray restarted the synchronizer): grant nothing
@@ -125,6 +125,7 @@ class SyncState:
         self.members.update(r, now, kind, detail, **changes)
 
     def latest_version(self) -> int:
+        """The latest published version (0: none yet)."""
         return self.latest.version if self.latest else 0
 
     def in_use_versions(self, now: float | None = None) -> list[int] | None:
@@ -331,6 +332,7 @@ class SyncState:
         self.rollout.retain(published.version, now)
 
     def set_trainer(self, state: ComponentState, step: int, now: float) -> None:
+        """The trainer reports its state and optimizer step (an event when its state changes)."""
         self.trainer_step = step
         if state is not self.trainer_state:
             self.trainer_state = state
@@ -363,11 +365,14 @@ class SyncState:
         return self.rollout.rollback(version, now, reason)
 
     def set_promotion_paused(self, paused: bool, now: float) -> None:
+        """`Rollout.set_promotion_paused`: hold (or release) canary verdicts."""
         self._now = now
         self.rollout.set_promotion_paused(paused, now)
 
     # -- views ---------------------------------------------------------------------
     def status(self, now: float | None = None) -> dict:
+        """Versions, rollout, trainer and every replica, JSON-able (``now``: unix s; None: the
+        wall clock)."""
         now = time.time() if now is None else now
         return {
             "policy_version": self.latest_version(),

@@ -130,27 +130,23 @@ class DeadLetter:
 
 
 SHARED = ("sampling", "user", "metadata")
-"""Per-request fields stored once per completion (`shared_fields`) when all its choices agree:
+"""Per-request fields stored once per completion (`shared_names`) when all its choices agree:
 a request with ``n`` choices and large fields (a grammar, ``metadata``) is not stored ``n``
 times."""
 
 
-def shared_fields(experiences: list[Experience]) -> dict:
-    """What the choices of one completion share, stored once (``P:pr:{cid}``): the prompt token
-    ids (of the first choice: one prompt per completion) and each of `SHARED` on which every
-    choice agrees, as JSON-ready values. Each choice's record leaves these keys out."""
+def shared_names(experiences: list[Experience]) -> set[str]:
+    """The fields the choices of one completion share, stored once (``P:pr:{cid}``, the first
+    choice's values as a JSON object): the prompt token ids (one prompt per completion) and each
+    of `SHARED` on which every choice agrees. Each choice's record leaves these fields out."""
     e0 = experiences[0]
-    out: dict = {"prompt_token_ids": e0.prompt_token_ids}
-    for name in SHARED:
-        value = getattr(e0, name)
-        if all(getattr(e, name) == value for e in experiences[1:]):
-            out[name] = e0.model_dump(mode="json", include={name})[name]
-    return out
+    return {"prompt_token_ids", *(name for name in SHARED
+                                  if all(getattr(e, name) == getattr(e0, name) for e in experiences[1:]))}
 
 
 def experience_from(exp_json: str, shared_json: str | None) -> Experience:
     """An experience from its stored JSON and its completion's shared fields (``P:pr:{cid}``:
-    a `shared_fields` object, or the bare prompt token ids list an older record has; none for
+    a `shared_names` object, or the bare prompt token ids list an older record has; none for
     an experience logged whole). A field the record has itself wins over the shared one.
 
     Raises:

@@ -128,38 +128,68 @@ end
 """
 
 LOG = """
--- ARGV: P, cid, n, gid, group_size, ttl_pending, ttl_long, now, deadline, conv (the key of its
--- turn list under P, '' for none), version, prompt, tenant, max_turns,
--- exp_1..exp_n (the prompt's token ids once per completion; each choice's JSON without them)
-local P, cid, n, gid = ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4]
-local ttl_p, ttl_l = tonumber(ARGV[6]), tonumber(ARGV[7])
-local cmp = P..':cmp:'..cid
--- a completion is logged once: a call re-sent after a lost reply (client retry) changes nothing
-if redis.call('EXISTS', cmp) == 1 then return 0 end
-redis.call('HSET', cmp, 'n', n, 'group', gid, 'conv', ARGV[10], 'created', ARGV[8], 'ver', ARGV[11],
-           'tenant', ARGV[13])
-redis.call('EXPIRE', cmp, ttl_l)
-local st = P..':st:'..cid
-local g = P..':grp:'..gid
-redis.call('HSETNX', g, 'size', ARGV[5])
-redis.call('HINCRBY', g, 'logged', n)
-redis.call('EXPIRE', g, ttl_l)
-for i = 0, n - 1 do
-  redis.call('SET', P..':exp:'..cid..':'..i, ARGV[15 + i], 'EX', ttl_p)
-  redis.call('ZADD', P..':pending', ARGV[9], cid..':'..i)
-  redis.call('HSET', st, tostring(i), 'pending')
+-- ARGV: P, ttl_pending, ttl_long, max_turns, then the completions: one MessagePack array
+-- (Redis's bundled cmsgpack) of {cid, n, gid, group_size, now, deadline, conv (the key of its
+-- turn list under P, '' for none), version, prompt, tenant, exp_1..exp_n}, every field a string
+-- (the prompt's token ids once per completion; each choice's JSON without them)
+-- returns per completion, in order: n (logged), 0 (logged before), or an error message (nothing
+-- of it written: every check is a read before its first write). Each completion runs in pcall,
+-- so one refused completion leaves the others logged; past maxmemory, Redis refuses a script's
+-- first write only, so every completion of the call is refused alike (error "OOM ...").
+local P, ttl_p, ttl_l, max_turns = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
+local pending = {}  -- score, member, ... of the completions logged: one ZADD per call
+-- `cmd key args...` in calls of at most 2000 args (unpack takes a bounded number of values)
+local function call_chunked(cmd, key, args)
+  for k = 1, #args, 2000 do redis.call(cmd, key, unpack(args, k, math.min(k + 1999, #args))) end
 end
-redis.call('EXPIRE', st, ttl_l)
-redis.call('SET', P..':pr:'..cid, ARGV[12], 'EX', ttl_l)
-if ARGV[10] ~= '' then
+local function log_one(c)
+  local cid, n, gid, conv = c[1], tonumber(c[2]), c[3], c[7]
+  local cmp = P..':cmp:'..cid
+  -- a completion is logged once: a call re-sent after a lost reply (client retry) changes nothing
+  if redis.call('EXISTS', cmp) == 1 then return 0 end
   -- bounded: a turn that raced past the request check of a full conversation is logged (its
   -- choices can be rewarded one by one) but does not join the list a conversation reward reads
-  local ck = P..':'..ARGV[10]
-  if redis.call('LLEN', ck) < tonumber(ARGV[14]) then redis.call('RPUSH', ck, cid) end
-  redis.call('EXPIRE', ck, ttl_l)
+  local ck = conv ~= '' and P..':'..conv
+  local turns = ck and redis.call('LLEN', ck)
+  redis.call('HSET', cmp, 'n', n, 'group', gid, 'conv', conv, 'created', c[5], 'ver', c[8], 'tenant', c[10])
+  redis.call('EXPIRE', cmp, ttl_l)
+  local g = P..':grp:'..gid
+  redis.call('HSETNX', g, 'size', c[4])
+  redis.call('HINCRBY', g, 'logged', n)
+  redis.call('EXPIRE', g, ttl_l)
+  local states = {}
+  for i = 0, n - 1 do
+    redis.call('SET', P..':exp:'..cid..':'..i, c[11 + i], 'EX', ttl_p)
+    states[#states + 1] = tostring(i)
+    states[#states + 1] = 'pending'
+  end
+  local st = P..':st:'..cid
+  call_chunked('HSET', st, states)
+  redis.call('EXPIRE', st, ttl_l)
+  redis.call('SET', P..':pr:'..cid, c[9], 'EX', ttl_l)
+  if ck then
+    if turns < max_turns then redis.call('RPUSH', ck, cid) end
+    redis.call('EXPIRE', ck, ttl_l)
+  end
+  for i = 0, n - 1 do
+    pending[#pending + 1] = c[6]
+    pending[#pending + 1] = cid..':'..i
+  end
+  return n
 end
-redis.call('HINCRBY', P..':stat', 'logged', n)
-return n
+local out, logged = {}, 0
+for j, c in ipairs(cmsgpack.unpack(ARGV[5])) do
+  local ok, r = pcall(log_one, c)
+  if ok then
+    out[j] = r
+    logged = logged + r
+  else  -- redis.call raises a table {err = message}
+    out[j] = type(r) == 'table' and tostring(r.err) or tostring(r)
+  end
+end
+call_chunked('ZADD', P..':pending', pending)
+if logged > 0 then redis.call('HINCRBY', P..':stat', 'logged', logged) end
+return out
 """
 
 # Scripts that free memory (or move it) run even when Redis is past maxmemory (noeviction):

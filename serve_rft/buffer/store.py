@@ -1,8 +1,8 @@
 """The experience store: Redis keys, the reward transaction and the trainer's ready stream.
 
-Owns every Redis key of the service. Explorer replicas call `log_experiences`; the rewards API
-calls `post_reward`; the trainer calls `read_ready` and `ack` (the ready stream's side:
-`serve_rft.buffer.ready`). Nothing else touches Redis. Every state change is one Lua script
+Owns every Redis key of the service. Explorer replicas call `log_experiences` (batched across
+concurrent callers: `serve_rft.buffer.log_batch`); the rewards API calls `post_reward`; the
+trainer calls `read_ready` and `ack` (the ready stream's side: `serve_rft.buffer.ready`). Nothing else touches Redis. Every state change is one Lua script
 (`serve_rft.buffer.scripts`), so it is atomic. Records and domain errors: `serve_rft.buffer.records`.
 
 Schema (``P`` = ``buffer.key_prefix``; ``{cid}`` a completion id, ``{i}`` a choice index,
@@ -14,7 +14,7 @@ key                    type    meaning
 ``P:pr:{cid}``         string  The fields its choices share, once for all of them: a JSON
                                object with the prompt token ids and, when every choice has
                                the same, ``sampling`` (its grammar included), ``user`` and
-                               ``metadata`` (`records.shared_fields`); kept as long as its
+                               ``metadata`` (`records.shared_names`); kept as long as its
                                longest-kept choice.
 ``P:exp:{cid}:{i}``    string  Experience JSON without the shared fields (``P:pr:{cid}``).
                                TTL ``reward_timeout_s`` while pending,
@@ -100,10 +100,11 @@ from redis.exceptions import OutOfMemoryError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from serve_rft.buffer import scripts, scripts_ready
+from serve_rft.buffer.log_batch import LOG_BATCH_ITEMS, CompletionLog
 from serve_rft.buffer.ready import SWEEP_BATCH, ReadyStream
 from serve_rft.buffer.records import (ChoiceState, ConversationFull, GroupSizeConflict, RewardConflict,
                                       RewardExpired, RewardNotFinite, RewardOutOfRange, StoreCounts, StoreFull,
-                                      UnknownChoice, conversation_key, experience_from, shared_fields)
+                                      UnknownChoice, conversation_key, experience_from)
 from serve_rft.config.service import DEFAULT_TENANT
 from serve_rft.types import Experience
 
@@ -111,7 +112,7 @@ REWARD_BUCKET_S = 5
 """Seconds of generation time per bucket of ``P:vr:{version}`` (the REWARD script's 5)."""
 
 
-class ExperienceStore(ReadyStream):
+class ExperienceStore(CompletionLog, ReadyStream):
     """Async access to the experience schema above on one Redis server.
 
     Args:
@@ -127,12 +128,15 @@ class ExperienceStore(ReadyStream):
             square is finite); `post_reward` refuses the rest before anything is written.
         max_conversation_turns: turns one conversation's list keeps (`check_request` refuses a
             request past it; a turn that raced past that check is logged outside the list).
+        log_batch_items: completions one LOG script call writes at most (`log_experiences`
+            batches concurrent callers, `serve_rft.buffer.log_batch`).
     """
 
     def __init__(self, url: str, prefix: str = "srft", reward_timeout_s: float = 3600.0,
                  trained_ttl_s: float = 86400.0, group_timeout_s: float = 60.0,
                  reconnect_s: float = 30.0, max_ready: int | None = None,
-                 reward_range: tuple[float, float] | None = None, max_conversation_turns: int = 256):
+                 reward_range: tuple[float, float] | None = None, max_conversation_turns: int = 256,
+                 log_batch_items: int = LOG_BATCH_ITEMS):
         # A Redis restart (AOF reload) must not kill a replica's logging or the trainer's loop:
         # redis-py retries a command on a dropped connection with exponential backoff for
         # about ``reconnect_s`` seconds, then raises.
@@ -158,6 +162,7 @@ class ExperienceStore(ReadyStream):
         self._read_script = self.redis.register_script(scripts_ready.READ)
         self._drop_stale = self.redis.register_script(scripts_ready.DROP_STALE)
         self._dead_letter = self.redis.register_script(scripts_ready.DEAD_LETTER)
+        self._init_log_batcher(log_batch_items)
 
     @classmethod
     def from_config(cls, buffer_cfg) -> "ExperienceStore":
@@ -178,46 +183,6 @@ class ExperienceStore(ReadyStream):
 
     async def ping(self) -> bool:
         return bool(await self.redis.ping())
-
-    async def log_experiences(self, experiences: list[Experience], group_size: int | None = None,
-                              conversation_id: str | None = None, tenant: str = DEFAULT_TENANT) -> None:
-        """Write the experiences of one completion (all its choices, indices 0..n-1) in one script.
-
-        Called before the response is returned, so a reward may be posted at once.
-
-        Args:
-            experiences: the choices, all with the same ``completion_id`` and ``group_id``.
-            group_size: answers the group should have (None: ``len(experiences)`` when the group
-                is the completion itself, else unknown).
-            conversation_id: the conversation this completion is a turn of, if any (the
-                client's id: namespaced by ``tenant`` here).
-            tenant: whose keys may reward and read it; its group ids must already be the tenant's
-                (`serve_rft.buffer.records.client_group`).
-        Raises:
-            StoreFull: Redis is past ``maxmemory``; nothing of the completion was written.
-        """
-        if not experiences:
-            return
-        e0 = experiences[0]
-        cid, gid = e0.completion_id, e0.group_id
-        if group_size is None:
-            group_size = len(experiences) if gid == cid else 0
-        now = time.time()
-        exps = sorted(experiences, key=lambda e: e.choice_index)
-        try:
-            await self._log_script(exps, cid, gid, group_size, now, conversation_id, tenant)
-        except OutOfMemoryError as e:
-            raise StoreFull(str(e)) from None
-
-    async def _log_script(self, exps, cid, gid, group_size, now, conversation_id, tenant) -> None:
-        shared = shared_fields(exps)
-        conv = conversation_key(tenant, conversation_id) if conversation_id else ""
-        await self._log(args=[self.p, cid, len(exps), gid, group_size,
-                              max(1, math.ceil(self.reward_timeout_s)), self._long_ttl(), now,
-                              now + self.reward_timeout_s, conv,
-                              min(e.min_version for e in exps),
-                              json.dumps(shared, separators=(",", ":")), tenant, self.max_conversation_turns,
-                              *[e.model_dump_json(exclude=set(shared)) for e in exps]])
 
     async def check_request(self, tenant: str, group: str | None, group_size: int | None,
                             conversation_id: str | None) -> None:

@@ -1,0 +1,184 @@
+"""Experience logging in batches (`serve_rft.buffer.log_batch`): concurrent completions in one LOG
+script call, each caller answered only after Redis acknowledged its own completion, a refused
+completion failing only its caller, a failed call failing every caller, none dropped."""
+
+import asyncio
+from asyncio import run
+
+import pytest
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ResponseError
+
+from serve_rft.buffer.log_batch import LogBatcher
+from serve_rft.buffer.records import StoreFull
+from serve_rft.buffer.store import ExperienceStore
+from tests.support.experiences import experience
+
+
+def _count_batches(store: ExperienceStore) -> list[int]:
+    """Record the size of every LOG script call the store makes."""
+    sizes: list[int] = []
+    write = store._log_batcher._write
+
+    async def counted(items):
+        sizes.append(len(items))
+        return await write(items)
+    store._log_batcher._write = counted
+    return sizes
+
+
+def test_concurrent_completions_share_script_calls_and_each_is_in_redis_when_its_call_returns(store_factory):
+    async def go():
+        s = store_factory()
+        sizes = _count_batches(s)
+        seen_on_return = []
+
+        async def one(k):
+            await s.log_experiences([experience(f"chatcmpl-b{k}", 0), experience(f"chatcmpl-b{k}", 1)])
+            seen_on_return.append(await s.get_experience(f"chatcmpl-b{k}", 1) is not None)
+
+        await asyncio.gather(*(one(k) for k in range(40)))
+        assert seen_on_return == [True] * 40
+        assert sum(sizes) == 40 and len(sizes) < 40  # batched: fewer calls than completions
+        c = await s.counts()
+        assert (c.logged, c.pending) == (80, 80)
+        states = await s.choices("chatcmpl-b7")
+        assert [x.state for x in states] == ["pending", "pending"]
+        assert await s.post_reward("chatcmpl-b7", 1, 0.5) is True
+        await s.close()
+    run(go())
+
+
+def test_a_completion_logged_twice_in_one_batch_is_logged_once(store_factory):
+    async def go():
+        s = store_factory()
+        exps = [experience("chatcmpl-dup", 0)]
+        await asyncio.gather(s.log_experiences(exps), s.log_experiences(exps), s.log_experiences(exps))
+        await s.log_experiences(exps)  # a retry after the reply was lost
+        c = await s.counts()
+        assert (c.logged, c.pending) == (1, 1)
+        await s.close()
+    run(go())
+
+
+def test_one_refused_completion_fails_only_its_caller_and_writes_nothing_of_it(store_factory):
+    async def go():
+        s = store_factory()
+        sizes = _count_batches(s)
+        s._log_batcher.max_in_flight = 1  # one batch holds all four
+        await s.redis.set(s._k("conv:clash"), "not a list")  # a key of another type: WRONGTYPE
+        calls = [s.log_experiences([experience(f"chatcmpl-ok{k}", 0)]) for k in range(3)]
+        calls.insert(1, s.log_experiences([experience("chatcmpl-bad", 0)], conversation_id="clash"))
+        results = await asyncio.gather(*calls, return_exceptions=True)
+        assert sizes == [4]  # all four in one script call
+        assert isinstance(results[1], ResponseError) and "WRONGTYPE" in str(results[1])
+        assert [r for k, r in enumerate(results) if k != 1] == [None, None, None]
+        assert await s.num_choices("chatcmpl-bad") is None
+        assert await s.get_experience("chatcmpl-bad", 0) is None
+        for k in range(3):
+            assert await s.get_experience(f"chatcmpl-ok{k}", 0) is not None
+        c = await s.counts()
+        assert (c.logged, c.pending) == (3, 3)
+        await s.close()
+    run(go())
+
+
+def test_a_full_store_refuses_every_completion_of_a_batch_and_takes_them_after_it_drains(tmp_path):
+    from serve_rft.buffer.redis_server import start_redis
+
+    server = start_redis(tmp_path / "r", maxmemory_bytes=3 * 2**20)
+
+    async def go():
+        s = ExperienceStore(server.url, prefix="fullbatch")
+        await s.log_experiences([experience("chatcmpl-first", 0)])
+        await s.redis.config_set("maxmemory", 1)
+        results = await asyncio.gather(*(s.log_experiences([experience(f"chatcmpl-f{k}", 0)]) for k in range(5)),
+                                       return_exceptions=True)
+        assert all(isinstance(r, StoreFull) for r in results), results
+        for k in range(5):
+            assert await s.num_choices(f"chatcmpl-f{k}") is None
+        await s.redis.config_set("maxmemory", 3 * 2**20)
+        await asyncio.gather(*(s.log_experiences([experience(f"chatcmpl-f{k}", 0)]) for k in range(5)))
+        assert (await s.counts()).logged == 6
+        await s.close()
+    try:
+        run(go())
+    finally:
+        server.stop()
+
+
+def test_a_redis_that_is_gone_fails_every_caller_of_the_batch(tmp_path):
+    from serve_rft.buffer.redis_server import free_port
+
+    async def go():
+        s = ExperienceStore(f"redis://127.0.0.1:{free_port()}", prefix="gone", reconnect_s=0.1)
+        results = await asyncio.gather(*(s.log_experiences([experience(f"chatcmpl-g{k}", 0)]) for k in range(6)),
+                                       return_exceptions=True)
+        assert all(isinstance(r, RedisConnectionError) for r in results), results
+        await s.close()
+    run(go())
+
+
+def test_the_batcher_bounds_batches_keeps_order_and_answers_each_caller_its_own_result():
+    async def go():
+        batches: list[list[bytes]] = []
+
+        async def write(items):
+            batches.append(items)
+            await asyncio.sleep(0.001)
+            return [ValueError(i.decode()) if i == b"refuse" else len(i) for i in items]
+
+        b = LogBatcher(write, max_items=8, max_bytes=1000)
+        items = [b"x" * (k % 7 + 1) for k in range(50)] + [b"refuse", b"y" * 5000, b"z"]
+        results = await asyncio.gather(*(b.submit(i) for i in items), return_exceptions=True)
+        assert results[:50] == [len(i) for i in items[:50]]
+        assert isinstance(results[50], ValueError) and str(results[50]) == "refuse"
+        assert results[51:] == [5000, 1]
+        assert all(len(x) <= 8 for x in batches)
+        assert all(sum(map(len, x)) <= 1000 or len(x) == 1 for x in batches)  # a larger item goes alone
+        assert [i for x in batches for i in x] == items  # every item once, in submission order
+    run(go())
+
+
+def test_an_error_of_one_batch_fails_all_its_callers_and_the_next_batch_still_runs():
+    async def go():
+        calls = 0
+
+        async def write(items):
+            nonlocal calls
+            calls += 1
+            if calls == 1:
+                raise RuntimeError("connection lost")
+            return list(items)
+
+        b = LogBatcher(write, max_in_flight=1)
+        first = await asyncio.gather(*(b.submit(b"a%d" % k) for k in range(5)), return_exceptions=True)
+        assert all(isinstance(r, RuntimeError) for r in first)
+        assert await asyncio.gather(*(b.submit(b"b%d" % k) for k in range(5))) == [b"b%d" % k for k in range(5)]
+    run(go())
+
+
+def test_a_caller_cancelled_before_its_batch_formed_is_not_written_and_none_waits_forever():
+    async def go():
+        written: list[bytes] = []
+        gate = asyncio.Event()
+
+        async def write(items):
+            await gate.wait()
+            written.extend(items)
+            return [1] * len(items)
+
+        b = LogBatcher(write, max_in_flight=1)
+        first = asyncio.ensure_future(b.submit(b"first"))
+        await asyncio.sleep(0.01)  # the first batch is in flight
+        cancelled = asyncio.ensure_future(b.submit(b"cancelled"))
+        kept = asyncio.ensure_future(b.submit(b"kept"))
+        await asyncio.sleep(0.01)
+        cancelled.cancel()
+        gate.set()
+        assert await asyncio.wait_for(asyncio.gather(first, kept), 5) == [1, 1]
+        with pytest.raises(asyncio.CancelledError):
+            await cancelled
+        assert written == [b"first", b"kept"]
+        assert await asyncio.wait_for(b.submit(b"later"), 5) == 1  # a new flusher starts
+    run(go())

@@ -16,13 +16,15 @@ whether it reached the leader or its whole group change nothing past the keeper:
   SIGTERM, an orphan adopted by the keeper): tests/unit/test_keeper.py
   (``test_a_stop_signal_to_the_keeper_or_its_group_ends_every_process``); each signal to the
   group after a descendant was killed -9: ``test_a_group_stop_after_a_descendant_was_killed_9_...``.
-- Here, with real Ray, vLLM, HAProxy and redis-server processes, four stack starts in all:
-  SIGTERM to the group after a replica was killed -9 (a Ray worker and its engine die before the
-  stop: the hardest case; SIGTERM to the group is systemd's ``KillMode=control-group``,
-  ``timeout``, ``kill -- -PGID``); kill -9 of the keeper alone, and of the keeper with its
-  service process (the reaper ends the run), after which the run dir starts again and that run
-  stops on SIGINT to the leader (Ctrl-C's signal, one process) under load, with the same
-  promises (`_stop_under_load`).
+- Here, with real Ray, vLLM, HAProxy and redis-server processes, three runs of one run dir in
+  turn, each under load with rewards: kill -9 of the keeper alone; the run dir starts again
+  (the rewards kept), kill -9 of the keeper with its service process (the reaper ends the run);
+  it starts again, and SIGTERM goes to the group after a replica was killed -9 (a Ray worker and
+  its engine die before the stop: the hardest case; SIGTERM to the group is systemd's
+  ``KillMode=control-group``, ``timeout``, ``kill -- -PGID``), with the promises above
+  (`_stop_under_load`).
+- SIGINT to the leader (Ctrl-C's signal, one process) ends every stack module's run
+  (tests/support/stack.py asserts its exit 0).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import subprocess
 import threading
 import time
 import uuid
+from pathlib import Path
 from urllib.parse import urlparse
 
 import httpx
@@ -167,17 +170,6 @@ def _stop_under_load(proc: subprocess.Popen, lines: list[str], info: dict, mark:
                 p.kill()
 
 
-def test_a_stop_to_the_group_after_a_replica_s_kill_9_ends_every_process_of_the_run_in_bounded_time(
-        embedded_model, tmp_path):
-    """SIGTERM to the group: systemd's KillMode=control-group, `timeout`, kill -- -PGID. SIGINT to
-    the leader: the last step of `test_kill_9_of_the_leader_leaves_nothing_and_the_run_dir_starts_again`;
-    the rest of the signal x target matrix: tests/unit/test_keeper.py."""
-    mark = uuid.uuid4().hex
-    cmd = stack_command("", tmp_path, "shutdown", ["trainer.min_batch_size=4"])
-    proc, lines, info = launch(cmd, tmp_path / "up.log", env={"SERVE_RFT_TEST_RUN": mark})
-    _stop_under_load(proc, lines, info, mark, signal.SIGTERM, to_group=True, kill_replica=True)
-
-
 def _wait_load(load: Load, n: int, timeout_s: float = 60) -> None:
     deadline = time.monotonic() + timeout_s
     while load.ok < n and time.monotonic() < deadline:
@@ -185,17 +177,12 @@ def _wait_load(load: Load, n: int, timeout_s: float = 60) -> None:
     assert load.ok >= n, "no traffic before the kill"
 
 
-@pytest.mark.parametrize("victims", ["keeper", "keeper-and-service"])
-def test_kill_9_of_the_leader_leaves_nothing_and_the_run_dir_starts_again(embedded_model, tmp_path, victims):
-    """SIGKILL runs no handler: the keeper's reaper (serve_rft.service.reaper) ends the run. Killed
-    alone, the keeper's service process stops on the SIGTERM the kernel sends it (bounded by the
-    grace); killed with it, the reaper ends the rest at once (Ray Serve's HAProxy kept the service
-    port and redis-server the run's data directory for good before). Then `serve-rft up` on the
-    same run dir starts, every reward accepted before the kill is in its store, and that run
-    stops on SIGINT to its leader under load (`_stop_under_load`)."""
-    mark = uuid.uuid4().hex
-    cmd = stack_command("", tmp_path / "run", "leader", ["trainer.min_batch_size=4"])
-    proc, lines, info = launch(cmd, tmp_path / "up.log", env={"SERVE_RFT_TEST_RUN": mark})
+def _kill_leader(cmd: list[str], proc: subprocess.Popen, info: dict, mark: str, victims: str) -> Load:
+    """Under load on the run ``proc`` (started from ``cmd`` with ``SERVE_RFT_TEST_RUN=mark``),
+    SIGKILL its keeper (``victims="keeper"``) or the keeper and its service process
+    (``"keeper-and-service"``); assert nothing of the run is left within the bound and its ports
+    are closed. Returns the load (its accepted rewards). With ``"keeper"``, a second run on the
+    run dir in use is refused first."""
     tree: dict[int, psutil.Process] = {}
     try:
         url = info["url"]
@@ -203,7 +190,7 @@ def test_kill_9_of_the_leader_leaves_nothing_and_the_run_dir_starts_again(embedd
         service = next(p for p in psutil.Process(proc.pid).children()
                        if "serve_rft.cli" in " ".join(p.cmdline()))
         if victims == "keeper":  # a second run on a run dir in use is refused before it starts anything
-            second = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+            second = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False)
             said = " ".join((second.stdout + second.stderr).split())  # rich wraps lines
             assert second.returncode == 2 and "in use by another serve-rft process" in said, second
         load = Load(url)
@@ -229,17 +216,21 @@ def test_kill_9_of_the_leader_leaves_nothing_and_the_run_dir_starts_again(embedd
         assert took < bound, took
         for u in (url, info["redis_url"], info["metrics_url"]):
             assert not _listening(u), f"{u} still accepts connections"
+        return load
     finally:
         for p in [*_marked(mark), *tree.values()]:  # never leave a failed case's processes behind
             if _alive(p):
                 p.kill()
-    if victims != "keeper-and-service":
-        return
-    mark2 = uuid.uuid4().hex
-    again, lines2, info2 = launch(cmd, tmp_path / "up2.log", env={"SERVE_RFT_TEST_RUN": mark2})
+
+
+def _start_again(cmd: list[str], log: Path, kept: Load) -> tuple[subprocess.Popen, list[str], dict, str]:
+    """`serve-rft up` on the same run dir again: it starts, every reward ``kept`` accepted before
+    is in its store, and it answers a chat. Returns (process, output lines, JSON line, mark)."""
+    mark = uuid.uuid4().hex
+    proc, lines, info = launch(cmd, log, env={"SERVE_RFT_TEST_RUN": mark})
     try:
-        with httpx.Client(base_url=info2["url"], timeout=30) as c:
-            for cid in load.rewarded:
+        with httpx.Client(base_url=info["url"], timeout=30) as c:
+            for cid in kept.rewarded:
                 r = c.get(f"/v1/experiences/{cid}")
                 assert r.status_code == 200, (cid, r.text)
                 assert [ch["reward"] for ch in r.json()["choices"]] == [1.0, 0.0], r.json()
@@ -247,9 +238,36 @@ def test_kill_9_of_the_leader_leaves_nothing_and_the_run_dir_starts_again(embedd
                                                      "messages": [{"role": "user", "content": "hi"}]})
             assert r.status_code == 200, r.text
     except BaseException:
-        kill_all(again)
-        for p in _marked(mark2):
+        kill_all(proc)
+        for p in _marked(mark):
             p.kill()
         raise
-    # the restarted run stops on SIGINT to the leader (Ctrl-C's signal, one process) under load
-    _stop_under_load(again, lines2, info2, mark2, signal.SIGINT, to_group=False)
+    return proc, lines, info, mark
+
+
+def test_kill_9_of_the_leader_leaves_nothing_the_run_dir_starts_again_and_a_group_stop_ends_it(
+        embedded_model, tmp_path):
+    """SIGKILL runs no handler: the keeper's reaper (serve_rft.service.reaper) ends the run. One
+    run dir, three runs in turn, each under load with rewards:
+
+    1. the keeper killed alone: its service process stops on the SIGTERM the kernel sends it
+       (bounded by the grace);
+    2. `serve-rft up` on the same run dir starts, every reward accepted before the kill is in its
+       store; then the keeper killed with its service process: the reaper ends the rest at once
+       (Ray Serve's HAProxy kept the service port and redis-server the run's data directory for
+       good before);
+    3. the run dir starts again, the rewards of run 2 are kept; a replica is killed -9, then
+       SIGTERM goes to the whole group (systemd's KillMode=control-group, `timeout`,
+       kill -- -PGID): the hardest stop, a Ray worker and its engine dead before it
+       (`_stop_under_load`).
+
+    SIGINT to the leader (Ctrl-C's signal) ends every stack module's run (tests/support/stack.py
+    asserts its exit 0); the rest of the signal x target matrix: tests/unit/test_keeper.py."""
+    cmd = stack_command("", tmp_path / "run", "leader", ["trainer.min_batch_size=4"])
+    mark = uuid.uuid4().hex
+    proc, _, info = launch(cmd, tmp_path / "up.log", env={"SERVE_RFT_TEST_RUN": mark})
+    kept = _kill_leader(cmd, proc, info, mark, "keeper")
+    proc, _, info, mark = _start_again(cmd, tmp_path / "up2.log", kept)
+    kept = _kill_leader(cmd, proc, info, mark, "keeper-and-service")
+    proc, lines, info, mark = _start_again(cmd, tmp_path / "up3.log", kept)
+    _stop_under_load(proc, lines, info, mark, signal.SIGTERM, to_group=True, kill_replica=True)

@@ -15,7 +15,7 @@ B. ``ExperienceStore.log_experiences`` with one choice (``n`` = 1), the call a r
 Both sides run against the same server with the same config; the keys are flushed between
 rounds. Reported per round and as median / min / max over the rounds: both rates, their ratio,
 the store's script calls and Redis's microseconds per call (``INFO commandstats``), Redis's CPU
-and the Python process's CPU per 1,000 experiences; then the p50 / p99 of one call with 1 and
+and the Python process's CPU per 1,000 experiences, Redis's CPU per 1,000 XADDs; then the p50 / p99 of one call with 1 and
 with ``--clients`` callers (2,000 calls each). ``--profile`` adds the Python side's top
 functions by own time (cProfile, one extra round, not timed).
 
@@ -52,15 +52,25 @@ from serve_rft.buffer.redis_server import start_redis
 from serve_rft.buffer.store import ExperienceStore
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from store_throughput import _experience  # noqa: E402  (the same experience as the store benchmark)
+from store_throughput import _experience  # (the same experience as the store benchmark)
 
 
-def xadd_rate(port: int, requests: int, clients: int, value_bytes: int) -> float:
-    """redis-benchmark's XADD requests per second with one ``value_bytes`` field, no pipelining."""
+def _redis_cpu_s(port: int) -> float:
+    """redis-server's CPU seconds so far (INFO cpu: used_cpu_user + used_cpu_sys)."""
+    text = subprocess.run(["redis-cli", "-p", str(port), "INFO", "cpu"], capture_output=True, text=True,
+                          check=True).stdout
+    return sum(float(v) for k, v in re.findall(r"(used_cpu_user|used_cpu_sys):([\d.]+)", text))
+
+
+def xadd_rate(port: int, requests: int, clients: int, value_bytes: int) -> tuple[float, float]:
+    """redis-benchmark's XADD with one ``value_bytes`` field, no pipelining: (requests per second,
+    Redis's CPU per 1,000 requests in ms)."""
     cmd = ["redis-benchmark", "-p", str(port), "-n", str(requests), "-c", str(clients), "-P", "1", "-q",
            "XADD", "bench:stream", "*", "exp", "x" * value_bytes]
+    cpu0 = _redis_cpu_s(port)
     text = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
-    return float(re.findall(r"([\d.]+) requests per second", text)[-1])
+    cpu = _redis_cpu_s(port) - cpu0
+    return float(re.findall(r"([\d.]+) requests per second", text)[-1]), 1e6 * cpu / requests
 
 
 async def _server_cpu(store: ExperienceStore) -> float:
@@ -164,7 +174,8 @@ def main() -> None:
                 for side in (("xadd", "store") if r % 2 == 0 else ("store", "xadd")):
                     subprocess.run(flush, check=True, capture_output=True)
                     if side == "xadd":
-                        row["xadd_per_s"] = xadd_rate(server.port, a.bench_requests, a.clients, value_bytes)
+                        row["xadd_per_s"], row["xadd_redis_cpu_ms_per_1000"] = xadd_rate(
+                            server.port, a.bench_requests, a.clients, value_bytes)
                     else:
                         row["store"] = asyncio.run(log_rate(server.url, a.calls, a.clients, a.prompt_tokens,
                                                            a.response_tokens, str(r)))

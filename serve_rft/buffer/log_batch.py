@@ -108,7 +108,7 @@ class LogBatcher:
         self._writing += 1
         try:
             results = await self._write([item for item, _ in batch])
-        except Exception as e:  # every caller of the batch sees it
+        except Exception as e:  # noqa: BLE001 (not swallowed: every caller of the batch raises it)
             for _, fut in batch:
                 if not fut.done():
                     fut.set_exception(e)

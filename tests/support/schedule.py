@@ -1,0 +1,30 @@
+"""The suite's schedule on two pytest-xdist workers (tests/conftest.py applies it,
+tests/integration/conftest.py holds each module's share of the machine; docs/testing.md)."""
+
+from __future__ import annotations
+
+import pytest
+
+EXCLUSIVE = frozenset({"test_chaos", "test_stack_faults", "test_shutdown", "test_durability"})
+"""Integration modules that run alone on the machine (their bounds are wall-clock seconds)."""
+
+SCHEDULE = ("test_multinode", "unit", "test_stack", "test_stack_keep", "test_stack_canary",
+            "test_stack_memory", "test_stack_lora", "test_serve_run", "test_logprob_agreement",
+            "test_engine_weights", "test_swap_verification", "test_sharded_trainer_faults",
+            "test_train_offline", "test_sharded_trainer", "test_synchronizer_restart",
+            "test_haproxy_resend", "test_nccl_sync", *sorted(EXCLUSIVE))
+"""The groups in the order they are handed out: the longest shared ones first, the exclusive
+ones last (a worker waiting for the machine to itself idles, so they go when little else is
+left). A module not named here runs after the named shared ones."""
+
+
+def group_of(item: pytest.Item) -> str:
+    """``"unit"`` for a unit test, else the test module's name (``"test_chaos"``)."""
+    parts = item.nodeid.split("::", 1)[0].split("/")
+    return "unit" if "unit" in parts[:-1] else parts[-1].removesuffix(".py")
+
+
+def rank(item: pytest.Item) -> float:
+    """The item's place in `SCHEDULE` (a module not named there: after the named shared ones)."""
+    order = {name: i for i, name in enumerate(SCHEDULE)}
+    return order.get(group_of(item), len(SCHEDULE) - len(EXCLUSIVE) - 0.5)

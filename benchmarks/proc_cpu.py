@@ -170,14 +170,14 @@ def window_usage(snaps: list[Snapshot], roots: dict[str, int], own_pid: int, top
             cpu, p = used[k]
             by_class[p.cls] += cpu
             by_role[p.role] = by_role.get(p.role, 0.0) + cpu
-        out["trees"][name] = {"by_class": by_class, "processes": len(keys),
-                              "by_role": dict(sorted(by_role.items(), key=lambda kv: -kv[1]))}
+        out["trees"][name] = {"by_class": {c: round(v, 4) for c, v in by_class.items()}, "processes": len(keys),
+                              "by_role": {r: round(v, 4) for r, v in sorted(by_role.items(), key=lambda kv: -kv[1])}}
     own = [k for k in used if k[0] == own_pid]
     others = sorted(((cpu, k, p) for k, (cpu, p) in used.items() if k not in in_trees and k[0] != own_pid),
                     key=lambda x: -x[0])
-    out["load_generator_cpu_s"] = sum(used[k][0] for k in own)
-    out["machine_busy_cpu_s"] = snaps[-1].busy_cpu_s - snaps[0].busy_cpu_s
-    out["other_cpu_s"] = sum(c for c, _, _ in others)
+    out["load_generator_cpu_s"] = round(sum(used[k][0] for k in own), 4)
+    out["machine_busy_cpu_s"] = round(snaps[-1].busy_cpu_s - snaps[0].busy_cpu_s, 4)
+    out["other_cpu_s"] = round(sum(c for c, _, _ in others), 4)
     out["top_other"] = [{"pid": k[0], "cmd": p.cmd, "cpu_s": round(c, 3)} for c, k, p in others[:top] if c > 0]
     out["loadavg_1m"] = os.getloadavg()[0]
     return out

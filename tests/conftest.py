@@ -1,10 +1,10 @@
 """Shared fixtures (a real redis-server per test session, started on a free port, ended by pid;
 the embedded model) and the suite's schedule on two pytest-xdist workers (docs/testing.md).
 
-The schedule (``-n 2 --dist loadgroup --no-loadscope-reorder`` in pyproject.toml): every test
-module of tests/integration is one xdist group, and the unit tests are one group, so a module's
-stack is started once and a group runs on one worker. The groups run in `SCHEDULE`'s order; two
-run at once, one per worker, except the modules in `EXCLUSIVE`, which hold the machine alone
+The schedule (``-n 2 --dist loadscope --no-loadscope-reorder`` in pyproject.toml): each test
+module runs whole on one worker (xdist's scope), so a module's stack is started once; the modules
+are handed out in `SCHEDULE`'s order (this hook sorts them; xdist keeps the order); two run at
+once, one per worker, except the modules in `EXCLUSIVE`, which hold the machine alone
 (tests/integration/conftest.py: a shared / exclusive lock per module). The lists:
 tests/support/schedule.py.
 """
@@ -15,7 +15,7 @@ import os
 
 import pytest
 
-from tests.support.schedule import group_of, rank
+from tests.support.schedule import rank
 
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -27,12 +27,9 @@ os.environ.setdefault("RAY_USE_RANDOM_PORTS", "1")
 
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups (xdist/remote.py)
 def pytest_collection_modifyitems(config, items):
-    """Order the items by `SCHEDULE` (stable within a group) and mark each with its xdist group."""
+    """Order the items by `SCHEDULE` (stable within a module)."""
     items.sort(key=rank)
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group(group_of(item)))
 
 
 @pytest.fixture(scope="session")

@@ -13,13 +13,13 @@ SCHEDULE = ("test_multinode", "unit", "test_stack", "test_stack_keep", "test_sta
             "test_engine_weights", "test_swap_verification", "test_sharded_trainer_faults",
             "test_train_offline", "test_sharded_trainer", "test_synchronizer_restart",
             "test_haproxy_resend", "test_nccl_sync", *sorted(EXCLUSIVE))
-"""The groups in the order they are handed out: the longest shared ones first, the exclusive
-ones last (a worker waiting for the machine to itself idles, so they go when little else is
+"""The modules in the order they are handed out (``"unit"``: every unit-test module): the longest
+shared ones first, the exclusive ones last (a worker waiting for the machine to itself idles, so they go when little else is
 left). A module not named here runs after the named shared ones."""
 
 
 def group_of(item: pytest.Item) -> str:
-    """``"unit"`` for a unit test, else the test module's name (``"test_chaos"``)."""
+    """``"unit"`` for a unit test, else its module's name (``"test_chaos"``)."""
     parts = item.nodeid.split("::", 1)[0].split("/")
     return "unit" if "unit" in parts[:-1] else parts[-1].removesuffix(".py")
 

@@ -83,6 +83,12 @@ def test_two_ranks_skip_a_non_finite_update_together(ray_local, embedded_model):
         group.stop()
 
 
+def _two_rank_sets(run_dir, *more: str) -> list[str]:
+    """Settings of a two-rank GRPO trainer publishing from ``run_dir`` in several buckets."""
+    return ["trainer.algorithm=grpo", "trainer.micro_batch_size=3", "trainer.lr=1e-3", "trainer.num_threads=1",
+            "trainer.num_workers=2", f"service.run_dir={run_dir}", "synchronizer.bucket_bytes=300000", *more]
+
+
 def test_two_ranks_publish_save_and_resume(ray_local, embedded_model, tmp_path):
     """The sharded trainer's publish (gathered bucket by bucket) is the whole model: the CHECKPOINT
     folder loads with transformers and equals the ranks' parameters, the MEMORY buckets hold the
@@ -99,8 +105,7 @@ def test_two_ranks_publish_save_and_resume(ray_local, embedded_model, tmp_path):
     from serve_rft.weights import make_method
     from serve_rft.weights.memory import checkpoint_tensors
 
-    sets = ["trainer.algorithm=grpo", "trainer.micro_batch_size=3", "trainer.lr=1e-3", "trainer.num_threads=1",
-            "trainer.num_workers=2", f"service.run_dir={tmp_path}", "synchronizer.bucket_bytes=300000"]
+    sets = _two_rank_sets(tmp_path)
     cfg = load_config(None, sets + ["synchronizer.sync_method=checkpoint"])
     policy = ShardedPolicy(cfg, str(embedded_model))
     try:
@@ -158,9 +163,7 @@ def test_two_ranks_reset_to_a_published_version(ray_local, embedded_model, tmp_p
     from serve_rft.trainer.sharded_policy import ShardedPolicy
     from serve_rft.weights import make_method
 
-    sets = ["trainer.algorithm=grpo", "trainer.micro_batch_size=3", "trainer.lr=1e-3", "trainer.num_threads=1",
-            "trainer.num_workers=2", f"service.run_dir={tmp_path}", "synchronizer.bucket_bytes=300000",
-            "synchronizer.rollout=canary", "synchronizer.canary.on_reject=reset"]
+    sets = _two_rank_sets(tmp_path, "synchronizer.rollout=canary", "synchronizer.canary.on_reject=reset")
     cfg = load_config(None, sets + ["synchronizer.sync_method=checkpoint"])
     policy = ShardedPolicy(cfg, str(embedded_model))
     try:

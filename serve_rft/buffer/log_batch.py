@@ -17,13 +17,14 @@ one argument per batch instead of about a dozen per completion, each encoded onc
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import math
 import time
-from collections import deque
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 
 import msgpack
-from redis.exceptions import OutOfMemoryError, ResponseError
+from redis.exceptions import OutOfMemoryError, RedisError, ResponseError
 
 from serve_rft.buffer.records import StoreFull, conversation_key, shared_names
 from serve_rft.config.service import DEFAULT_TENANT
@@ -34,6 +35,45 @@ LOG_BATCH_ITEMS = 64
 LOG_BATCH_BYTES = 1 << 20
 """Encoded bytes per LOG script call at most (a larger single completion goes alone): one call
 never holds Redis for long."""
+LOG_HELD_BYTES = 64 << 20
+"""Encoded bytes a `LogBatcher` holds at most (queued and in flight): while Redis stalls, what
+callers submit past it is refused at once (`LogQueueFull`) instead of growing the replica's memory."""
+
+
+class LogQueueFull(RedisError):
+    """The batcher already holds ``max_held_bytes`` of items Redis has not acknowledged (Redis is
+    slow or away): this item was refused at once, nothing of it written. A `RedisError`, so a
+    replica counts its completion unlogged as ``store_unavailable``."""
+
+
+def _own_copy(e: BaseException) -> BaseException:
+    """A copy of ``e`` for one caller, chained to it (``__cause__``): raising one exception object
+    in many tasks would append every task's frames to its one traceback."""
+    c = type(e).__new__(type(e), *e.args)
+    c.args = e.args
+    c.__dict__.update(vars(e))
+    c.__cause__ = e
+    return c
+
+
+class _Entry:
+    """One submitted item: its bytes, its caller's future, and the batch it was sent in (None
+    while queued)."""
+
+    __slots__ = ("item", "fut", "batch")
+
+    def __init__(self, item: bytes, fut: asyncio.Future):
+        self.item, self.fut, self.batch = item, fut, None
+
+
+class _Batch:
+    """Entries written by one ``write`` call; ``waiting``: how many of their callers still wait
+    (at 0 the write task is cancelled: nobody would learn its outcome)."""
+
+    __slots__ = ("entries", "waiting", "task")
+
+    def __init__(self, entries: list[_Entry]):
+        self.entries, self.waiting, self.task = entries, len(entries), None
 
 
 class LogBatcher:
@@ -46,38 +86,74 @@ class LogBatcher:
         max_bytes: encoded bytes per batch at most (an item larger than this goes alone).
         max_in_flight: batches written at once at most; what arrives meanwhile waits for the
             next batch.
+        max_held_bytes: encoded bytes queued or in flight at most; past it `submit` raises
+            `LogQueueFull` at once (an item larger than this is taken only when nothing is held).
 
     Guarantees: an item's `submit` returns only after ``write`` returned for its batch; an
-    exception raised by ``write`` fails every submitter of that batch (none is dropped); an
-    item whose submitter was cancelled before its batch was formed is not written.
+    exception raised by ``write`` fails every submitter of that batch (each with its own copy,
+    chained to it; none is dropped). A submitter cancelled while its item is queued takes the
+    item out of the queue at once (never written); a batch whose submitters were all cancelled
+    has its ``write`` cancelled (with redis-py: the command is abandoned and no longer retried;
+    one already sent may still have run). A submitter cancelled while others of its batch still
+    wait leaves the batch written: its item may land although its submitter gave up.
+    ``write`` runs in a task with an empty `contextvars.Context`, not a submitter's.
     """
 
     def __init__(self, write: Callable[[list[bytes]], Awaitable[list]], max_items: int = LOG_BATCH_ITEMS,
-                 max_bytes: int = LOG_BATCH_BYTES, max_in_flight: int = 2):
+                 max_bytes: int = LOG_BATCH_BYTES, max_in_flight: int = 2, max_held_bytes: int = LOG_HELD_BYTES):
         self._write, self.max_items, self.max_bytes = write, max_items, max_bytes
-        self.max_in_flight = max_in_flight
-        self._queue: deque[tuple[bytes, asyncio.Future]] = deque()
+        self.max_in_flight, self.max_held_bytes = max_in_flight, max_held_bytes
+        self._queue: OrderedDict[int, _Entry] = OrderedDict()  # by submission order; O(1) removal
+        self._held = 0  # bytes of the queued entries and of the batches in flight
         self._tasks: set[asyncio.Task] = set()  # (strong references to the flushers)
         self._flushers = 0  # running `_flush` loops: each checks the queue once more before it ends
         self._writing = 0  # of them, those awaiting ``write``
+
+    @property
+    def held_bytes(self) -> int:
+        """Encoded bytes queued or in flight (bytes)."""
+        return self._held
+
+    @property
+    def queued(self) -> int:
+        """Items waiting for a batch."""
+        return len(self._queue)
 
     async def submit(self, item: bytes):
         """Queue ``item`` and wait for its result.
 
         Raises:
+            LogQueueFull: ``max_held_bytes`` already held (nothing queued).
             whatever ``write`` raised for its batch, or returned for this item.
         """
+        if self._held and self._held + len(item) > self.max_held_bytes:
+            raise LogQueueFull(f"{self._held} bytes of completions wait for the store: "
+                               f"its limit is {self.max_held_bytes}")
         loop = asyncio.get_running_loop()
-        fut = loop.create_future()
-        self._queue.append((item, fut))
+        entry = _Entry(item, loop.create_future())
+        self._queue[id(entry)] = entry
+        self._held += len(item)
+        entry.fut.add_done_callback(lambda _: self._caller_done(entry))
         if self._flushers < self.max_in_flight:
             self._flushers += 1
-            task = loop.create_task(self._flush())
+            task = loop.create_task(self._flush(), context=contextvars.Context())
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
-        return await fut
+        return await entry.fut
 
-    def _next_batch(self) -> list[tuple[bytes, asyncio.Future]]:
+    def _caller_done(self, entry: _Entry) -> None:
+        """A caller's future is done: a queued entry leaves the queue (its caller was cancelled);
+        the last waiting caller of a batch in flight cancels its write."""
+        if self._queue.pop(id(entry), None) is not None:
+            self._held -= len(entry.item)
+            return
+        batch = entry.batch
+        if batch is not None:
+            batch.waiting -= 1
+            if batch.waiting == 0 and batch.task is not None:
+                batch.task.cancel()  # (no-op once the write returned)
+
+    def _next_batch(self) -> list[_Entry]:
         """The oldest queued items, shared evenly among the flushers not writing (so batches
         overlap: Redis runs one while the callers of another encode their next items), at most
         ``max_items`` and ``max_bytes``."""
@@ -85,49 +161,65 @@ class LogBatcher:
         limit = min(self.max_items, -(-len(self._queue) // idle))
         batch, size = [], 0
         while self._queue and len(batch) < limit:
-            item, fut = self._queue[0]
-            if batch and size + len(item) > self.max_bytes:
+            entry = next(iter(self._queue.values()))
+            if batch and size + len(entry.item) > self.max_bytes:
                 break
-            self._queue.popleft()
-            if not fut.done():  # a cancelled submitter's item is not written
-                batch.append((item, fut))
-                size += len(item)
+            self._queue.popitem(last=False)
+            if entry.fut.done():  # cancelled, its done-callback not yet run: not written
+                self._held -= len(entry.item)
+                continue
+            batch.append(entry)
+            size += len(entry.item)
         return batch
 
     async def _flush(self) -> None:
         try:
             await asyncio.sleep(0)  # the callers of this tick join the batch
             while self._queue:  # (no await between this check and the end: see `submit`)
-                batch = self._next_batch()
-                if batch:
-                    await self._write_batch(batch)
+                entries = self._next_batch()
+                if entries:
+                    await self._write_batch(_Batch(entries))
         finally:
             self._flushers -= 1
 
-    async def _write_batch(self, batch: list[tuple[bytes, asyncio.Future]]) -> None:
+    async def _write_batch(self, batch: _Batch) -> None:
+        for entry in batch.entries:
+            entry.batch = batch
+        batch.task = asyncio.get_running_loop().create_task(self._write([e.item for e in batch.entries]),
+                                                            context=contextvars.Context())
         self._writing += 1
         try:
-            results = await self._write([item for item, _ in batch])
-        except Exception as e:  # noqa: BLE001 (not swallowed: every caller of the batch raises it)
-            for _, fut in batch:
-                if not fut.done():
-                    fut.set_exception(e)
-            return
-        except BaseException:  # cancelled (the loop is closing): so are its callers
-            for _, fut in batch:
-                fut.cancel()
+            await asyncio.wait([batch.task])
+        except BaseException:  # this flusher was cancelled (the loop is closing): so are its callers
+            batch.task.cancel()
+            for entry in batch.entries:
+                entry.fut.cancel()
             raise
         finally:
             self._writing -= 1
-        if len(results) != len(batch):
-            results = [RuntimeError(f"{len(results)} results for a batch of {len(batch)}")] * len(batch)
-        for (_, fut), result in zip(batch, results):
-            if fut.done():
+            self._held -= sum(len(e.item) for e in batch.entries)
+        if batch.task.cancelled():  # every caller gave up (or ``write`` cancelled itself)
+            for entry in batch.entries:
+                if not entry.fut.done():
+                    entry.fut.set_exception(RedisError("the batch's write was cancelled"))
+            return
+        error = batch.task.exception()
+        if error is not None:
+            for entry in batch.entries:
+                if not entry.fut.done():
+                    entry.fut.set_exception(_own_copy(error))
+            return
+        results = batch.task.result()
+        if not isinstance(results, list) or len(results) != len(batch.entries):
+            got = len(results) if isinstance(results, list) else type(results).__name__
+            results = [ResponseError(f"{got} results for a batch of {len(batch.entries)}") for _ in batch.entries]
+        for entry, result in zip(batch.entries, results):
+            if entry.fut.done():
                 continue
             if isinstance(result, BaseException):
-                fut.set_exception(result)
+                entry.fut.set_exception(result)
             else:
-                fut.set_result(result)
+                entry.fut.set_result(result)
 
 
 class CompletionLog:
@@ -159,7 +251,13 @@ class CompletionLog:
         Raises:
             StoreFull: Redis is past ``maxmemory``; nothing of the completion was written.
             redis.exceptions.RedisError: Redis refused this completion (nothing of it written)
-                or the call failed (its batch may have landed: a retry is counted once).
+                or the call failed (its batch may have landed: a retry is counted once);
+                `LogQueueFull`: ``LOG_HELD_BYTES`` of completions already wait for a slow or
+                absent Redis (nothing written).
+
+        Cancelled (e.g. by ``asyncio.wait_for``): the completion leaves the queue at once; if
+        its batch is in flight, that batch's write is cancelled once none of its callers waits
+        (not retried; a command already sent may still land), else it may still be written.
         """
         if not experiences:
             return
@@ -185,10 +283,20 @@ class CompletionLog:
                               tenant, *[e.model_dump_json(exclude=shared) for e in exps]])
 
     async def _write_log_batch(self, items: list[bytes]) -> list:
-        """One LOG script call for ``items``; per item its experience count or its error."""
+        """One LOG script call for ``items``; per item its experience count or its error.
+
+        Raises:
+            redis.exceptions.RedisError: the call failed; ResponseError for a reply that is not
+                one integer or error message per item.
+        """
         packer = msgpack.Packer()
         results = await self._log(args=[self.p, max(1, math.ceil(self.reward_timeout_s)), self._long_ttl(),
                                         self.max_conversation_turns,
                                         packer.pack_array_header(len(items)) + b"".join(items)])
+        if not isinstance(results, list):
+            raise ResponseError(f"the LOG script answered a {type(results).__name__}, not a list")
         return [OutOfMemoryError(r) if isinstance(r, str) and r.startswith("OOM")
-                else ResponseError(r) if isinstance(r, str) else int(r) for r in results]
+                else ResponseError(r) if isinstance(r, str)
+                else r if isinstance(r, int) and not isinstance(r, bool)
+                else ResponseError(f"the LOG script answered a {type(r).__name__} for a completion")
+                for r in results]

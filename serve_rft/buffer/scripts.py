@@ -151,9 +151,16 @@ local function log_one(c)
   -- choices can be rewarded one by one) but does not join the list a conversation reward reads
   local ck = conv ~= '' and P..':'..conv
   local turns = ck and redis.call('LLEN', ck)
+  local g, st = P..':grp:'..gid, P..':st:'..cid
+  for _, k in ipairs({g, st}) do
+    local t = redis.call('TYPE', k).ok
+    if t ~= 'hash' and t ~= 'none' then
+      error({err = 'WRONGTYPE ' .. k .. ' holds a ' .. t .. ', not a hash: nothing of ' .. cid .. ' written'})
+    end
+  end
+  -- the record is each completion's first write: past maxmemory Redis refuses it, nothing written
   redis.call('HSET', cmp, 'n', n, 'group', gid, 'conv', conv, 'created', c[5], 'ver', c[8], 'tenant', c[10])
   redis.call('EXPIRE', cmp, ttl_l)
-  local g = P..':grp:'..gid
   redis.call('HSETNX', g, 'size', c[4])
   redis.call('HINCRBY', g, 'logged', n)
   redis.call('EXPIRE', g, ttl_l)
@@ -163,7 +170,6 @@ local function log_one(c)
     states[#states + 1] = tostring(i)
     states[#states + 1] = 'pending'
   end
-  local st = P..':st:'..cid
   call_chunked('HSET', st, states)
   redis.call('EXPIRE', st, ttl_l)
   redis.call('SET', P..':pr:'..cid, c[9], 'EX', ttl_l)

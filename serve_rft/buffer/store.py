@@ -108,6 +108,10 @@ from serve_rft.buffer.records import (ChoiceState, ConversationFull, GroupSizeCo
 from serve_rft.config.service import DEFAULT_TENANT
 from serve_rft.types import Experience
 
+SOCKET_TIMEOUT_S = 10.0
+"""Seconds the store's client waits for a reply: a stalled Redis (a hung host, a frozen
+process) counts as a dropped connection, retried like one (``reconnect_s``), instead of a
+command that never returns."""
 REWARD_BUCKET_S = 5
 """Seconds of generation time per bucket of ``P:vr:{version}`` (the REWARD script's 5)."""
 
@@ -139,10 +143,11 @@ class ExperienceStore(CompletionLog, ReadyStream):
                  log_batch_items: int = LOG_BATCH_ITEMS):
         # A Redis restart (AOF reload) must not kill a replica's logging or the trainer's loop:
         # redis-py retries a command on a dropped connection with exponential backoff for
-        # about ``reconnect_s`` seconds, then raises.
+        # about ``reconnect_s`` seconds, then raises; a reply later than SOCKET_TIMEOUT_S is
+        # retried the same way.
         retries = max(1, math.ceil(reconnect_s))
         self.redis = aioredis.from_url(
-            url, decode_responses=True,
+            url, decode_responses=True, socket_timeout=SOCKET_TIMEOUT_S,
             retry=Retry(ExponentialBackoff(cap=1.0, base=0.05), retries),
             retry_on_error=[RedisConnectionError, RedisTimeoutError])
         # New-entry reads are not idempotent (a read re-sent after a lost reply would deliver

@@ -31,7 +31,10 @@ class BufferConfig(StrictSection):
         5.0, gt=0, description="How long a request waits for the store (a Redis restart, an outage). "
         "Past it a chat completion is answered anyway, not logged (counted: unlogged, reason "
         "store_unavailable), a reward gets 504 + Retry-After (nothing lost: retrying is safe) and "
-        "/v1/status answers with store: unavailable.")
+        "/v1/status answers with store: unavailable. Such a completion's write is abandoned (not "
+        "retried when Redis returns) once no completion of its LOG batch still waits; batched with "
+        "completions still waiting, it may yet be written: then it exists once and is rewardable, "
+        "though counted unlogged.")
     max_ready: int | None = Field(
         100_000, ge=1, description="Bound of the ready stream (rewarded experiences waiting for the "
         "trainer). Past it the oldest entries not yet delivered to the trainer are dropped (state "

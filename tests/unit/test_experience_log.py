@@ -50,3 +50,22 @@ def test_a_store_that_does_not_answer_costs_the_log_not_the_answer():
                               SamplingInfo(temperature=1.0, top_p=1.0, max_tokens=2), 0) == 0  # served
         assert xlog.logged == 0 and metrics.served_calls == [(0, 1, "store_unavailable")]
     asyncio.run(go())
+
+
+def test_a_completion_the_full_log_queue_refuses_is_served_and_counted_store_unavailable(redis_server):
+    """Past the bytes a store's batcher may hold (Redis slow or away), a completion is refused at
+    once: served, counted unlogged ``store_unavailable``; the one already queued is logged."""
+    async def go():
+        store = ExperienceStore(redis_server.url, prefix=f"t{uuid.uuid4().hex[:8]}")
+        store._log_batcher.max_held_bytes = 1  # the first completion queued fills it
+        metrics = Metrics()
+        xlog = ExperienceLog(store, "r0", metrics, store_wait_s=2.0)
+        sampling = SamplingInfo(temperature=1.0, top_p=1.0, max_tokens=2)
+        got = await asyncio.gather(xlog.log(RequestContext(), "chatcmpl-q1", [1], _choices(1), sampling, 0),
+                                   xlog.log(RequestContext(), "chatcmpl-q2", [1], _choices(1), sampling, 0))
+        assert got == [1, 0] and xlog.logged == 1
+        assert sorted(metrics.served_calls, key=str) == [(0, 1, "store_unavailable"), (1, 0, None)]
+        assert await store.num_choices("chatcmpl-q1") == 1 and await store.num_choices("chatcmpl-q2") is None
+        assert store._log_batcher.held_bytes == 0
+        await store.close()
+    asyncio.run(go())

@@ -3,15 +3,17 @@ script call, each caller answered only after Redis acknowledged its own completi
 completion failing only its caller, a failed call failing every caller, none dropped."""
 
 import asyncio
+import contextvars
 from asyncio import run
 
 import pytest
+import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import ResponseError
+from redis.exceptions import RedisError, ResponseError
 
-from serve_rft.buffer.log_batch import LogBatcher
+from serve_rft.buffer.log_batch import LogBatcher, LogQueueFull
 from serve_rft.buffer.records import StoreFull
-from serve_rft.buffer.store import ExperienceStore
+from serve_rft.buffer.store import SOCKET_TIMEOUT_S, ExperienceStore
 from tests.support.experiences import experience
 
 
@@ -182,3 +184,204 @@ def test_a_caller_cancelled_before_its_batch_formed_is_not_written_and_none_wait
         assert written == [b"first", b"kept"]
         assert await asyncio.wait_for(b.submit(b"later"), 5) == 1  # a new flusher starts
     run(go())
+
+
+def test_a_lone_caller_that_gave_up_while_redis_stalled_is_never_written(tmp_path):
+    """A completion answered "not logged" (its caller's wait ran out) must not land when Redis
+    answers again: its batch's write is abandoned once no caller waits for it."""
+    from serve_rft.buffer.redis_server import start_redis
+
+    server = start_redis(tmp_path / "r")
+
+    async def go():
+        s = ExperienceStore(server.url, prefix="stall")
+        await s.log_experiences([experience("chatcmpl-before", 0)])
+        admin = aioredis.from_url(server.url)
+        await admin.execute_command("CLIENT", "PAUSE", 1500, "ALL")  # Redis takes no command for 1.5 s
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(s.log_experiences([experience("chatcmpl-gaveup", 0)]), 0.3)
+        await asyncio.sleep(1.7)  # Redis answers again
+        assert await s.num_choices("chatcmpl-gaveup") is None
+        assert await s.get_experience("chatcmpl-gaveup", 0) is None
+        assert (await s.counts()).logged == 1
+        assert s._log_batcher.held_bytes == 0 and s._log_batcher.queued == 0
+        await s.log_experiences([experience("chatcmpl-after", 0)])  # the store still logs
+        assert await s.num_choices("chatcmpl-after") == 1
+        await admin.aclose()
+        await s.close()
+    try:
+        run(go())
+    finally:
+        server.stop()
+
+
+def test_a_lone_caller_that_gave_up_while_redis_was_down_is_not_written_when_it_returns(tmp_path):
+    """Redis down, a completion's caller gives up, Redis back within seconds: the completion is
+    not there (redis-py's reconnect retries stop with the abandoned write)."""
+    from serve_rft.buffer.redis_server import start_redis
+
+    server = start_redis(tmp_path / "r", appendfsync="everysec")
+    state = {"server": server}
+
+    async def go():
+        s = ExperienceStore(server.url, prefix="down", reconnect_s=20)
+        await s.log_experiences([experience("chatcmpl-up", 0)])
+        server.stop()
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(s.log_experiences([experience("chatcmpl-away", 0)]), 0.5)
+        state["server"] = start_redis(server.data_dir, port=server.port, appendfsync="everysec")
+        await asyncio.sleep(2.5)  # longer than redis-py's backoff between reconnect tries (1 s)
+        assert await s.num_choices("chatcmpl-up") == 1
+        assert await s.num_choices("chatcmpl-away") is None
+        await s.close()
+    try:
+        run(go())
+    finally:
+        state["server"].stop()
+
+
+def test_a_batch_is_written_while_one_caller_waits_and_abandoned_when_none_does():
+    async def go():
+        gate = asyncio.Event()
+        calls: list[str] = []
+
+        async def write(items):
+            calls.append("start")
+            try:
+                await gate.wait()
+            except asyncio.CancelledError:
+                calls.append("cancelled")
+                raise
+            calls.append("written")
+            return [1] * len(items)
+
+        b = LogBatcher(write, max_in_flight=1)
+        one, two = asyncio.ensure_future(b.submit(b"one")), asyncio.ensure_future(b.submit(b"two"))
+        await asyncio.sleep(0.01)
+        one.cancel()  # the other caller still waits: the batch goes on
+        await asyncio.sleep(0.01)
+        assert calls == ["start"]
+        gate.set()
+        assert await asyncio.wait_for(two, 5) == 1 and calls == ["start", "written"]
+
+        gate.clear()
+        three, four = asyncio.ensure_future(b.submit(b"three")), asyncio.ensure_future(b.submit(b"four"))
+        await asyncio.sleep(0.01)
+        three.cancel()
+        four.cancel()
+        await asyncio.sleep(0.01)  # no caller waits: the write is cancelled, its bytes released
+        assert calls == ["start", "written", "start", "cancelled"]
+        assert b.held_bytes == 0
+        gate.set()
+        assert await asyncio.wait_for(b.submit(b"five"), 5) == 1
+    run(go())
+
+
+def test_cancelled_callers_leave_the_queue_at_once_and_held_bytes_are_capped():
+    async def go():
+        gate = asyncio.Event()
+
+        async def write(items):
+            await gate.wait()
+            return [len(i) for i in items]
+
+        b = LogBatcher(write, max_in_flight=1, max_held_bytes=100)
+        first = asyncio.ensure_future(b.submit(b"f" * 10))
+        await asyncio.sleep(0.01)  # in flight, stuck
+        queued = [asyncio.ensure_future(b.submit(b"q" * 30)) for _ in range(3)]
+        await asyncio.sleep(0.01)
+        assert b.queued == 3 and b.held_bytes == 100
+        with pytest.raises(LogQueueFull) as refused:  # at once, while Redis is stuck
+            await asyncio.wait_for(b.submit(b"x"), 1)
+        assert isinstance(refused.value, RedisError)
+        for q in queued:
+            q.cancel()
+        await asyncio.sleep(0)
+        assert b.queued == 0 and b.held_bytes == 10  # removed at once, not when a flusher pops them
+        late = asyncio.ensure_future(b.submit(b"l" * 80))  # room again
+        await asyncio.sleep(0.01)
+        gate.set()
+        assert await asyncio.wait_for(asyncio.gather(first, late), 5) == [10, 80]
+        assert b.held_bytes == 0 and b.queued == 0
+    run(go())
+
+
+def test_each_caller_gets_its_own_exception_chained_to_the_batch_error():
+    async def go():
+        async def write(items):
+            raise RedisConnectionError("connection lost")
+
+        b = LogBatcher(write, max_in_flight=1)  # one batch holds all four
+        results = await asyncio.gather(*(b.submit(b"a%d" % k) for k in range(4)), return_exceptions=True)
+        assert all(isinstance(r, RedisConnectionError) and str(r) == "connection lost" for r in results)
+        assert len({id(r) for r in results}) == 4
+        assert len({id(r.__cause__) for r in results}) == 1 and isinstance(results[0].__cause__, RedisConnectionError)
+    run(go())
+
+
+def test_a_wrong_result_count_fails_each_caller_with_a_redis_error():
+    async def go():
+        async def write(items):
+            return [1] * (len(items) + 1)
+
+        b = LogBatcher(write)
+        results = await asyncio.gather(*(b.submit(b"a%d" % k) for k in range(3)), return_exceptions=True)
+        assert all(isinstance(r, ResponseError) for r in results), results
+        assert len({id(r) for r in results}) == 3
+    run(go())
+
+
+def test_an_unexpected_log_reply_is_a_redis_error(store_factory):
+    async def go():
+        s = store_factory()
+        replies = iter([[1.5], "OK"])
+
+        async def script(args):
+            return next(replies)
+        s._log = script
+        for _ in range(2):
+            with pytest.raises(ResponseError):
+                await s.log_experiences([experience("chatcmpl-odd", 0)])
+        await s.close()
+    run(go())
+
+
+def test_the_write_runs_outside_the_callers_context():
+    var = contextvars.ContextVar("request", default="none")
+
+    async def go():
+        seen = []
+
+        async def write(items):
+            seen.append(var.get())
+            return [1] * len(items)
+
+        b = LogBatcher(write)
+        var.set("caller-1")
+        assert await b.submit(b"a") == 1
+        assert seen == ["none"]
+    run(go())
+
+
+@pytest.mark.parametrize("clash", ["grp", "st"])
+def test_a_group_or_states_key_of_another_type_refuses_the_completion_before_any_write(store_factory, clash):
+    async def go():
+        s = store_factory()
+        key = s._k("grp", "g-clash") if clash == "grp" else s._k("st", "chatcmpl-clash")
+        await s.redis.set(key, "not a hash")
+        with pytest.raises(ResponseError, match="WRONGTYPE"):
+            await s.log_experiences([experience("chatcmpl-clash", 0, group="g-clash")])
+        assert await s.num_choices("chatcmpl-clash") is None
+        assert await s.redis.exists(s._k("cmp", "chatcmpl-clash"), s._k("exp", "chatcmpl-clash", "0"),
+                                    s._k("pr", "chatcmpl-clash")) == 0
+        assert (await s.counts()).logged == 0
+        await s.close()
+    run(go())
+
+
+def test_the_store_client_has_a_socket_timeout_and_keeps_retrying(store_factory):
+    s = store_factory()
+    kw = s.redis.connection_pool.connection_kwargs
+    assert kw["socket_timeout"] == SOCKET_TIMEOUT_S
+    assert kw["retry"].get_retries() >= 1
+    run(s.close())

@@ -125,7 +125,8 @@ class ExperienceLog:
                                                               tenant=req.tenant),
                                    self.store_wait_s)
         except (StoreFull, asyncio.TimeoutError, RedisError) as e:
-            # the user is served, the loss counted (a timed-out call may still have landed)
+            # the user is served, the loss counted (a timed-out completion batched with others
+            # still waiting may yet land: `LogBatcher`; a full batcher refuses with a RedisError)
             reason = "store_full" if isinstance(e, StoreFull) else "store_unavailable"
             self.metrics.served(prompt_n, completion_n, 0, unlogged=len(exps), reason=reason)
             log.warning("experience store %s: completion %s served, not logged", reason, cid)

@@ -76,6 +76,20 @@ def start_ours(run_dir: Path, log: Path, ingress: str = "haproxy",
     raise RuntimeError(f"serve-rft up exited with {proc.wait()} (see {log})")
 
 
+async def sse_lines(r: httpx.Response):
+    """The lines of a server-sent event stream, split at LF only (a CR before it dropped).
+    ``httpx``'s ``aiter_lines`` splits like ``str.splitlines``, so a JSON string holding a raw
+    U+2028 or U+0085 (valid in JSON, sampled by a random-init model) would break a chunk apart."""
+    buf = ""
+    async for text in r.aiter_text():
+        buf += text
+        *lines, buf = buf.split("\n")
+        for line in lines:
+            yield line.removesuffix("\r")
+    if buf:
+        yield buf.removesuffix("\r")
+
+
 async def run_load(url: str, concurrency: int, duration: float, max_tokens: int, stream: bool = True,
                    logprobs: bool = False) -> dict:
     """Closed-loop load: ``concurrency`` workers, requests back to back for ``duration`` seconds
@@ -116,7 +130,7 @@ async def run_load(url: str, concurrency: int, duration: float, max_tokens: int,
                     if r.status_code != 200:
                         errors.append(f"{r.status_code}: {(await r.aread())[:200]!r}")
                         continue
-                    async for line in r.aiter_lines():
+                    async for line in sse_lines(r):
                         if not line.startswith("data: ") or line == "data: [DONE]":
                             continue
                         chunk = json.loads(line[6:])

@@ -4,9 +4,9 @@ the embedded model) and the suite's schedule on two pytest-xdist workers (docs/t
 The schedule (``-n 2 --dist loadscope --no-loadscope-reorder`` in pyproject.toml): each test
 module runs whole on one worker (xdist's scope), so a module's stack is started once; the modules
 are handed out in `SCHEDULE`'s order (this hook sorts them; xdist keeps the order); two run at
-once, one per worker, except the modules in `EXCLUSIVE`, which hold the machine alone
-(tests/integration/conftest.py: a shared / exclusive lock per module). The lists:
-tests/support/schedule.py.
+once, one per worker, except the tests of the modules in `EXCLUSIVE`, which hold the machine
+alone (tests/integration/conftest.py: a shared lock per module, exclusive per such test). The
+lists: tests/support/schedule.py.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 
 import pytest
+from hypothesis import settings
 
 from tests.support.schedule import rank
 
@@ -25,6 +26,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # on one machine (one per xdist worker) never hand out the same port.
 os.environ.setdefault("RAY_USE_RANDOM_PORTS", "1")
 
+# Hypothesis's per-example deadline (200 ms by default) measures this machine's load, not the
+# code: the unit tests share two cores with a stack starting on the other worker.
+settings.register_profile("serve_rft", deadline=None)
+settings.load_profile("serve_rft")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -17,17 +17,31 @@ stack = stack_fixture("run", [], doc="The default stack (CHECKPOINT, FIXED, wait
 
 
 @pytest.fixture(scope="module", autouse=True)
-def machine_share(request, tmp_path_factory):
-    """Hold the machine shared (or, for a module in `EXCLUSIVE`, alone) from before the
-    module's first fixture to after its last teardown: an ``flock`` on a file every xdist worker
-    of this run opens (in the run's shared temporary folder). Without xdist it never waits."""
-    name = request.module.__name__.rsplit(".", 1)[-1]
+def machine_share(tmp_path_factory):
+    """Hold the machine shared from before the module's first fixture (its stack's start) to
+    after its last teardown: a shared ``flock`` on a file every xdist worker of this run opens (in
+    the run's shared temporary folder). Yields the open lock file."""
     root = tmp_path_factory.getbasetemp()
     if os.environ.get("PYTEST_XDIST_WORKER"):
         root = root.parent  # the workers' folders (popen-gw0, ...) share their parent
     with open(root / "machine.lock", "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX if name in EXCLUSIVE else fcntl.LOCK_SH)
+        fcntl.flock(f, fcntl.LOCK_SH)
         try:
-            yield
+            yield f
         finally:
             fcntl.flock(f, fcntl.LOCK_UN)
+
+
+@pytest.fixture(autouse=True)
+def machine_alone(request, machine_share):
+    """A test of a module in `EXCLUSIVE` runs with the machine to itself: this worker's shared
+    lock becomes exclusive for the test (flock converts it: it waits until the other worker's
+    module has ended) and shared again after it. Its stack's start and stop are shared."""
+    if request.module.__name__.rsplit(".", 1)[-1] not in EXCLUSIVE:
+        yield
+        return
+    fcntl.flock(machine_share, fcntl.LOCK_EX)
+    try:
+        yield
+    finally:
+        fcntl.flock(machine_share, fcntl.LOCK_SH)

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 EXCLUSIVE = frozenset({"test_chaos", "test_stack_faults", "test_shutdown", "test_durability"})
-"""Integration modules that run alone on the machine (their bounds are wall-clock seconds)."""
+"""Integration modules whose tests run alone on the machine (their bounds are wall-clock seconds);
+their stacks start and stop beside other work (tests/integration/conftest.py)."""
 
 SCHEDULE = ("test_multinode", "unit", "test_stack", "test_stack_keep", "test_stack_canary",
             "test_stack_memory", "test_stack_lora", "test_serve_run", "test_logprob_agreement",

@@ -224,13 +224,22 @@ class LogBatcher:
 
 class CompletionLog:
     """The explorer's side of the experience store: `log_experiences`, batched by `LogBatcher`.
+    A component of `serve_rft.buffer.store.ExperienceStore`, given what it writes with.
 
-    A mixin of `serve_rft.buffer.store.ExperienceStore`; uses its ``redis``, ``p``,
-    ``reward_timeout_s``, ``_long_ttl``, ``max_conversation_turns`` and ``_log`` (the LOG script).
+    Args:
+        log_script: the registered LOG script (`serve_rft.buffer.scripts.LOG`).
+        prefix: the store's key prefix.
+        reward_timeout_s: seconds an unrewarded experience is kept.
+        long_ttl_s: seconds a completion's record outlives its reward window (integer, >= 1).
+        max_conversation_turns: turns a conversation may have.
+        max_items: completions per LOG call at most.
     """
 
-    def _init_log_batcher(self, max_items: int = LOG_BATCH_ITEMS) -> None:
-        self._log_batcher = LogBatcher(self._write_log_batch, max_items=max_items)
+    def __init__(self, log_script, prefix: str, reward_timeout_s: float, long_ttl_s: int,
+                 max_conversation_turns: int, max_items: int = LOG_BATCH_ITEMS):
+        self._log, self.p, self.reward_timeout_s = log_script, prefix, reward_timeout_s
+        self.long_ttl_s, self.max_conversation_turns = long_ttl_s, max_conversation_turns
+        self.batcher = LogBatcher(self._write_log_batch, max_items=max_items)
 
     async def log_experiences(self, experiences: list[Experience], group_size: int | None = None,
                               conversation_id: str | None = None, tenant: str = DEFAULT_TENANT) -> None:
@@ -264,7 +273,7 @@ class CompletionLog:
         item = self._encode_completion(sorted(experiences, key=lambda e: e.choice_index), group_size,
                                        conversation_id, tenant)
         try:
-            await self._log_batcher.submit(item)
+            await self.batcher.submit(item)
         except OutOfMemoryError as e:
             raise StoreFull(str(e)) from None
 
@@ -290,7 +299,7 @@ class CompletionLog:
                 one integer or error message per item.
         """
         packer = msgpack.Packer()
-        results = await self._log(args=[self.p, max(1, math.ceil(self.reward_timeout_s)), self._long_ttl(),
+        results = await self._log(args=[self.p, max(1, math.ceil(self.reward_timeout_s)), self.long_ttl_s,
                                         self.max_conversation_turns,
                                         packer.pack_array_header(len(items)) + b"".join(items)])
         if not isinstance(results, list):

@@ -116,7 +116,7 @@ REWARD_BUCKET_S = 5
 """Seconds of generation time per bucket of ``P:vr:{version}`` (the REWARD script's 5)."""
 
 
-class ExperienceStore(CompletionLog, ReadyStream):
+class ExperienceStore(ReadyStream):
     """Async access to the experience schema above on one Redis server.
 
     Args:
@@ -167,7 +167,8 @@ class ExperienceStore(CompletionLog, ReadyStream):
         self._read_script = self.redis.register_script(scripts_ready.READ)
         self._drop_stale = self.redis.register_script(scripts_ready.DROP_STALE)
         self._dead_letter = self.redis.register_script(scripts_ready.DEAD_LETTER)
-        self._init_log_batcher(log_batch_items)
+        self.completions = CompletionLog(self._log, prefix, reward_timeout_s, self._long_ttl(),
+                                         max_conversation_turns, log_batch_items)
 
     @classmethod
     def from_config(cls, buffer_cfg) -> "ExperienceStore":
@@ -181,6 +182,12 @@ class ExperienceStore(CompletionLog, ReadyStream):
 
     def _long_ttl(self) -> int:
         return max(1, math.ceil(max(self.trained_ttl_s, self.reward_timeout_s)))
+
+    async def log_experiences(self, experiences: list[Experience], group_size: int | None = None,
+                              conversation_id: str | None = None, tenant: str = DEFAULT_TENANT) -> None:
+        """The explorer's call: `serve_rft.buffer.log_batch.CompletionLog.log_experiences` (its
+        arguments, errors and batching)."""
+        await self.completions.log_experiences(experiences, group_size, conversation_id, tenant)
 
     async def close(self) -> None:
         await self.redis.aclose()

@@ -57,7 +57,7 @@ def test_a_completion_the_full_log_queue_refuses_is_served_and_counted_store_una
     once: served, counted unlogged ``store_unavailable``; the one already queued is logged."""
     async def go():
         store = ExperienceStore(redis_server.url, prefix=f"t{uuid.uuid4().hex[:8]}")
-        store._log_batcher.max_held_bytes = 1  # the first completion queued fills it
+        store.completions.batcher.max_held_bytes = 1  # the first completion queued fills it
         metrics = Metrics()
         xlog = ExperienceLog(store, "r0", metrics, store_wait_s=2.0)
         sampling = SamplingInfo(temperature=1.0, top_p=1.0, max_tokens=2)
@@ -66,6 +66,6 @@ def test_a_completion_the_full_log_queue_refuses_is_served_and_counted_store_una
         assert got == [1, 0] and xlog.logged == 1
         assert sorted(metrics.served_calls, key=str) == [(0, 1, "store_unavailable"), (1, 0, None)]
         assert await store.num_choices("chatcmpl-q1") == 1 and await store.num_choices("chatcmpl-q2") is None
-        assert store._log_batcher.held_bytes == 0
+        assert store.completions.batcher.held_bytes == 0
         await store.close()
     asyncio.run(go())

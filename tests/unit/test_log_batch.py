@@ -20,12 +20,12 @@ from tests.support.experiences import experience
 def _count_batches(store: ExperienceStore) -> list[int]:
     """Record the size of every LOG script call the store makes."""
     sizes: list[int] = []
-    write = store._log_batcher._write
+    write = store.completions.batcher._write
 
     async def counted(items):
         sizes.append(len(items))
         return await write(items)
-    store._log_batcher._write = counted
+    store.completions.batcher._write = counted
     return sizes
 
 
@@ -67,7 +67,7 @@ def test_one_refused_completion_fails_only_its_caller_and_writes_nothing_of_it(s
     async def go():
         s = store_factory()
         sizes = _count_batches(s)
-        s._log_batcher.max_in_flight = 1  # one batch holds all four
+        s.completions.batcher.max_in_flight = 1  # one batch holds all four
         await s.redis.set(s._k("conv:clash"), "not a list")  # a key of another type: WRONGTYPE
         calls = [s.log_experiences([experience(f"chatcmpl-ok{k}", 0)]) for k in range(3)]
         calls.insert(1, s.log_experiences([experience("chatcmpl-bad", 0)], conversation_id="clash"))
@@ -204,7 +204,7 @@ def test_a_lone_caller_that_gave_up_while_redis_stalled_is_never_written(tmp_pat
         assert await s.num_choices("chatcmpl-gaveup") is None
         assert await s.get_experience("chatcmpl-gaveup", 0) is None
         assert (await s.counts()).logged == 1
-        assert s._log_batcher.held_bytes == 0 and s._log_batcher.queued == 0
+        assert s.completions.batcher.held_bytes == 0 and s.completions.batcher.queued == 0
         await s.log_experiences([experience("chatcmpl-after", 0)])  # the store still logs
         assert await s.num_choices("chatcmpl-after") == 1
         await admin.aclose()
@@ -338,7 +338,7 @@ def test_an_unexpected_log_reply_is_a_redis_error(store_factory):
 
         async def script(args):
             return next(replies)
-        s._log = script
+        s.completions._log = script
         for _ in range(2):
             with pytest.raises(ResponseError):
                 await s.log_experiences([experience("chatcmpl-odd", 0)])

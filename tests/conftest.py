@@ -11,6 +11,7 @@ lists: tests/support/schedule.py.
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -30,6 +31,19 @@ os.environ.setdefault("RAY_USE_RANDOM_PORTS", "1")
 # code: the unit tests share two cores with a stack starting on the other worker.
 settings.register_profile("serve_rft", deadline=None)
 settings.load_profile("serve_rft")
+
+
+def pytest_runtest_logreport(report):
+    """With ``SERVE_RFT_TEST_TIMELINE=FILE`` set, each worker (or the one process with ``-n 0``)
+    appends one JSON line per test phase: worker, node id, phase, start and stop (epoch seconds).
+    The suite's timeline, read to place the schedule (docs/testing.md)."""
+    path = os.environ.get("SERVE_RFT_TEST_TIMELINE")
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if not path or (worker is None and hasattr(report, "node")):  # xdist's controller: a worker's report
+        return
+    with open(path, "a") as f:
+        f.write(json.dumps({"worker": worker or "main", "nodeid": report.nodeid, "when": report.when,
+                            "start": report.start, "stop": report.stop, "outcome": report.outcome}) + "\n")
 
 
 def pytest_collection_modifyitems(config, items):

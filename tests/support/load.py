@@ -18,8 +18,8 @@ FINAL = {"trained", "ready", "stale-dropped", "backlog-dropped", "dead-letter"}
 
 
 class Users:
-    """Closed-loop users: chat (n=2), then both rewards, re-sent on 504 / 507 (Retry-After) a bounded
-    number of times. Keeps every chat outcome (its time, end and replica) and every reward
+    """Closed-loop users: chat (n=2), then both rewards, re-sent a bounded number of times on a
+    connection error, 504 / 507 (after Retry-After) or the front door's own 404 (`_ours`). Keeps every chat outcome (its time, end and replica) and every reward
     answered 2xx (with when it was answered). ``max_tokens`` per chat: how long each user's
     request stays in flight at a replica; ``backoff_s``: a user's pause after a failed chat (with
     nothing listening, a refused connection fails at once)."""
@@ -75,7 +75,7 @@ class Users:
                             self.accepted[(d["completion_id"], d["choice_index"])] = d["reward"]
                     self.accepted_at.append(time.time())
                     break
-                if r.status_code == 404:  # served while the store was away: never logged
+                if r.status_code == 404 and _ours(r):  # served while the store was away: never logged
                     break
                 self.reward_errors.append(f"{r.status_code} {r.text[:120]}")
                 time.sleep(float(r.headers.get("retry-after", "1")))
@@ -89,6 +89,17 @@ class Users:
     def answered_after(self, t: float) -> bool:
         """Whether a chat sent after ``t`` (``time.time()``, s) was answered."""
         return any(c["ok"] and c["t"] > t for c in self.chats)
+
+
+def _ours(r: httpx.Response) -> bool:
+    """Whether ``r`` is the service's own answer (OpenAI error JSON), not the front door's: a new
+    HAProxy answers 404 in text for the moment it has no routes yet (Ray Serve's HAProxy
+    template), and a reward re-sent into that moment may already have been recorded by the
+    request the kill cut, so it is re-sent again."""
+    try:
+        return "error" in r.json()
+    except ValueError:
+        return False
 
 
 def haproxy_on(port: int) -> int | None:

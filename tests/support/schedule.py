@@ -9,14 +9,18 @@ EXCLUSIVE = frozenset({"test_chaos", "test_stack_faults", "test_shutdown", "test
 """Integration modules whose tests run alone on the machine (their bounds are wall-clock seconds);
 their stacks start and stop beside other work (tests/integration/conftest.py)."""
 
-SCHEDULE = ("test_multinode", "unit", "test_stack", "test_stack_keep", "test_stack_canary",
+SCHEDULE = ("test_multinode", "test_stack", "test_stack_keep", "test_stack_canary",
             "test_stack_memory", "test_stack_lora", "test_serve_run", "test_logprob_agreement",
             "test_engine_weights", "test_swap_verification", "test_sharded_trainer_faults",
             "test_train_offline", "test_sharded_trainer", "test_synchronizer_restart",
-            "test_haproxy_resend", "test_nccl_sync", *sorted(EXCLUSIVE))
+            "test_haproxy_resend", "test_nccl_sync", "test_stack_faults", "unit", "test_chaos",
+            "test_durability", "test_shutdown")
 """The modules in the order they are handed out (``"unit"``: every unit-test module): the longest
-shared ones first, the exclusive ones last (a worker waiting for the machine to itself idles, so they go when little else is
-left). A module not named here runs after the named shared ones."""
+shared ones first, then the exclusive ones, which run one test at a time with the machine to
+themselves. The unit tests hold no lock: they are handed out right after the first exclusive
+module, so the worker that is not running it runs them (181 s) instead of idling while the
+exclusive tests run in turn (a suite's timeline: ``SERVE_RFT_TEST_TIMELINE``, tests/conftest.py).
+A module not named here runs after the named shared ones."""
 
 
 def group_of(item: pytest.Item) -> str:

@@ -4,8 +4,12 @@ For each model (the embedded one, and a random-init Qwen2 of about 0.5 B paramet
 locally) and each CPU method (CHECKPOINT, MEMORY): publish a new version from a transformers
 model (``send``), then load it into two real vLLM-CPU engines one after the other (a roll over
 two replicas: pause, ``receive``, resume), and check the engines now compute the new weights'
-logprobs. Next to it, the copy bound measured in the same run: model bytes / memory-copy
-bandwidth (a torch tensor clone) and / page-cache read bandwidth (reading the safetensors file).
+logprobs. Each replica's load is timed as a replica syncs: the method's precheck (CHECKPOINT: the
+folder's checksums, before the drain), pause, receive (MEMORY: the buckets' checksums as they
+arrive), resume, the probe check (`serve_rft.weights.verify`; a replica holds new requests until
+it passed). Next to it, the copy bound measured
+in the same run: model bytes / memory-copy bandwidth (a torch tensor clone) and / page-cache read
+bandwidth (reading the safetensors file).
 
     .venv/bin/python benchmarks/sync_cost.py --out benchmarks/results/sync_cost.json
 """
@@ -87,12 +91,16 @@ async def bench_model(name: str, model_dir: Path, work: Path, bucket_bytes: int)
 
     from serve_rft.config import ExplorerConfig
     from serve_rft.explorer.engine.vllm_engine import ExplorerEngine
+    from serve_rft.trainer.token_logprobs import trainer_probe
     from serve_rft.weights import CheckpointMethod, MemoryMethod
+    from serve_rft.weights.verify import check_probe, probe_ids
 
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
     n_params = sum(p.numel() for p in model.parameters())
     ecfg = ExplorerConfig(max_model_len=256, max_num_seqs=8)
     engines = [await ExplorerEngine.create(str(model_dir), ecfg) for _ in range(2)]
+    for e in engines:  # an engine's first prompt-logprobs request takes ~2 s more (measured): not a load's
+        await e.probe_logprobs(probe_ids(model.config.vocab_size, 0))
     mem_bw = memcpy_gbps()
     rows = []
     try:
@@ -105,13 +113,22 @@ async def bench_model(name: str, model_dir: Path, work: Path, bucket_bytes: int)
             send_s = time.perf_counter() - t0
             per_replica = []
             t_roll = time.perf_counter()
-            for engine in engines:  # a roll: one replica after the other
+            probe = trainer_probe(model, version)
+            for engine in engines:  # a roll: one replica after the other, as a replica syncs
                 t1 = time.perf_counter()
+                await method.precheck(handle)  # CHECKPOINT: the folder's checksums, before the drain
+                precheck_s = time.perf_counter() - t1
                 pause_s = await engine.pause("wait")
                 info = await method.receive(engine, handle, version)
-                await engine.resume()
+                await engine.resume()  # as a replica: resumed, new requests held until the probe passed
+                t2 = time.perf_counter()
+                check_probe(probe, await engine.probe_logprobs(probe["token_ids"]), 0.01)
+                probe_s = time.perf_counter() - t2
                 per_replica.append({"load_s": info["seconds"], "pause_s": pause_s,
-                                    "total_s": time.perf_counter() - t1})
+                                    "precheck_s": precheck_s, "probe_s": probe_s,
+                                    "verified_load_s": precheck_s + info["seconds"] + probe_s,
+                                    "total_s": time.perf_counter() - t1,
+                                    **{k: round(v, 4) for k, v in info.items() if k.endswith("_s")}})
             roll_s = time.perf_counter() - t_roll
             nbytes = info["bytes"]
             bound_bw = mem_bw
@@ -121,6 +138,7 @@ async def bench_model(name: str, model_dir: Path, work: Path, bucket_bytes: int)
                 bound_bw = read_bw
             diff = max([await _logprob_check(e, model) for e in engines])
             load_mean = sum(r["load_s"] for r in per_replica) / len(per_replica)
+            verified_mean = sum(r["verified_load_s"] for r in per_replica) / len(per_replica)
             bound_s = nbytes / (bound_bw * 1e9)
             rows.append({
                 "model": name, "params": n_params, "method": method.name, "bytes": nbytes,
@@ -129,6 +147,9 @@ async def bench_model(name: str, model_dir: Path, work: Path, bucket_bytes: int)
                 "bound": ("page-cache read" if method.name == "checkpoint" else "memory copy"),
                 "bound_gbps": round(bound_bw, 3), "bound_s": round(bound_s, 4),
                 "load_s_over_bound_s": round(load_mean / bound_s, 2),
+                "verified_load_s_over_bound_s": round(verified_mean / bound_s, 2),
+                "memcpy_bound_s": round(nbytes / (mem_bw * 1e9), 4),
+                "verified_load_s_over_memcpy_bound_s": round(verified_mean / (nbytes / (mem_bw * 1e9)), 2),
                 "memcpy_gbps": round(mem_bw, 3), "file_read_gbps": round(read_bw, 3) if read_bw else None,
                 "max_abs_logprob_diff_after": diff,
             })

@@ -9,8 +9,8 @@ from pathlib import Path
 
 def handle_tensors(handle: dict) -> dict:
     """The tensors a published ``handle`` carries, by name: a CHECKPOINT folder's safetensors
-    files, or the MEMORY buckets in Ray's object store (``ray.get``; an adapter's buckets hold
-    the adapter's tensors).
+    files, or the MEMORY buckets in Ray's object store (``ray.get``: safetensors bytes,
+    `serve_rft.weights.memory.pack_bucket`; an adapter's bucket holds the adapter's tensors).
 
     Raises:
         ValueError: a handle of another method (NCCL moves tensors, it keeps none).
@@ -22,10 +22,12 @@ def handle_tensors(handle: dict) -> dict:
         files = sorted(Path(handle["path"]).glob("*.safetensors"))
         return {k: v for f in files for k, v in load_file(str(f)).items()}
     if handle.get("method") == "memory":
+        from serve_rft.weights.memory import unpack_bucket
+
         tensors = {}
         for ref in handle["buckets"]:
             got = ray.get(ref)
-            tensors.update(got[0] if handle.get("adapter") else dict(got))
+            tensors.update(got[0] if handle.get("adapter") else unpack_bucket(got))
         return tensors
     raise ValueError(f"cannot reset to a {handle.get('method')!r} handle")
 

@@ -1,12 +1,18 @@
 """MEMORY: versions as buckets in Ray's object store (shared memory on a node, network across).
 
 The trainer snapshots its parameters into buckets of at most ``bucket_bytes`` (a tensor larger
-than a bucket travels alone) and ``ray.put``s each; the handle lists the ObjectRefs. A replica
-fetches one bucket at a time and hands it to its vLLM worker (through a shared-memory file,
-`ExplorerEngine.load_bucket`), which loads it with vLLM's layer-wise reload (each layer is
-re-processed as soon as all its tensors arrived), so the replica's extra memory is about one
-bucket, not a second model. The object store holds one
-copy per version that some replica still references; Ray frees it once no handle refers to it.
+than a bucket travels alone), each serialized once as the bytes of a safetensors file
+(`pack_bucket`: a ``[nbytes]`` uint8 array, which Ray hands back without a copy: numpy
+arrays are read zero-copy from the object store, Ray docs "Serialization", "Numpy Arrays"),
+with the checksum of those bytes (XXH3-64, `serve_rft.weights.verify`); ``ray.put`` each; the handle lists the ObjectRefs and checksums.
+
+A replica pipelines the buckets: while its vLLM worker loads bucket k from a file in shared
+memory (``safe_open`` maps it, no copy; vLLM's layer-wise reload re-processes each layer as
+soon as all its tensors arrived), the replica fetches bucket k+1 and writes it to the next
+file, computing its checksum in the same pass (`_write_checked`); a bucket whose bytes do not
+match never reaches the worker. So the replica's extra memory is at most two buckets' files
+(one loading, one staged), not a second model. The object store holds one copy per version
+that some replica still references; Ray frees it once no handle refers to it.
 
 With adapter-only LoRA sync the trainer publishes its `peft.PeftModel`: one object holds the
 adapter's tensors and config; a replica writes it to a folder in shared memory and registers it
@@ -15,6 +21,9 @@ as the LoRA adapter of the version (`ExplorerEngine.load_adapter`).
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import os
 import time
 from typing import Any, Collection, Iterator
 
@@ -55,7 +64,7 @@ class MemoryMethod(WeightSyncMethod):
 
         from serve_rft.weights.adapters import adapter_tensors, is_adapter_model
 
-        from serve_rft.weights.verify import tensors_checksum
+        from serve_rft.weights.verify import digest, tensors_checksum
 
         if is_adapter_model(model):
             tensors, config = adapter_tensors(model)
@@ -65,29 +74,145 @@ class MemoryMethod(WeightSyncMethod):
         refs, sums, total = [], [], 0
         for bucket in iter_buckets(checkpoint_tensors(model), self.bucket_bytes):
             total += sum(t.numel() * t.element_size() for _, t in bucket)
-            sums.append(tensors_checksum(bucket))
-            refs.append(ray.put(bucket))
+            blob = pack_bucket(bucket)
+            sums.append(digest(blob))
+            refs.append(ray.put(blob))
         return {"method": self.name, "buckets": refs, "bytes": total, "checksums": sums}
 
     async def receive(self, engine, handle: dict[str, Any], version: int) -> dict[str, float]:
+        """Load the buckets of ``handle`` into the paused ``engine``, pipelined (module docstring).
+
+        Returns:
+            ``seconds`` (the whole load), ``bytes`` (tensor bytes), and where the time went,
+            in seconds summed over the buckets (overlapping): ``fetch_s`` (from the object
+            store), ``stage_s`` (written to shared memory and checked), ``engine_s`` (the
+            worker's load), ``finish_s`` (vLLM's finalization, the tied head's repack).
+        Raises:
+            VersionCorrupt: a bucket's bytes do not match the trainer's checksum (earlier
+                buckets may be loaded: the caller restores the previous version).
+            Whatever Ray or vLLM's loader raises.
+        """
         t0 = time.perf_counter()
         if handle.get("adapter"):
             await _receive_adapter(engine, handle, version)
             return {"seconds": time.perf_counter() - t0, "bytes": float(handle["bytes"])}
         sums = handle.get("checksums") or [None] * len(handle["buckets"])
+        took = {"fetch_s": 0.0, "stage_s": 0.0, "engine_s": 0.0}
         await engine.begin_update()
-        for i, (ref, expected) in enumerate(zip(handle["buckets"], sums)):
-            bucket = await ref
-            _check_bucket(bucket, expected, i)  # a corrupt bucket never reaches the engine
-            await engine.load_bucket(bucket)
-            del bucket
+        await _load_pipelined(engine, handle["buckets"], sums, took)
+        t = time.perf_counter()
         await engine.finish_update(version)
-        return {"seconds": time.perf_counter() - t0, "bytes": float(handle["bytes"])}
+        took["finish_s"] = time.perf_counter() - t
+        return {"seconds": time.perf_counter() - t0, "bytes": float(handle["bytes"]), **took}
+
+
+def pack_bucket(bucket: list[tuple[str, Any]]):
+    """``(name, CPU tensor)`` pairs as the bytes of one safetensors file.
+
+    Returns:
+        A read-only ``[nbytes]`` uint8 numpy array (what travels through the object store).
+    """
+    import numpy as np
+    from safetensors.torch import save
+
+    return np.frombuffer(save(dict(bucket)), dtype=np.uint8)
+
+
+def unpack_bucket(blob) -> dict[str, Any]:
+    """The tensors of a `pack_bucket` blob, by name (copies: they outlive the blob)."""
+    from safetensors.torch import load
+
+    return load(bytes(memoryview(blob)))
+
+
+def _write_checked(blob, path: str, expected: str | None, index: int, chunk: int = 4 << 20) -> None:
+    """Write ``blob`` to ``path`` and check its checksum (`serve_rft.weights.verify.digest`)
+    in the same pass, a 4 MiB chunk at a time.
+
+    Raises:
+        VersionCorrupt: the bytes do not match ``expected`` (the file is removed).
+        OSError: the file could not be written (the file is removed).
+    """
+    import xxhash
+
+    from serve_rft.weights.verify import XXH3, VersionCorrupt
+
+    view = memoryview(blob).cast("B")
+    h = xxhash.xxh3_64()
+    try:
+        with open(path, "wb") as f:
+            for k in range(0, len(view), chunk):
+                part = view[k:k + chunk]
+                h.update(part)
+                f.write(part)
+        if expected is not None and XXH3 + h.hexdigest() != expected:
+            raise VersionCorrupt(f"bucket {index}: checksum mismatch")
+    except BaseException:
+        _remove(path)
+        raise
+
+
+async def _stage(blob, path: str, expected: str | None, index: int) -> None:
+    """`_write_checked` in a thread. Cancelled (a sync past its timeout), the write still ends
+    in its thread; its file is removed then, so none is left behind.
+
+    Raises:
+        VersionCorrupt, OSError: as `_write_checked`.
+    """
+    writing = asyncio.ensure_future(asyncio.to_thread(_write_checked, blob, path, expected, index))
+    try:
+        await asyncio.shield(writing)
+    except asyncio.CancelledError:
+        writing.add_done_callback(lambda _: _remove(path))
+        raise
+
+
+def _remove(path: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+
+
+async def _load_pipelined(engine, refs: list, sums: list, took: dict[str, float]) -> None:
+    """Fetch, stage and check bucket k+1 while the engine loads bucket k; adds each stage's
+    seconds to ``took``. The engine is never left mid-load when this raises, and no staged
+    file outlives it (the engine removes each file it was given).
+
+    Raises:
+        VersionCorrupt, or whatever Ray or the engine raises.
+    """
+    async def load(path: str) -> None:
+        t = time.perf_counter()
+        await engine.load_bucket(path)
+        took["engine_s"] += time.perf_counter() - t
+
+    loading: asyncio.Future | None = None
+    try:
+        for i, (ref, expected) in enumerate(zip(refs, sums)):
+            t = time.perf_counter()
+            blob = await ref
+            took["fetch_s"] += time.perf_counter() - t
+            t = time.perf_counter()
+            path = engine.staging_path()
+            await _stage(blob, path, expected, i)
+            took["stage_s"] += time.perf_counter() - t
+            del blob
+            try:
+                if loading is not None:
+                    await loading
+            except BaseException:
+                _remove(path)
+                raise
+            loading = asyncio.ensure_future(load(path))
+        if loading is not None:
+            await loading
+    finally:
+        if loading is not None and not loading.done():
+            await asyncio.wait([loading])  # its outcome is superseded by the error raised here
 
 
 def _check_bucket(named_tensors, expected: str | None, index: int) -> None:
     """Raises:
-        VersionCorrupt: the bucket's bytes do not match the trainer's checksum.
+        VersionCorrupt: an adapter's tensors do not match the trainer's checksum.
     """
     from serve_rft.weights.verify import VersionCorrupt, tensors_checksum
 
@@ -102,7 +227,6 @@ async def _receive_adapter(engine, handle: dict[str, Any], version: int) -> None
     Raises:
         EngineUnchanged: the adapter could not be fetched, written or loaded.
     """
-    import asyncio
     import shutil
 
     from serve_rft.weights.base import EngineUnchanged

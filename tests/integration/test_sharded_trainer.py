@@ -103,7 +103,7 @@ def test_two_ranks_publish_save_and_resume(ray_local, embedded_model, tmp_path):
     from serve_rft.trainer.sharded_policy import ShardedPolicy
     from serve_rft.trainer.state import latest_state
     from serve_rft.weights import make_method
-    from serve_rft.weights.memory import checkpoint_tensors
+    from serve_rft.weights.memory import checkpoint_tensors, unpack_bucket
 
     sets = _two_rank_sets(tmp_path)
     cfg = load_config(None, sets + ["synchronizer.sync_method=checkpoint"])
@@ -121,7 +121,7 @@ def test_two_ranks_publish_save_and_resume(ray_local, embedded_model, tmp_path):
             assert torch.equal(p.detach(), params[name]), name
         mem = make_method(load_config(None, sets + ["synchronizer.sync_method=memory"]))
         buckets = mem.send(model, 1)["buckets"]
-        got = {k: v for ref in buckets for k, v in ray.get(ref)}
+        got = {k: v for ref in buckets for k, v in unpack_bucket(ray.get(ref)).items()}
         assert got.keys() == dict(checkpoint_tensors(loaded)).keys()
         assert all(torch.equal(got[k], params[k]) for k in got)
         probe = policy.probe(model, 1)

@@ -1,3 +1,7 @@
+import asyncio
+import os
+
+import pytest
 import torch
 
 from serve_rft.weights.memory import checkpoint_tensors, iter_buckets
@@ -26,47 +30,145 @@ def test_checkpoint_tensors_send_tied_weights_once(embedded_model):
     assert not torch.equal(first, model.model.embed_tokens.weight)
 
 
-def test_replica_holds_at_most_one_bucket_at_a_time():
-    """MEMORY receive fetches, loads and drops one bucket before fetching the next, so the
-    replica's extra memory is about one bucket (the object store holds the published copy)."""
-    import asyncio
-    import gc
-    import weakref
+def test_a_packed_bucket_is_a_safetensors_file_and_unpacks_to_the_same_tensors():
+    from safetensors.torch import load
 
+    from serve_rft.weights.memory import pack_bucket, unpack_bucket
+
+    bucket = [("a.weight", torch.randn(3, 4)), ("b", torch.arange(5, dtype=torch.bfloat16)),
+              ("c", torch.tensor([1, 2], dtype=torch.int64))]
+    blob = pack_bucket(bucket)
+    assert blob.dtype.name == "uint8" and blob.ndim == 1
+    got = unpack_bucket(blob)
+    assert list(got) == [n for n, _ in bucket] or set(got) == {n for n, _ in bucket}
+    for name, t in bucket:
+        assert got[name].dtype == t.dtype and torch.equal(got[name], t)
+    assert load(bytes(blob)).keys() == got.keys()  # what the worker's safe_open reads
+
+
+class _Ref:
+    """Stands in for a Ray ObjectRef of a packed bucket: awaiting it gives the blob."""
+
+    def __init__(self, blob):
+        self.blob = blob
+
+    def __await__(self):
+        async def fetch():
+            await asyncio.sleep(0)
+            return self.blob
+        return fetch().__await__()
+
+
+class _Engine:
+    """Records what a replica's engine is asked; its load of a staged file lasts until the next
+    bucket is staged beside it (up to 1 s: a replica that does not pipeline fails the test)."""
+
+    def __init__(self, tmp_path, fail_at: int | None = None, hold_s: float = 0.0):
+        self.tmp_path, self.fail_at, self.hold_s = tmp_path, fail_at, hold_s
+        self.loaded: list[dict] = []
+        self.staged_peak = 0
+        self.loading = False
+        self.finished = None
+        self.n = 0
+
+    def staging_path(self) -> str:
+        self.n += 1
+        return str(self.tmp_path / f"bucket-{self.n}.safetensors")
+
+    def staged(self) -> int:
+        return len(list(self.tmp_path.glob("bucket-*")))
+
+    async def begin_update(self):
+        pass
+
+    async def load_bucket(self, path):
+        from safetensors.torch import load_file
+
+        self.loading = True
+        try:
+            await asyncio.sleep(self.hold_s)
+            for _ in range(100):  # until the next bucket is staged beside this one (or none is left)
+                if self.staged() >= 2 or self.n == len(BUCKETS):
+                    break
+                await asyncio.sleep(0.01)
+            self.staged_peak = max(self.staged_peak, self.staged())
+            if self.fail_at is not None and len(self.loaded) == self.fail_at:
+                raise RuntimeError("the loader refused the tensors")
+            self.loaded.append(load_file(path))
+        finally:
+            os.unlink(path)
+            self.loading = False
+
+    async def finish_update(self, version):
+        self.finished = version
+
+
+def _handle(buckets, corrupt: int | None = None):
+    from serve_rft.weights.memory import pack_bucket
+    from serve_rft.weights.verify import digest
+
+    blobs = [pack_bucket(b) for b in buckets]
+    sums = [digest(b) for b in blobs]
+    if corrupt is not None:
+        flipped = blobs[corrupt].copy()
+        flipped[-1] ^= 0xFF  # one byte of the last tensor's data
+        blobs[corrupt] = flipped
+    return {"method": "memory", "bytes": 0, "buckets": [_Ref(b) for b in blobs], "checksums": sums}
+
+
+BUCKETS = [[(f"w{i}.{j}", torch.full((64,), float(i * 10 + j))) for j in range(2)] for i in range(5)]
+
+
+def test_receive_pipelines_buckets_with_at_most_two_staged_files(tmp_path):
+    """Bucket k+1 is fetched, written and checked while the engine loads bucket k: at most two
+    staged files exist at once (one loading, one waiting), all removed at the end, every
+    bucket loaded once in order, then the update finished with its version."""
     from serve_rft.weights.memory import MemoryMethod
 
-    live: set[int] = set()
-    bucket_bytes = 4 * 1000
-    peaks: list[int] = []
+    engine = _Engine(tmp_path)
+    info = asyncio.run(MemoryMethod().receive(engine, _handle(BUCKETS), 7))
+    assert [list(b) for b in engine.loaded] == [[n for n, _ in b] for b in BUCKETS]
+    assert all(torch.equal(engine.loaded[i][n], t) for i, b in enumerate(BUCKETS) for n, t in b)
+    assert engine.staged_peak == 2 and engine.staged() == 0
+    assert engine.finished == 7
+    assert {"seconds", "bytes", "fetch_s", "stage_s", "engine_s", "finish_s"} <= info.keys()
 
-    class FetchOnAwait:  # stands in for a Ray ObjectRef: each await deserializes a new copy
-        def __init__(self, sizes):
-            self.sizes = sizes
 
-        def __await__(self):
-            async def fetch():
-                out = []
-                for n in self.sizes:
-                    t = torch.zeros(n)
-                    live.add(id(t))
-                    weakref.finalize(t, live.discard, id(t))
-                    out.append((f"w{id(t)}", t))
-                return out
-            return fetch().__await__()
+def test_a_corrupt_bucket_never_reaches_the_engine_and_leaves_no_file(tmp_path):
+    from serve_rft.weights.memory import MemoryMethod
+    from serve_rft.weights.verify import VersionCorrupt
 
-    class Engine:
-        async def begin_update(self):
-            pass
+    engine = _Engine(tmp_path)
+    with pytest.raises(VersionCorrupt, match="bucket 3"):
+        asyncio.run(MemoryMethod().receive(engine, _handle(BUCKETS, corrupt=3), 7))
+    assert len(engine.loaded) == 3  # the buckets before it; the caller restores the previous version
+    assert not engine.loading and engine.staged() == 0 and engine.finished is None
 
-        async def load_bucket(self, bucket):
-            gc.collect()
-            peaks.append(sum(t.numel() * 4 for _, t in bucket))
-            assert len(live) == len(bucket), "a previous bucket is still alive"
 
-        async def finish_update(self, version):
-            pass
+def test_a_load_failure_propagates_and_leaves_no_file(tmp_path):
+    from serve_rft.weights.memory import MemoryMethod
 
-    handle = {"method": "memory", "bytes": 0, "buckets": [FetchOnAwait([500, 400]), FetchOnAwait([1000]),
-                                                          FetchOnAwait([250, 250, 250])]}
-    asyncio.run(MemoryMethod(bucket_bytes).receive(Engine(), handle, 1))
-    assert len(peaks) == 3 and max(peaks) <= bucket_bytes
+    engine = _Engine(tmp_path, fail_at=2)
+    with pytest.raises(RuntimeError, match="refused"):
+        asyncio.run(MemoryMethod().receive(engine, _handle(BUCKETS), 7))
+    assert len(engine.loaded) == 2 and not engine.loading and engine.staged() == 0
+    assert engine.finished is None
+
+
+def test_a_receive_cancelled_mid_load_leaves_no_staged_file(tmp_path):
+    """A sync past its timeout cancels the receive: the engine's load in flight ends first and
+    no staged file is left in shared memory, whatever stage the cancel hit."""
+    from serve_rft.weights.memory import MemoryMethod
+
+    async def run(delay: float):
+        engine = _Engine(tmp_path, hold_s=0.04)  # 5 buckets: the receive takes >= 0.2 s
+        task = asyncio.ensure_future(MemoryMethod().receive(engine, _handle(BUCKETS), 7))
+        await asyncio.sleep(delay)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await asyncio.sleep(0.2)  # a write still running in its thread ends and is removed
+        assert not engine.loading and engine.staged() == 0 and engine.finished is None
+
+    for delay in (0.0, 0.005, 0.02, 0.05, 0.1):
+        asyncio.run(run(delay))

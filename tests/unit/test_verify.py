@@ -25,6 +25,22 @@ def test_folder_checksums_catch_a_flipped_byte_a_missing_and_an_extra_file(tmp_p
         check_folder(tmp_path, sums)
 
 
+def test_folder_checksums_are_xxh3_and_an_older_releases_crc32_is_still_checked(tmp_path):
+    """A handle published before the switch to XXH3-64 (a synchronizer's state kept across an
+    upgrade) carries CRC-32s; they are checked as such, so a good folder passes and a bad one
+    is refused."""
+    import zlib
+
+    data = bytes(range(256)) * 4000
+    (tmp_path / "model.safetensors").write_bytes(data)
+    assert folder_checksums(tmp_path)["model.safetensors"].startswith("xxh3:")
+    legacy = {"model.safetensors": f"{zlib.crc32(data):08x}"}
+    check_folder(tmp_path, legacy)
+    (tmp_path / "model.safetensors").write_bytes(data[:-1] + b"x")
+    with pytest.raises(VersionCorrupt):
+        check_folder(tmp_path, legacy)
+
+
 def test_bucket_checksum_covers_names_and_bytes():
     a = [("w", torch.arange(6, dtype=torch.float32)), ("b", torch.ones(2, dtype=torch.bfloat16))]
     same = [("w", torch.arange(6, dtype=torch.float32)), ("b", torch.ones(2, dtype=torch.bfloat16))]

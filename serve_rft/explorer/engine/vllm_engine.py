@@ -198,22 +198,20 @@ class ExplorerEngine:
         """Start a bucketed update (vLLM layer-wise reload); the engine must be paused."""
         await self.llm.collective_rpc("begin_policy_update")
 
-    async def load_bucket(self, named_tensors: list) -> None:
-        """Load one bucket of ``(checkpoint name, CPU tensor)`` pairs into the worker.
+    def staging_path(self) -> str:
+        """A fresh path in shared memory (``/dev/shm``) for a bucket's safetensors file that
+        `load_bucket` will load (the engine's worker is a child of this replica, same host)."""
+        return _shm_path()
 
-        The bucket goes to the engine's worker process (a child of this replica, same host)
-        through a safetensors file in shared memory (``/dev/shm``), and only its path through
-        vLLM's RPC. Measured on the 0.47 B fp32 model with benchmarks/sync_cost.py: bytes through
-        the RPC itself (commit 6fee038) 9.9-12.1 s per replica, through the file 5.2-6.0 s. The file is removed
-        once loaded.
+    async def load_bucket(self, path: str) -> None:
+        """Load one bucket, a safetensors file at ``path`` (`staging_path`), in the worker
+        (``safe_open`` maps it: the file is read in place, not copied); only its path goes
+        through vLLM's RPC. The file is removed once loaded, or failed.
+
+        Raises:
+            Whatever vLLM's loader raises for tensors that do not fit the model.
         """
-        import asyncio
-
-        from safetensors.torch import save_file
-
-        path = _shm_path()
         try:
-            await asyncio.to_thread(save_file, {name: t.contiguous() for name, t in named_tensors}, path)
             await self.llm.collective_rpc("load_policy_bucket", kwargs={"path": path})
         finally:
             if os.path.exists(path):

@@ -1,23 +1,22 @@
 """The trainer's side of the experience store: the ready stream ``P:ready`` and its consumer group.
 
-A mixin of `ExperienceStore` (schema in `serve_rft.buffer.store`): the trainer reads released
-experiences (`read_ready`; after a restart `delivered`), acknowledges them once trained or
-dropped (`ack`, `ack_entries`), counts step attempts (`begin_attempt`) and moves what cannot be
-trained to the dead-letter stream (`dead_letter`). Every state change is one Lua script.
-
-Uses of the store: ``redis`` (retried on a dropped connection), ``_reader`` (never retried:
-new-entry reads are not idempotent), ``p``, ``_k``, ``trained_ttl_s``, ``sweep`` and the
-registered scripts.
+A component of `ExperienceStore` (``store.ready``; schema in `serve_rft.buffer.store`), and all
+the trainer holds of the store: the trainer reads released experiences (`read_ready`; after a
+restart `delivered`), acknowledges them once trained or dropped (`ack`, `ack_entries`), counts
+step attempts (`begin_attempt`) and moves what cannot be trained to the dead-letter stream
+(`dead_letter`). Every state change is one Lua script (`serve_rft.buffer.scripts_ready`).
 """
 
 from __future__ import annotations
 
 import math
+from typing import Awaitable, Callable
 
 import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from serve_rft.buffer import scripts_ready
 from serve_rft.buffer.records import DeadLetter, parse_entries
 from serve_rft.types import RewardedExperience
 
@@ -29,7 +28,27 @@ DEAD_LETTER_MAXLEN = 10_000
 
 
 class ReadyStream:
-    """The trainer's reads and acknowledgements of ``P:ready`` (see the module docstring)."""
+    """The trainer's reads and acknowledgements of ``P:ready`` (see the module docstring).
+
+    Args:
+        redis: the store's client (a command is retried on a dropped connection).
+        reader: a client that never retries (new-entry reads are not idempotent).
+        prefix: key prefix (``buffer.key_prefix``).
+        trained_ttl_s: how long acknowledged experiences stay readable, s.
+        sweep: the store's `ExperienceStore.sweep` (expiries, group releases and the ready
+            bound), run with the ids the trainer holds before each read.
+    """
+
+    def __init__(self, redis: aioredis.Redis, reader: aioredis.Redis, prefix: str, trained_ttl_s: float,
+                 sweep: Callable[..., Awaitable[tuple[int, int]]]):
+        self.redis, self._reader, self.p, self.trained_ttl_s, self.sweep = redis, reader, prefix, trained_ttl_s, sweep
+        self._ack = redis.register_script(scripts_ready.ACK)
+        self._read_script = redis.register_script(scripts_ready.READ)
+        self._drop_stale = redis.register_script(scripts_ready.DROP_STALE)
+        self._dead_letter = redis.register_script(scripts_ready.DEAD_LETTER)
+
+    def _k(self, *parts: str) -> str:
+        return ":".join((self.p, *parts))
 
     async def ensure_group(self) -> None:
         """Create the trainer's consumer group on the ready stream (idempotent)."""

@@ -2,7 +2,7 @@
 
 Owns every Redis key of the service. Explorer replicas call `log_experiences` (batched across
 concurrent callers: `serve_rft.buffer.log_batch`); the rewards API calls `post_reward`; the
-trainer calls `read_ready` and `ack` (the ready stream's side: `serve_rft.buffer.ready`). Nothing else touches Redis. Every state change is one Lua script
+trainer holds ``store.ready`` alone (the ready stream's side, `serve_rft.buffer.ready.ReadyStream`: `read_ready`, `ack`, ...). Nothing else touches Redis. Every state change is one Lua script
 (`serve_rft.buffer.scripts`), so it is atomic. Records and domain errors: `serve_rft.buffer.records`.
 
 Schema (``P`` = ``buffer.key_prefix``; ``{cid}`` a completion id, ``{i}`` a choice index,
@@ -82,7 +82,7 @@ rewarded, or at the latest ``reward_timeout_s`` after the first reward. A reward
 of an already released group makes it ready at once.
 
 Pending experiences with no reward by ``reward_timeout_s`` expire (state ``expired``, counted);
-their reward then gets 410. Expiry and group timeouts run in `sweep`, which the trainer calls
+their reward then gets 410. Expiry and group timeouts run in `sweep`, which the trainer's reads call
 on every read and `counts` calls on every status.
 """
 
@@ -99,7 +99,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import OutOfMemoryError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from serve_rft.buffer import scripts, scripts_ready
+from serve_rft.buffer import scripts
 from serve_rft.buffer.log_batch import LOG_BATCH_ITEMS, CompletionLog
 from serve_rft.buffer.ready import SWEEP_BATCH, ReadyStream
 from serve_rft.buffer.records import (ChoiceState, ConversationFull, GroupSizeConflict, RewardConflict,
@@ -116,7 +116,7 @@ REWARD_BUCKET_S = 5
 """Seconds of generation time per bucket of ``P:vr:{version}`` (the REWARD script's 5)."""
 
 
-class ExperienceStore(ReadyStream):
+class ExperienceStore:
     """Async access to the experience schema above on one Redis server.
 
     Args:
@@ -163,10 +163,7 @@ class ExperienceStore(ReadyStream):
         self._log = self.redis.register_script(scripts.LOG)
         self._reward = self.redis.register_script(scripts.REWARD)
         self._sweep = self.redis.register_script(scripts.SWEEP)
-        self._ack = self.redis.register_script(scripts_ready.ACK)
-        self._read_script = self.redis.register_script(scripts_ready.READ)
-        self._drop_stale = self.redis.register_script(scripts_ready.DROP_STALE)
-        self._dead_letter = self.redis.register_script(scripts_ready.DEAD_LETTER)
+        self.ready = ReadyStream(self.redis, self._reader, prefix, trained_ttl_s, self.sweep)
         self.completions = CompletionLog(self._log, prefix, reward_timeout_s, self._long_ttl(),
                                          max_conversation_turns, log_batch_items)
 

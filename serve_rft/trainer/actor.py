@@ -34,6 +34,7 @@ from pathlib import Path
 
 import ray
 
+from serve_rft.buffer.ready import ReadyStream
 from serve_rft.buffer.store import ExperienceStore
 from serve_rft.config import Config
 from serve_rft.names import NAMESPACE, TRAINER_NAME, get_synchronizer
@@ -73,7 +74,7 @@ class Trainer:
         self.reset_count = 0
         self.last_reset: dict | None = None  # version, probe max |diff| (None: no probe), time
         self.method = None  # the sync method, once the loop built it
-        self.feed = ExperienceFeed(self.cfg.trainer, ExperienceStore.from_config(self.cfg.buffer), self.metrics)
+        self.feed = ExperienceFeed(self.cfg.trainer, ExperienceStore.from_config(self.cfg.buffer).ready, self.metrics)
         self.publishing = Publishing(self.cfg, self.state_root, model_path, self.feed)
         self.started = False
         self.rank_pids: list[int] = []  # trainer.num_workers > 1: the rank actors' processes
@@ -198,7 +199,7 @@ class Trainer:
         self.metrics.skipped()
         log.error("%s; %d ready entries dead-lettered, weights and optimizer unchanged", reason, len(batch))
 
-    async def _between_reads(self, policy, method, sync, store: ExperienceStore, idle: bool) -> None:
+    async def _between_reads(self, policy, method, sync, store: ReadyStream, idle: bool) -> None:
         """While the trainer waits for data it answers the explorer side (the Trinity-RFT
         Synchronizer documentation: the trainer syncs during sampling so the explorer can keep
         producing data): an NCCL replica waiting for the published weights gets its window; after

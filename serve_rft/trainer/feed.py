@@ -16,7 +16,7 @@ import time
 from typing import Awaitable, Callable
 
 from serve_rft.buffer.records import DeadLetter
-from serve_rft.buffer.store import ExperienceStore
+from serve_rft.buffer.ready import ReadyStream
 from serve_rft.config import TrainerConfig
 from serve_rft.names import TRAINER_NAME
 from serve_rft.observability.trainer_metrics import TrainerMetrics
@@ -36,11 +36,12 @@ class ExperienceFeed:
     Args:
         cfg: the trainer's settings (batch sizes and waits, ``max_staleness``,
             ``max_entry_attempts``, ``read_order``).
-        store: the experience store.
+        store: the experience store's ready stream (``ExperienceStore.ready``), all the trainer
+            holds of the store.
         metrics: where dropped and trained staleness are observed.
     """
 
-    def __init__(self, cfg: TrainerConfig, store: ExperienceStore, metrics: TrainerMetrics):
+    def __init__(self, cfg: TrainerConfig, store: ReadyStream, metrics: TrainerMetrics):
         self.cfg, self.store, self.metrics = cfg, store, metrics
         self.ledger = TrainedLedger()  # members saved states cover: a lost ack is never retrained
         self.published_versions: list[int] = [0]  # ascending, the newest PUBLISHED_KEPT

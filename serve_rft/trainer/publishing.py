@@ -17,7 +17,7 @@ import asyncio
 import logging
 import time
 
-from serve_rft.buffer.store import ExperienceStore
+from serve_rft.buffer.ready import ReadyStream
 from serve_rft.trainer.feed import PUBLISHED_KEPT
 from serve_rft.types import ComponentState, PublishedVersion, RewardedExperience
 
@@ -62,7 +62,7 @@ class Publishing:
         """The version of the saved state this process resumed from (None: it started fresh)."""
         return self._resumed_version
 
-    async def _resume(self, policy, method, sync, store: ExperienceStore) -> None:
+    async def _resume(self, policy, method, sync, store: ReadyStream) -> None:
         """Continue after a restart: acknowledge what the kept states cover, number new versions
         after every version that may exist (the durable `published_floor`, the synchronizer's
         latest, committed checkpoint folders), and publish the resumed weights if nobody can
@@ -89,7 +89,7 @@ class Publishing:
         if stale_handle or (st is not None and (latest is None or latest.version < st.version)):
             await self._publish(policy, method, sync, store, self.step_num + 1)
 
-    async def _publish(self, policy, method, sync, store: ExperienceStore,
+    async def _publish(self, policy, method, sync, store: ReadyStream,
                        version: int | None = None) -> float:
         """Publish the current weights as ``version`` (default: ``step_num``), then save the
         trainer state when ``save_interval`` publishes have passed and acknowledge what it covers.

@@ -168,7 +168,7 @@ def _delivered(stack) -> list[str]:
     async def go():
         s = ExperienceStore(stack.redis_url, stack.prefix)
         try:
-            return [e.stream_id for e in await s.delivered("serve_rft_trainer")]
+            return [e.stream_id for e in await s.ready.delivered("serve_rft_trainer")]
         finally:
             await s.close()
     return asyncio.run(go())

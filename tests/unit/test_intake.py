@@ -54,24 +54,24 @@ def test_the_ledger_splits_what_saved_states_cover():
 def test_unparseable_entries_are_dead_lettered_on_read_and_attempts_are_counted(redis_server):
     async def go():
         s = ExperienceStore(redis_server.url, prefix=f"t{uuid.uuid4().hex[:8]}")
-        await s.ensure_group()
+        await s.ready.ensure_group()
         ready = s._k("ready")
         await s.redis.xadd(ready, {"exp": "{not json", "reward": "1.0", "member": "chatcmpl-p:0"})
         good = experience("chatcmpl-g", 0).model_dump_json()
         await s.redis.xadd(ready, {"exp": good, "reward": "0.5", "member": "chatcmpl-g:0"})
-        got = await s.read_ready("t", 10, block_ms=10)
+        got = await s.ready.read_ready("t", 10, block_ms=10)
         assert [b.member for b in got] == ["chatcmpl-g:0"]
         assert (await s.counts()).dead_lettered == 1
-        dead = await s.dead_letters()
+        dead = await s.ready.dead_letters()
         assert dead[0]["member"] == "chatcmpl-p:0" and dead[0]["reason"].startswith("unparseable")
-        assert await s.begin_attempt([got[0].stream_id]) == [1]
-        assert await s.begin_attempt([got[0].stream_id]) == [2]
+        assert await s.ready.begin_attempt([got[0].stream_id]) == [1]
+        assert await s.ready.begin_attempt([got[0].stream_id]) == [2]
         letter = DeadLetter(got[0].stream_id, got[0].member, "test", good, "0.5")
-        assert await s.dead_letter([letter]) == 1
-        assert await s.dead_letter([letter]) == 0  # acknowledged already: counted once
+        assert await s.ready.dead_letter([letter]) == 1
+        assert await s.ready.dead_letter([letter]) == 0  # acknowledged already: counted once
         assert (await s.counts()).dead_lettered == 2
         assert await s.redis.hlen(s._k("attempts")) == 0
-        assert await s.delivered("t") == []
+        assert await s.ready.delivered("t") == []
         assert json.loads(dead[0]["reward"]) == 1.0
         await s.close()
     asyncio.run(go())
@@ -105,11 +105,11 @@ def test_the_feed_leaves_grammar_sampled_experiences_out_of_the_loss_counted(red
         forced.sampling.structured_outputs = {"structural_tag": "{...}"}
         await store.log_experiences([free])
         await store.log_experiences([forced])
-        await store.ensure_group()
+        await store.ready.ensure_group()
         for cid in ("chatcmpl-free", "chatcmpl-forced"):
             await store.post_reward(cid, 0, 1.0)
-        feed = ExperienceFeed(TrainerConfig(), store, metrics=None)
-        batch = await store.read_ready("t", 10, block_ms=10)
+        feed = ExperienceFeed(TrainerConfig(), store.ready, metrics=None)
+        batch = await store.ready.read_ready("t", 10, block_ms=10)
         kept = await feed.admit(batch, vocab_size=1024, version=4)
         assert [b.experience.completion_id for b in kept] == ["chatcmpl-free"] and feed.constrained == 1
         assert (await store.counts()).constrained == 1
@@ -131,22 +131,22 @@ def test_restarts_after_successful_steps_dead_letter_nothing(redis_server):
         store = ExperienceStore(redis_server.url, prefix=f"t{uuid.uuid4().hex[:8]}")
         for cid in ("chatcmpl-a", "chatcmpl-b"):
             await store.log_experiences([experience(cid, 0)])
-        await store.ensure_group()
+        await store.ready.ensure_group()
         for cid in ("chatcmpl-a", "chatcmpl-b"):
             await store.post_reward(cid, 0, 1.0)
         cfg = TrainerConfig(max_entry_attempts=3)
-        await store.read_ready("trainer", 10, block_ms=10)  # the first process takes both
+        await store.ready.read_ready("trainer", 10, block_ms=10)  # the first process takes both
         for _ in range(4):  # each process: read its backlog, step, step succeeds, process dies
-            feed = ExperienceFeed(cfg, store, metrics=None)
-            batch = await feed.count_attempts(await store.delivered("trainer"))
+            feed = ExperienceFeed(cfg, store.ready, metrics=None)
+            batch = await feed.count_attempts(await store.ready.delivered("trainer"))
             assert len(batch) == 2
             await feed.stepped(batch)
         assert feed.dead_lettered == 0 and (await store.counts()).dead_lettered == 0
         for _ in range(3):  # a step that kills its process every time
-            feed = ExperienceFeed(cfg, store, metrics=None)
-            assert len(await feed.count_attempts(await store.delivered("trainer"))) == 2
-        feed = ExperienceFeed(cfg, store, metrics=None)
-        assert await feed.count_attempts(await store.delivered("trainer")) == []
+            feed = ExperienceFeed(cfg, store.ready, metrics=None)
+            assert len(await feed.count_attempts(await store.ready.delivered("trainer"))) == 2
+        feed = ExperienceFeed(cfg, store.ready, metrics=None)
+        assert await feed.count_attempts(await store.ready.delivered("trainer")) == []
         assert feed.dead_lettered == 2
         await store.close()
     asyncio.run(go())

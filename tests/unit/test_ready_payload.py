@@ -36,7 +36,7 @@ def test_releasing_n16_with_the_largest_fields_grows_redis_by_less_than_twice_th
     ``metadata`` and grammar adds one copy of those fields to Redis (the payload), not 16."""
     async def go():
         s = store_factory()
-        await s.ensure_group()
+        await s.ready.ensure_group()
         await _released(s, "chatcmpl-warm", 16, big=True)  # loads the scripts
         field_bytes = len(large_experience("c", 0).model_dump_json(include={"user", "metadata", "sampling"}).encode())
         assert field_bytes > 70_000
@@ -57,18 +57,18 @@ def test_releasing_n16_with_the_largest_fields_grows_redis_by_less_than_twice_th
 def test_the_trainer_reads_whole_experiences_after_the_completion_keys_are_gone(store_factory):
     async def go():
         s = store_factory()
-        await s.ensure_group()
+        await s.ready.ensure_group()
         exps = await _released(s, "chatcmpl-g", 4, big=True)
         ready = [f for _, f in await s.redis.xrange(s._k("ready"))]
         assert all(f["prompt_ref"] == "chatcmpl-g" and "prompt" not in f and len(f["exp"]) < 600 for f in ready)
         for key in [s._k("pr", "chatcmpl-g")] + [s._k("exp", "chatcmpl-g", str(i)) for i in range(4)]:
             await s.redis.delete(key)
-        got = sorted(await s.read_ready("t", 10, block_ms=10), key=lambda b: b.experience.choice_index)
+        got = sorted(await s.ready.read_ready("t", 10, block_ms=10), key=lambda b: b.experience.choice_index)
         assert [b.experience for b in got] == exps and [b.reward for b in got] == [0.0, 1.0, 2.0, 3.0]
         # a restarted trainer re-reads what it holds (XREADGROUP, not the READ script): also whole
-        again = sorted(await s.delivered("t"), key=lambda b: b.experience.choice_index)
+        again = sorted(await s.ready.delivered("t"), key=lambda b: b.experience.choice_index)
         assert [b.experience for b in again] == exps
-        assert await s.ack(got, version=1) == (4, 0)
+        assert await s.ready.ack(got, version=1) == (4, 0)
         assert await _refs(s, "chatcmpl-g") is None
         await s.close()
     run(go())
@@ -78,31 +78,31 @@ def test_the_trainer_reads_whole_experiences_after_the_completion_keys_are_gone(
 def test_every_removal_path_releases_each_reference_once_and_the_last_deletes_the_payload(store_factory, path):
     async def go():
         s = store_factory(max_ready=1 if path == "shed" else None)
-        await s.ensure_group()
+        await s.ready.ensure_group()
         await _released(s, "chatcmpl-r", 4)
         assert await _refs(s, "chatcmpl-r") == 4
         if path == "shed":
             await s.sweep()
             assert await s.redis.xlen(s._k("ready")) == 1
             assert await _refs(s, "chatcmpl-r") == 1
-            assert await s.ack(await s.read_ready("t", 10, block_ms=10), version=1) == (1, 0)
+            assert await s.ready.ack(await s.ready.read_ready("t", 10, block_ms=10), version=1) == (1, 0)
         elif path == "drop_stale":  # token_versions (0, 0, 3): below threshold 1
-            assert await s.drop_stale(threshold=1, version=2) == 4
-            assert await s.drop_stale(threshold=1, version=2) == 0
+            assert await s.ready.drop_stale(threshold=1, version=2) == 4
+            assert await s.ready.drop_stale(threshold=1, version=2) == 0
         else:
-            got = await s.read_ready("t", 10, block_ms=10)
+            got = await s.ready.read_ready("t", 10, block_ms=10)
             assert len(got) == 4
             if path == "ack":
-                assert await s.ack(got[:1], version=1) == (1, 0)
+                assert await s.ready.ack(got[:1], version=1) == (1, 0)
                 assert await _refs(s, "chatcmpl-r") == 3
-                assert await s.ack(got[:1], version=1) == (0, 0)  # a retried ack: no second release
+                assert await s.ready.ack(got[:1], version=1) == (0, 0)  # a retried ack: no second release
                 assert await _refs(s, "chatcmpl-r") == 3
-                assert await s.ack(got, version=1) == (3, 0)
-                assert await s.ack(got, version=1) == (0, 0)
+                assert await s.ready.ack(got, version=1) == (3, 0)
+                assert await s.ready.ack(got, version=1) == (0, 0)
             else:
                 letters = [DeadLetter.of(b, "test") for b in got]
-                assert await s.dead_letter(letters) == 4
-                assert await s.dead_letter(letters) == 0
+                assert await s.ready.dead_letter(letters) == 4
+                assert await s.ready.dead_letter(letters) == 0
         assert await s.redis.xlen(s._k("ready")) == 0
         assert await _refs(s, "chatcmpl-r") is None
         await s.close()
@@ -112,16 +112,16 @@ def test_every_removal_path_releases_each_reference_once_and_the_last_deletes_th
 def test_acked_dead_lettered_stale_and_shed_entries_of_one_completion_each_release_once(store_factory):
     async def go():
         s = store_factory(max_ready=5)
-        await s.ensure_group()
+        await s.ready.ensure_group()
         await _released(s, "chatcmpl-m", 8)
-        got = await s.read_ready("t", 2, block_ms=10, newest_first=True)  # sweeps first: 3 shed
+        got = await s.ready.read_ready("t", 2, block_ms=10, newest_first=True)  # sweeps first: 3 shed
         assert len(got) == 2 and (await s.counts()).backlog_dropped == 3
         assert await _refs(s, "chatcmpl-m") == 5
-        assert await s.ack(got[:1], version=1) == (1, 0)
+        assert await s.ready.ack(got[:1], version=1) == (1, 0)
         assert await _refs(s, "chatcmpl-m") == 4
-        assert await s.dead_letter([DeadLetter.of(got[1], "test")]) == 1
+        assert await s.ready.dead_letter([DeadLetter.of(got[1], "test")]) == 1
         assert await _refs(s, "chatcmpl-m") == 3
-        assert await s.drop_stale(threshold=1, version=2) == 3  # the 3 no trainer holds
+        assert await s.ready.drop_stale(threshold=1, version=2) == 3  # the 3 no trainer holds
         assert await s.redis.xlen(s._k("ready")) == 0
         assert await _refs(s, "chatcmpl-m") is None
         await s.close()
@@ -131,16 +131,16 @@ def test_acked_dead_lettered_stale_and_shed_entries_of_one_completion_each_relea
 def test_an_ack_after_the_pending_list_was_lost_releases_once(store_factory):
     async def go():
         s = store_factory()
-        await s.ensure_group()
+        await s.ready.ensure_group()
         await _released(s, "chatcmpl-l", 2)
-        got = await s.read_ready("t", 10, block_ms=10)
+        got = await s.ready.read_ready("t", 10, block_ms=10)
         ready = s._k("ready")
         await s.redis.xgroup_destroy(ready, "trainer")  # as after an AOF restored to before the read
         await s.redis.xgroup_create(ready, "trainer", id="0")
-        assert await s.ack(got[:1], version=1) == (1, 0)
-        assert await s.ack(got[:1], version=1) == (0, 0)
+        assert await s.ready.ack(got[:1], version=1) == (1, 0)
+        assert await s.ready.ack(got[:1], version=1) == (0, 0)
         assert await _refs(s, "chatcmpl-l") == 1
-        assert await s.ack(got, version=1) == (1, 0)
+        assert await s.ready.ack(got, version=1) == (1, 0)
         assert await _refs(s, "chatcmpl-l") is None
         await s.close()
     run(go())
@@ -149,19 +149,19 @@ def test_an_ack_after_the_pending_list_was_lost_releases_once(store_factory):
 def test_a_dead_letter_carries_the_shared_fields_after_the_payload_is_gone(store_factory):
     async def go():
         s = store_factory()
-        await s.ensure_group()
+        await s.ready.ensure_group()
         exps = await _released(s, "chatcmpl-d", 2, big=True)
         shared = await s.redis.get(s._k("pr", "chatcmpl-d"))
-        got = await s.read_ready("t", 10, block_ms=10)
+        got = await s.ready.read_ready("t", 10, block_ms=10)
         # an entry whose record does not parse (raw exp without the shared fields), and one whole
         ids = sorted(b.stream_id for b in got)
         raw = {eid: f for eid, f in await s.redis.xrange(s._k("ready"))}
         letters = [DeadLetter(ids[0], raw[ids[0]]["member"], "unparseable: test", raw[ids[0]]["exp"], "0.0"),
                    DeadLetter.of(next(b for b in got if b.stream_id == ids[1]), "test")]
-        assert await s.dead_letter(letters) == 2
+        assert await s.ready.dead_letter(letters) == 2
         await s.redis.delete(s._k("pr", "chatcmpl-d"))
         assert await _refs(s, "chatcmpl-d") is None
-        dead = {d["id"]: d for d in await s.dead_letters()}
+        dead = {d["id"]: d for d in await s.ready.dead_letters()}
         assert dead[ids[0]]["prompt"] == shared and dead[ids[1]]["prompt"] == ""  # the whole one needs no copy
         member = int(dead[ids[0]]["member"].rsplit(":", 1)[1])
         whole = {**json.loads(dead[ids[0]]["prompt"]), **json.loads(dead[ids[0]]["exp"])}
@@ -175,11 +175,11 @@ def test_a_dead_letter_carries_the_shared_fields_after_the_payload_is_gone(store
 def test_an_entry_whose_payload_is_missing_is_dead_lettered_not_crashed_on(store_factory):
     async def go():
         s = store_factory()
-        await s.ensure_group()
+        await s.ready.ensure_group()
         await _released(s, "chatcmpl-x", 1)
         await s.redis.delete(s._k("rp", "chatcmpl-x"))  # by hand: no script path does this
-        assert await s.read_ready("t", 10, block_ms=10) == []
-        dead = await s.dead_letters()
+        assert await s.ready.read_ready("t", 10, block_ms=10) == []
+        dead = await s.ready.dead_letters()
         assert len(dead) == 1 and "shared fields" in dead[0]["reason"]
         assert await s.redis.xlen(s._k("ready")) == 0 and not await s.redis.exists(s._k("rp", "chatcmpl-x"))
         await s.close()
@@ -191,16 +191,16 @@ def test_an_entry_that_carries_its_own_copy_still_reads_and_leaves_no_payload_ke
     acknowledgement touches no payload."""
     async def go():
         s = store_factory()
-        await s.ensure_group()
+        await s.ready.ensure_group()
         e = large_experience("chatcmpl-o", 0)
         shared = json.dumps({"prompt_token_ids": e.prompt_token_ids,
                              **e.model_dump(mode="json", include={"sampling", "user", "metadata"})})
         exp = e.model_dump_json(exclude={"prompt_token_ids", "sampling", "user", "metadata"})
         await s.redis.xadd(s._k("ready"), {"exp": exp, "reward": "0.5", "member": "chatcmpl-o:0",
                                            "prompt": shared, "v": 0})
-        got = await s.read_ready("t", 10, block_ms=10)
+        got = await s.ready.read_ready("t", 10, block_ms=10)
         assert [b.experience for b in got] == [e] and got[0].reward == 0.5
-        assert await s.ack(got, version=1) == (1, 0)
+        assert await s.ready.ack(got, version=1) == (1, 0)
         assert await s.redis.xlen(s._k("ready")) == 0
         assert [k async for k in s.redis.scan_iter(match=f"{s.p}:rp:*")] == []
         await s.close()

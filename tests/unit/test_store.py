@@ -27,12 +27,12 @@ def test_log_reward_read_ack_roundtrip(store_factory):
         assert await s.post_reward(cid, 1, 0.0) is True
         c = await s.counts()
         assert (c.pending, c.held, c.ready) == (0, 0, 2)
-        await s.ensure_group()
-        await s.ensure_group()  # idempotent
-        batch = await s.read_ready("t", 10, block_ms=10)
+        await s.ready.ensure_group()
+        await s.ready.ensure_group()  # idempotent
+        batch = await s.ready.read_ready("t", 10, block_ms=10)
         assert sorted((b.experience.choice_index, b.reward) for b in batch) == [(0, 1.0), (1, 0.0)]
-        assert await s.ack(batch, version=3) == (2, 0)
-        assert await s.ack(batch, version=3) == (0, 0)  # a retried ack counts nothing twice
+        assert await s.ready.ack(batch, version=3) == (2, 0)
+        assert await s.ready.ack(batch, version=3) == (0, 0)  # a retried ack counts nothing twice
         c = await s.counts()
         assert (c.ready, c.trained) == (0, 2)
         states = await s.choices(cid)
@@ -80,11 +80,11 @@ def test_unacked_entries_are_redelivered(store_factory):
         s = store_factory()
         await s.log_experiences([experience("c", 0)])
         await s.post_reward("c", 0, 1.0)
-        await s.ensure_group()
-        first = await s.read_ready("t", 10, block_ms=10)
+        await s.ready.ensure_group()
+        first = await s.ready.read_ready("t", 10, block_ms=10)
         assert len(first) == 1
-        assert await s.read_ready("t", 10, block_ms=10) == []
-        again = await s.delivered("t")
+        assert await s.ready.read_ready("t", 10, block_ms=10) == []
+        again = await s.ready.delivered("t")
         assert [b.stream_id for b in again] == [b.stream_id for b in first]
         await s.close()
     run(go())
@@ -142,13 +142,13 @@ def test_stale_dropped_entries_are_acked_and_counted(store_factory):
         s = store_factory()
         await s.log_experiences([experience("c", 0)])
         await s.post_reward("c", 0, 1.0)
-        await s.ensure_group()
-        batch = await s.read_ready("t", 10, block_ms=10)
-        assert await s.ack(batch, version=9, state="stale-dropped") == (0, 1)
+        await s.ready.ensure_group()
+        batch = await s.ready.read_ready("t", 10, block_ms=10)
+        assert await s.ready.ack(batch, version=9, state="stale-dropped") == (0, 1)
         c = await s.counts()
         assert (c.ready, c.trained, c.stale_dropped) == (0, 0, 1)
         assert [(x.state, x.trained_version) for x in await s.choices("c")] == [("stale-dropped", 9)]
-        assert await s.delivered("t") == []
+        assert await s.ready.delivered("t") == []
         await s.close()
     run(go())
 
@@ -168,23 +168,23 @@ def test_every_delivered_entry_is_redelivered_however_many(store_factory):
     """A restarted trainer reads its whole pending entries list, not just one batch."""
     async def go():
         s = store_factory()
-        await s.ensure_group()
+        await s.ready.ensure_group()
         cids = [f"c{k}" for k in range(300)]
         for cid in cids:
             await s.log_experiences([experience(cid, 0)])
             await s.post_reward(cid, 0, 1.0)
-        first = await s.read_ready("t", 300, block_ms=10, newest_first=False)
+        first = await s.ready.read_ready("t", 300, block_ms=10, newest_first=False)
         assert len(first) == 300
-        await s.ack(first[:10], version=1)
-        assert len(await s.delivered("t")) == 290
-        again = await s.delivered("t")
+        await s.ready.ack(first[:10], version=1)
+        assert len(await s.ready.delivered("t")) == 290
+        again = await s.ready.delivered("t")
         assert [e.stream_id for e in again] == [e.stream_id for e in first[10:]]
         # per-entry versions, and a repeated ack counts nothing
-        assert await s.ack_entries([(e.stream_id, e.member, 2 + k % 2) for k, e in enumerate(again)]) == (290, 0)
-        assert await s.ack_entries([(e.stream_id, e.member, 9) for e in again]) == (0, 0)
+        assert await s.ready.ack_entries([(e.stream_id, e.member, 2 + k % 2) for k, e in enumerate(again)]) == (290, 0)
+        assert await s.ready.ack_entries([(e.stream_id, e.member, 9) for e in again]) == (0, 0)
         assert [c.trained_version for c in await s.choices("c10")] == [2]
         assert [c.trained_version for c in await s.choices("c11")] == [3]
-        assert await s.delivered("t") == [] and (await s.counts()).trained == 300
+        assert await s.ready.delivered("t") == [] and (await s.counts()).trained == 300
     run(go())
 
 
@@ -202,11 +202,11 @@ def test_the_store_survives_a_redis_restart(tmp_path):
 
     async def go():
         s = ExperienceStore(servers[0].url, prefix="r")
-        await s.ensure_group()
+        await s.ready.ensure_group()
         await s.log_experiences([experience("p", 0)])                 # stays pending
         await s.log_experiences([experience("q", 0)])
         await s.post_reward("q", 0, 0.5, info={"judge": "rule"})
-        assert len(await s.read_ready("t", 10, block_ms=10)) == 1  # q delivered, not acked
+        assert len(await s.ready.read_ready("t", 10, block_ms=10)) == 1  # q delivered, not acked
         await s.log_experiences([experience("d", 0)])
         await s.post_reward("d", 0, 1.0)                         # d ready, undelivered
         counts = await s.counts()
@@ -215,13 +215,13 @@ def test_the_store_survives_a_redis_restart(tmp_path):
         assert [c.state for c in await s.choices("p")] == ["pending"]
         q = (await s.choices("q"))[0]
         assert (q.state, q.reward, q.info) == ("ready", 0.5, {"judge": "rule"})
-        held = await s.delivered("t")
+        held = await s.ready.delivered("t")
         assert [e.member for e in held] == ["q:0"]
         # the first new-entry read may meet the dead connection: it then returns what was
         # delivered and is not held (nothing here); the next read gets the new entry
         got = []
         for _ in range(3):
-            got = got or await s.read_ready("t", 10, block_ms=10, exclude={e.stream_id for e in held})
+            got = got or await s.ready.read_ready("t", 10, block_ms=10, exclude={e.stream_id for e in held})
         assert [e.member for e in got] == ["d:0"]
         assert await s.post_reward("p", 0, 0.25) is True  # the pending one still takes its reward
         await s.close()
@@ -287,11 +287,11 @@ def test_a_rewarded_member_outlives_its_groups_longest_hold(store_factory):
         await s.log_experiences([experience("chatcmpl-h", 0), experience("chatcmpl-h", 1)])
         await s.post_reward("chatcmpl-h", 0, 1.0)
         assert await s.redis.ttl(s._k("exp", "chatcmpl-h", "0")) > 100
-        await s.ensure_group()
+        await s.ready.ensure_group()
         await s.post_reward("chatcmpl-h", 1, 0.0)
-        batch = await s.read_ready("t", 10, block_ms=10)
+        batch = await s.ready.read_ready("t", 10, block_ms=10)
         await s.redis.delete(s._k("st", "chatcmpl-h"))  # as if the state hash had expired
-        await s.ack(batch, version=1)
+        await s.ready.ack(batch, version=1)
         assert 0 < await s.redis.ttl(s._k("st", "chatcmpl-h")) <= 10  # never left without a TTL
         await s.close()
     run(go())
@@ -330,11 +330,11 @@ def test_a_full_store_refuses_new_writes_cleanly_and_still_drains(tmp_path):
 
     async def go():
         s = ExperienceStore(server.url, prefix="full", reward_timeout_s=1.0)
-        await s.ensure_group()
+        await s.ready.ensure_group()
         await s.log_experiences([experience("chatcmpl-keep", 0), experience("chatcmpl-keep", 1)])
         await s.post_reward("chatcmpl-keep", 0, 1.0)
         await s.post_reward("chatcmpl-keep", 1, 0.0)
-        ready = await s.read_ready("t", 10, block_ms=10)
+        ready = await s.ready.read_ready("t", 10, block_ms=10)
         await s.log_experiences([experience("chatcmpl-late", 0)])
         assert (await s.redis.config_get("maxmemory-policy"))["maxmemory-policy"] == "noeviction"
         await s.redis.config_set("maxmemory", 1)  # full, whatever the allocator does next
@@ -343,7 +343,7 @@ def test_a_full_store_refuses_new_writes_cleanly_and_still_drains(tmp_path):
         assert await s.num_choices("chatcmpl-refused") is None  # nothing of it was written
         with pytest.raises(StoreFull):
             await s.post_reward("chatcmpl-late", 0, 1.0)
-        assert await s.ack(ready, version=1) == (2, 0)  # acknowledgements run past maxmemory
+        assert await s.ready.ack(ready, version=1) == (2, 0)  # acknowledgements run past maxmemory
         expired, _ = await s.sweep(now=10**10)
         assert expired >= 1
         await s.close()
@@ -361,10 +361,10 @@ def test_the_prompt_is_stored_once_per_completion_and_joined_back_on_every_read(
         raw = await s.redis.get(s._k("exp", "chatcmpl-p", "2"))
         assert "prompt_token_ids" not in raw and len(raw) < 600  # 500 ids would be ~2 KB more
         assert (await s.get_experience("chatcmpl-p", 2)).prompt_token_ids == list(range(500))
-        await s.ensure_group()
+        await s.ready.ensure_group()
         for i in range(4):
             await s.post_reward("chatcmpl-p", i, float(i))
-        got = await s.read_ready("t", 10, block_ms=10)
+        got = await s.ready.read_ready("t", 10, block_ms=10)
         assert len(got) == 4 and all(b.experience.prompt_token_ids == list(range(500)) for b in got)
         assert await s.redis.ttl(s._k("pr", "chatcmpl-p")) >= await s.redis.ttl(s._k("exp", "chatcmpl-p", "0"))
         await s.close()
@@ -381,14 +381,14 @@ def test_the_ready_stream_is_bounded_by_dropping_the_oldest_undelivered_entries(
         assert (c.ready, c.backlog_dropped) == (4, 2)
         assert [x.state for x in await s.choices("chatcmpl-r0")] == ["backlog-dropped"]
         assert [x.state for x in await s.choices("chatcmpl-r2")] == ["ready"]
-        await s.ensure_group()
-        held = await s.read_ready("t", 3, block_ms=10)  # a trainer holds three
+        await s.ready.ensure_group()
+        held = await s.ready.read_ready("t", 3, block_ms=10)  # a trainer holds three
         for k in range(6, 9):
             await s.log_experiences([experience(f"chatcmpl-r{k}", 0)])
             await s.post_reward(f"chatcmpl-r{k}", 0, 1.0)
         c = await s.counts()
         assert c.ready == 4 and c.backlog_dropped == 5
-        assert sorted(b.member for b in await s.delivered("t")) == sorted(b.member for b in held)  # never touched
+        assert sorted(b.member for b in await s.ready.delivered("t")) == sorted(b.member for b in held)  # never touched
         await s.close()
     run(go())
 
@@ -396,21 +396,21 @@ def test_the_ready_stream_is_bounded_by_dropping_the_oldest_undelivered_entries(
 def test_the_trainer_reads_the_freshest_first_or_the_oldest_and_never_an_entry_it_holds(store_factory):
     async def go():
         s = store_factory()
-        await s.ensure_group()
+        await s.ready.ensure_group()
         for k in range(8):
             await s.log_experiences([experience(f"chatcmpl-f{k}", 0)])
             await s.post_reward(f"chatcmpl-f{k}", 0, 1.0)
-        newest = await s.read_ready("t", 3, block_ms=10)
+        newest = await s.ready.read_ready("t", 3, block_ms=10)
         assert [b.experience.completion_id for b in newest] == ["chatcmpl-f7", "chatcmpl-f6", "chatcmpl-f5"]
-        oldest = await s.read_ready("t", 2, block_ms=10, newest_first=False)
+        oldest = await s.ready.read_ready("t", 2, block_ms=10, newest_first=False)
         assert [b.experience.completion_id for b in oldest] == ["chatcmpl-f0", "chatcmpl-f1"]
-        again = await s.read_ready("t", 10, block_ms=10)  # what is held is never delivered twice
+        again = await s.ready.read_ready("t", 10, block_ms=10)  # what is held is never delivered twice
         assert [b.experience.completion_id for b in again] == ["chatcmpl-f4", "chatcmpl-f3", "chatcmpl-f2"]
-        assert await s.read_ready("t", 10, block_ms=10) == []
+        assert await s.ready.read_ready("t", 10, block_ms=10) == []
         held = sorted(b.stream_id for b in newest + oldest + again)
-        assert sorted(b.stream_id for b in await s.delivered("t")) == held  # all pending, none lost
-        assert await s.ack(newest + oldest + again, version=1) == (8, 0)
-        assert await s.delivered("t") == [] and (await s.counts()).ready == 0
+        assert sorted(b.stream_id for b in await s.ready.delivered("t")) == held  # all pending, none lost
+        assert await s.ready.ack(newest + oldest + again, version=1) == (8, 0)
+        assert await s.ready.delivered("t") == [] and (await s.counts()).ready == 0
         await s.close()
     run(go())
 
@@ -418,10 +418,10 @@ def test_the_trainer_reads_the_freshest_first_or_the_oldest_and_never_an_entry_i
 def test_a_read_with_nothing_free_waits_for_a_new_entry(store_factory):
     async def go():
         s = store_factory()
-        await s.ensure_group()
+        await s.ready.ensure_group()
         await s.log_experiences([experience("chatcmpl-w0", 0)])
         await s.post_reward("chatcmpl-w0", 0, 1.0)
-        held = await s.read_ready("t", 10, block_ms=10)
+        held = await s.ready.read_ready("t", 10, block_ms=10)
         assert len(held) == 1
 
         async def later():
@@ -430,12 +430,12 @@ def test_a_read_with_nothing_free_waits_for_a_new_entry(store_factory):
             await s.post_reward("chatcmpl-w1", 0, 1.0)
         task = asyncio.create_task(later())
         t0 = asyncio.get_running_loop().time()
-        got = await s.read_ready("t", 10, block_ms=5000)
+        got = await s.ready.read_ready("t", 10, block_ms=5000)
         waited = asyncio.get_running_loop().time() - t0
         await task
         assert [b.experience.completion_id for b in got] == ["chatcmpl-w1"] and 0.2 < waited < 4.0
         t0 = asyncio.get_running_loop().time()
-        assert await s.read_ready("t", 10, block_ms=200) == []  # times out, nothing free
+        assert await s.ready.read_ready("t", 10, block_ms=200) == []  # times out, nothing free
         assert asyncio.get_running_loop().time() - t0 >= 0.15
         await s.close()
     run(go())
@@ -444,18 +444,18 @@ def test_a_read_with_nothing_free_waits_for_a_new_entry(store_factory):
 def test_waiting_experiences_past_the_staleness_threshold_are_dropped_before_they_are_read(store_factory):
     async def go():
         s = store_factory()
-        await s.ensure_group()
+        await s.ready.ensure_group()
         for k in range(6):  # choice k's oldest token came from policy version k
             await s.log_experiences([experience(f"chatcmpl-s{k}", 0, versions=((k, 0, 2), (k + 1, 2, 3)))])
             await s.post_reward(f"chatcmpl-s{k}", 0, 1.0)
-        held = await s.read_ready("t", 1, block_ms=10, newest_first=False)  # a trainer holds s0
+        held = await s.ready.read_ready("t", 1, block_ms=10, newest_first=False)  # a trainer holds s0
         assert held[0].experience.completion_id == "chatcmpl-s0"
-        assert await s.drop_stale(threshold=3, version=9) == 2  # s1, s2: s0 is held, s3.. are fresh
+        assert await s.ready.drop_stale(threshold=3, version=9) == 2  # s1, s2: s0 is held, s3.. are fresh
         assert [x.state for x in await s.choices("chatcmpl-s1")] == ["stale-dropped"]
         assert (await s.choices("chatcmpl-s2"))[0].trained_version == 9
         c = await s.counts()
         assert (c.stale_dropped, c.ready) == (2, 4)  # s0 (held) + s3..s5
-        assert await s.drop_stale(threshold=3, version=9) == 0
+        assert await s.ready.drop_stale(threshold=3, version=9) == 0
         await s.close()
     run(go())
 
@@ -473,7 +473,7 @@ def test_the_fields_a_completion_shares_are_stored_once_and_every_read_sees_them
         assert shared.count("u" * 512) == 1 and shared.count('"p00000"') == 1
         assert await s.redis.ttl(s._k("pr", "chatcmpl-s")) >= await s.redis.ttl(s._k("exp", "chatcmpl-s", "0"))
         assert [c.token_versions for c in await s.choices("chatcmpl-s")] == [[[0, 0, 1]]] * 4
-        await s.ensure_group()
+        await s.ready.ensure_group()
         for i in range(4):
             await s.post_reward("chatcmpl-s", i, float(i))
         # the ready entries keep the shared fields (P:rp:{cid}, without a TTL): the trainer reads
@@ -481,7 +481,7 @@ def test_the_fields_a_completion_shares_are_stored_once_and_every_read_sees_them
         # the trainer was away)
         for key in [s._k("pr", "chatcmpl-s")] + [s._k("exp", "chatcmpl-s", str(i)) for i in range(4)]:
             await s.redis.delete(key)
-        got = sorted(await s.read_ready("t", 10, block_ms=10), key=lambda b: b.experience.choice_index)
+        got = sorted(await s.ready.read_ready("t", 10, block_ms=10), key=lambda b: b.experience.choice_index)
         assert [b.experience for b in got] == exps and [b.reward for b in got] == [0.0, 1.0, 2.0, 3.0]
         await s.close()
     run(go())

@@ -119,24 +119,24 @@ def test_a_lost_read_never_hands_out_an_entry_the_trainer_holds(redis_server):
     still not delivered again, and the trainer's acknowledgement still retires them."""
     async def go():
         s = _store(redis_server.url)
-        await s.ensure_group()
+        await s.ready.ensure_group()
         for k in range(3):
             await s.log_experiences([experience(f"chatcmpl-{k}", 0)])
             await s.post_reward(f"chatcmpl-{k}", 0, float(k))
-        first = await s.read_ready("t", 2, block_ms=10)
+        first = await s.ready.read_ready("t", 2, block_ms=10)
         held = {e.stream_id for e in first}
         assert len(held) == 2
         ready = s._k("ready")
         await s.redis.xgroup_destroy(ready, "trainer")  # the group as it was before the read
         await s.redis.xgroup_create(ready, "trainer", id="0")
-        again = await s.read_ready("t", 10, block_ms=10, exclude=held)
+        again = await s.ready.read_ready("t", 10, block_ms=10, exclude=held)
         assert [e.stream_id for e in again] not in ([], None)
         assert not {e.stream_id for e in again} & held
         assert len(again) == 1
-        assert await s.read_ready("t", 10, block_ms=10, exclude=held | {again[0].stream_id}) == []
-        assert await s.ack(first, version=1) == (2, 0)  # not in the pending list, acknowledged all the same
-        assert await s.ack(first, version=1) == (0, 0)  # and only once
-        assert await s.ack(again, version=1) == (1, 0)
+        assert await s.ready.read_ready("t", 10, block_ms=10, exclude=held | {again[0].stream_id}) == []
+        assert await s.ready.ack(first, version=1) == (2, 0)  # not in the pending list, acknowledged all the same
+        assert await s.ready.ack(first, version=1) == (0, 0)  # and only once
+        assert await s.ready.ack(again, version=1) == (1, 0)
         c = await s.counts()
         assert (c.ready, c.trained) == (0, 3)
         await s.close()
@@ -146,15 +146,15 @@ def test_a_lost_read_never_hands_out_an_entry_the_trainer_holds(redis_server):
 def test_a_lost_read_never_lets_drop_stale_take_an_entry_the_trainer_holds(redis_server):
     async def go():
         s = _store(redis_server.url)
-        await s.ensure_group()
+        await s.ready.ensure_group()
         for k in range(2):
             await s.log_experiences([experience(f"chatcmpl-s{k}", 0, versions=((1, 0, 3),))])
             await s.post_reward(f"chatcmpl-s{k}", 0, 0.0)
-        held = {e.stream_id for e in await s.read_ready("t", 1, block_ms=10)}
+        held = {e.stream_id for e in await s.ready.read_ready("t", 1, block_ms=10)}
         ready = s._k("ready")
         await s.redis.xgroup_destroy(ready, "trainer")
         await s.redis.xgroup_create(ready, "trainer", id="0")
-        assert await s.drop_stale(threshold=5, version=7, exclude=held) == 1  # only the one not held
+        assert await s.ready.drop_stale(threshold=5, version=7, exclude=held) == 1  # only the one not held
         assert [e[0] for e in await s.redis.xrange(ready)] == sorted(held)
         await s.close()
     run(go())
@@ -221,12 +221,12 @@ def test_an_ack_with_a_malformed_id_or_member_retires_the_rest_and_counts_them(r
     it would be acknowledged and deleted but never counted)."""
     async def go():
         s = _store(redis_server.url)
-        await s.ensure_group()
+        await s.ready.ensure_group()
         for k in range(2):
             await s.log_experiences([experience(f"chatcmpl-m{k}", 0)])
             await s.post_reward(f"chatcmpl-m{k}", 0, 1.0)
-        got = sorted(await s.read_ready("t", 2, block_ms=10), key=lambda e: e.stream_id)
-        assert await s.ack_entries([(got[0].stream_id, got[0].member, 3), ("not-an-id", "x:0", 3),
+        got = sorted(await s.ready.read_ready("t", 2, block_ms=10), key=lambda e: e.stream_id)
+        assert await s.ready.ack_entries([(got[0].stream_id, got[0].member, 3), ("not-an-id", "x:0", 3),
                                     (got[1].stream_id, "no-separator", 3)]) == (2, 0)
         c = await s.counts()
         assert (c.ready, c.trained) == (0, 2)

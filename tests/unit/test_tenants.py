@@ -81,7 +81,7 @@ def test_another_tenant_cannot_fix_the_size_of_a_group_with_the_same_id(run):
     """Mallory logs first into group "g" with size 1; alice's group "g" of size 2 is still hers:
     released together when both her answers are rewarded, as one group for the trainer."""
     async def go(store):
-        await store.ensure_group()
+        await store.ready.ensure_group()
         await _log(store, "mallory", "chatcmpl-m", group_id="g", group_size=1)
         await _log(store, "alice", "chatcmpl-a1", group_id="g", group_size=2)
         await _log(store, "alice", "chatcmpl-a2", group_id="g", group_size=2)
@@ -90,7 +90,7 @@ def test_another_tenant_cannot_fix_the_size_of_a_group_with_the_same_id(run):
         await _post(store, {"completion_id": "chatcmpl-a1", "reward": 1.0}, ALICE)
         assert (await store.counts()).ready == 0  # held for its second member, not a singleton
         await _post(store, {"completion_id": "chatcmpl-a2", "reward": 0.0}, ALICE)
-        entries = await store.read_ready("t0", 10, block_ms=10)
+        entries = await store.ready.read_ready("t0", 10, block_ms=10)
         assert sorted(e.experience.completion_id for e in entries) == ["chatcmpl-a1", "chatcmpl-a2"]
         assert {e.experience.group_id for e in entries} == {"t:alice/g"}
         shown = await rewards_api.describe_completion(store, "chatcmpl-a1", ALICE)

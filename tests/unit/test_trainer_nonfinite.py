@@ -178,19 +178,19 @@ def test_a_skipped_step_dead_letters_its_batch_with_why_counted(redis_server):
         store = ExperienceStore(redis_server.url, prefix=f"t{uuid.uuid4().hex[:8]}")
         exp = _single("chatcmpl-huge", 1.0).experience
         await store.log_experiences([exp])
-        await store.ensure_group()
+        await store.ready.ensure_group()
         await store.post_reward("chatcmpl-huge", 0, 1.0)  # the store's own range is not under test
-        batch = await store.read_ready("trainer", 10, block_ms=10)
+        batch = await store.ready.read_ready("trainer", 10, block_ms=10)
         assert len(batch) == 1
-        actor = types.SimpleNamespace(feed=ExperienceFeed(Config().trainer, store, None), skipped_steps=0,
+        actor = types.SimpleNamespace(feed=ExperienceFeed(Config().trainer, store.ready, None), skipped_steps=0,
                                       last_skipped=None, metrics=_Metrics())
         skipped = Trainer.__ray_metadata__.modified_class._skipped
         await skipped(actor, batch, {"skipped": "non-finite advantage (1 of 1)"})
         assert actor.skipped_steps == 1 and actor.metrics.skips == 1 and actor.feed.dead_lettered == 1
         assert actor.last_skipped["reason"] == "non-finite advantage (1 of 1)"
-        dead = await store.dead_letters()
+        dead = await store.ready.dead_letters()
         assert dead[0]["member"] == "chatcmpl-huge:0" and dead[0]["reason"].startswith("step skipped: non-finite")
-        assert await store.delivered("trainer") == []  # acknowledged: never redelivered
+        assert await store.ready.delivered("trainer") == []  # acknowledged: never redelivered
         await store.close()
     asyncio.run(go())
 

@@ -99,7 +99,7 @@ async def bench_model(name: str, model_dir: Path, work: Path, bucket_bytes: int)
     n_params = sum(p.numel() for p in model.parameters())
     ecfg = ExplorerConfig(max_model_len=256, max_num_seqs=8)
     engines = [await ExplorerEngine.create(str(model_dir), ecfg) for _ in range(2)]
-    for e in engines:  # an engine's first prompt-logprobs request takes ~2 s more (measured): not a load's
+    for e in engines:  # an engine's first prompt-logprobs request is slower, once: not a load's cost
         await e.probe_logprobs(probe_ids(model.config.vocab_size, 0))
     mem_bw = memcpy_gbps()
     rows = []

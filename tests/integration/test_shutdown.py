@@ -5,7 +5,7 @@ Every process of the run carries a marker in its environment (inherited from the
 test starts: Ray's GCS, raylet and workers, the vLLM engines, HAProxy), and every one is a
 descendant of the command while it runs (redis-server too, whose process title overwrites its
 environment). After the stop: the command exited with 0 within ``service.shutdown_grace_s``
-(25 s) + the keeper's SIGTERM-then-SIGKILL of leftovers (3 s); no marked process is left; the
+(`GRACE_S`) + the keeper's SIGTERM-then-SIGKILL of leftovers (3 s); no marked process is left; the
 service, redis and metrics ports no longer accept connections.
 
 Where each case is covered. The keeper (serve_rft.service.keeper) turns every stop signal into
@@ -43,11 +43,13 @@ import httpx
 import psutil
 import pytest
 
+from serve_rft.config import ServiceConfig
 from tests.support.load import get_status
 from tests.support.stack import kill_all, launch, stack_command
 
 pytestmark = pytest.mark.integration
-STOP_BOUND_S = 25 + 3 + 2  # grace, the keeper's SIGTERM wait, slack for reaping
+GRACE_S = ServiceConfig().shutdown_grace_s  # the default the test stacks run with
+STOP_BOUND_S = GRACE_S + 3 + 2  # grace, the keeper's SIGTERM wait, slack for reaping
 
 
 def _marked(mark: str) -> list[psutil.Process]:
@@ -201,7 +203,7 @@ def _kill_leader(cmd: list[str], proc: subprocess.Popen, info: dict, mark: str, 
                 os.kill(service.pid, signal.SIGKILL)
             t0 = time.monotonic()
             proc.wait(timeout=10)
-            bound = (25 + 3 + 5) if victims == "keeper" else (3 + 7)  # grace (service alive), TERM wait, slack
+            bound = (GRACE_S + 3 + 5) if victims == "keeper" else (3 + 7)  # grace (service alive), TERM wait, slack
             while time.monotonic() - t0 < bound + 30:
                 left = {p.pid: p for p in _marked(mark)} | {pid: p for pid, p in tree.items() if _alive(p)}
                 if not left:

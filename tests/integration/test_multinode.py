@@ -53,6 +53,8 @@ pytestmark = pytest.mark.integration
 
 ROOT = Path(__file__).resolve().parents[2]
 ROLE = "serve-rft.io/role"
+SERVE_ONLY = ("initial_replicas", "look_back_period_s")
+"""Keys of Serve's ``autoscaling_config`` that serve_rft's ``explorer.autoscaling`` does not repeat."""
 
 
 def _code_zip(dest: Path) -> Path:
@@ -95,7 +97,7 @@ def _serve_config(path: Path, port: int, code_uri: str, overrides: list[str],
     if autoscaling:
         assert "autoscaling_config" in explorer and "num_replicas" not in explorer
         explorer["autoscaling_config"] = dict(autoscaling)
-        flow = ", ".join(f"{k}: {v}" for k, v in autoscaling.items() if k != "initial_replicas")  # Serve's only
+        flow = ", ".join(f"{k}: {v}" for k, v in autoscaling.items() if k not in SERVE_ONLY)
         app["args"]["overrides"] = [*app["args"]["overrides"], f"explorer.autoscaling={{{flow}}}"]
     path.write_text(yaml.safe_dump(cfg))
     return path
@@ -129,6 +131,15 @@ class Deployment:
                              env=self.cluster.env, capture_output=True, text=True, timeout=120, check=False)
         assert out.returncode == 0, out.stdout + out.stderr
 
+    def shut_down(self) -> None:
+        """``serve shutdown``: Serve stops the application gracefully (each replica drains and
+        stops its engine), as an operator would before stopping the nodes. Stopping the nodes
+        with the replicas still running took Ray 30 s per node."""
+        serve = str(Path(sys.executable).parent / "serve")
+        out = subprocess.run([serve, "shutdown", "-y", "--address", self.cluster.dashboard_url],
+                             env=self.cluster.env, capture_output=True, text=True, timeout=120, check=False)
+        assert out.returncode == 0, out.stdout + out.stderr
+
     def update_autoscaling(self, **changes) -> None:
         """Redeploy with ``changes`` to the explorer's ``autoscaling_config`` only: a lightweight
         config update that keeps the running replicas (Ray Serve, "Updating Applications In-Place",
@@ -148,6 +159,7 @@ def deployed(tmp_path: Path, redis_url: str, model: Path, sync_method: str, expl
     two replicas serve. Ends every node by its process id."""
     from serve_rft.buffer.redis_server import free_port
 
+    t_start = time.monotonic()
     cluster = RayCluster(tmp_path)
     files, server = tmp_path / "files", None
     files.mkdir()
@@ -166,17 +178,27 @@ def deployed(tmp_path: Path, redis_url: str, model: Path, sync_method: str, expl
             "trainer.min_batch_size=4", "trainer.batch_size=16", "trainer.batch_wait_s=0.5",
             "trainer.max_batch_wait_s=10", "synchronizer.max_version_lag_s=10"], autoscaling)
         deployment = Deployment(cluster, url, config)
+        t_deploy = time.monotonic()
         deployment.deploy()
+        print(f"nodes up and code zipped in {t_deploy - t_start:.1f} s; serve deploy took "
+              f"{time.monotonic() - t_deploy:.1f} s", flush=True)
 
         def healthy():
             return httpx.get(f"{url}/health", timeout=10).status_code == 200 and len(live_replicas(_status(url))) >= 2
         wait_for(healthy, 600, lambda: "the deployed service to be healthy with two replicas\n"
                  + "\n".join(f"--- {n.name}\n{n.log_tail(1500)}" for n in cluster.nodes))
         yield deployment
+        t_stop = time.monotonic()
+        deployment.shut_down()
+        print(f"serve shutdown took {time.monotonic() - t_stop:.1f} s", flush=True)
     finally:
         if server is not None:
             server.shutdown()
-        cluster.stop(keep_logs=tmp_path / "serve-logs")
+        t_stop = time.monotonic()
+        # with the trainer's actor alive (Serve's shutdown leaves it) the head took Ray 30 s to
+        # stop; a test's nodes get 10 s, then their processes are killed by pid
+        cluster.stop(keep_logs=tmp_path / "serve-logs", timeout_s=10)
+        print(f"the cluster stopped in {time.monotonic() - t_stop:.1f} s", flush=True)
 
 
 def _placed(cluster: RayCluster, url: str) -> dict:
@@ -243,12 +265,14 @@ def test_serve_deploy_autoscaling_adds_and_removes_replicas_while_checkpoint_ver
     user left, Serve removes a replica, which leaves the rollout, while versions keep rolling onto
     the two left. No request fails; every reward answered 2xx is kept, none trained twice.
 
-    The first downscale delay is longer than a replica's start (about 45 s here): with 20 s Serve
+    Serve averages each replica's requests in flight over ``look_back_period_s``: 10 s instead
+    of Serve's 30 s, so the ramp is seen sooner (the third replica came 103 s into the ramp with
+    30 s). The first downscale delay is longer than a replica's start (about 45 s here): with 20 s Serve
     took the new replica away again while it was still starting (a starting replica slows the
     running ones' metric reports on two cores). The explorer replicas share one node, so no
     node's proxy is left without replicas and drained (docs/operations/autoscaling.md)."""
     scaling = {"min_replicas": 2, "max_replicas": 3, "initial_replicas": 2, "target_ongoing_requests": 1.0,
-               "upscale_delay_s": 2.0, "downscale_delay_s": 120.0}
+               "upscale_delay_s": 2.0, "downscale_delay_s": 120.0, "look_back_period_s": 10.0}
     with deployed(tmp_path, redis_server.url, embedded_model, "checkpoint", (3,), scaling) as d:
         url = d.url
         head, b = d.cluster.nodes

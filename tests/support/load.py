@@ -6,8 +6,10 @@ accepted reward was kept and none trained twice."""
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -145,14 +147,20 @@ def live_replicas(status: dict) -> list[dict]:
 def wait_for(pred, timeout_s: float, what: str, period_s: float = 0.5):
     """``pred()``'s first truthy value, polled every ``period_s`` s for up to ``timeout_s`` s (an
     ``httpx.HTTPError`` counts as not yet). Fails the test naming ``what`` (a string, or a
-    callable giving one) when the time runs out."""
-    deadline = time.monotonic() + timeout_s
+    callable giving one) when the time runs out. A wait over 5 s is printed with its seconds and
+    the caller's line (pytest shows it with ``-s`` or on failure: where a test's time goes)."""
+    t0 = time.monotonic()
+    deadline = t0 + timeout_s
     while time.monotonic() < deadline:
         try:
             got = pred()
         except httpx.HTTPError:
             got = None
         if got:
+            if (waited := time.monotonic() - t0) > 5:
+                caller = sys._getframe(1)
+                label = what if isinstance(what, str) else f"{Path(caller.f_code.co_filename).name}:{caller.f_lineno}"
+                print(f"waited {waited:.1f} s for {label}", flush=True)
             return got
         time.sleep(period_s)
     pytest.fail(f"timed out after {timeout_s} s waiting for {what() if callable(what) else what}")

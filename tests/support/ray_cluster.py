@@ -162,14 +162,17 @@ class RayCluster:
             time.sleep(0.5)
         return node
 
-    def stop(self, keep_logs: Path | None = None) -> None:
-        """Workers first (all asked at once, as machines going down together), the head last;
-        then the session folder goes (its Serve logs copied to ``keep_logs`` first, when given)."""
+    def stop(self, keep_logs: Path | None = None, timeout_s: float = 60) -> None:
+        """Workers first (all asked at once, as machines going down together), the head last,
+        each given ``timeout_s`` seconds before its processes are killed (`RayNode.stop`); then
+        the session folder goes (its Serve logs copied to ``keep_logs`` first, when given)."""
         workers = self.nodes[1:]
         for node in workers:
             node.ask_to_stop()
         for node in [*reversed(workers), *self.nodes[:1]]:
-            node.stop()
+            t0 = time.monotonic()
+            node.stop(timeout_s)
+            print(f"node {node.name} stopped in {time.monotonic() - t0:.1f} s", flush=True)
         if keep_logs is not None:
             for serve_logs in Path(self.temp_dir).glob("session_*/logs/serve"):
                 shutil.copytree(serve_logs, keep_logs, dirs_exist_ok=True)

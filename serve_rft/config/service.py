@@ -125,7 +125,7 @@ class ServiceConfig(StrictSection):
     ray_address: str | None = Field(None, description="Existing Ray cluster. None: start one.")
     ray_num_cpus: int = Field(8, ge=1, description="Logical CPUs of a locally started Ray.")
     shutdown_grace_s: float = Field(
-        60.0, gt=0, description="After SIGINT / SIGTERM / SIGHUP, how long the service gets to stop "
+        60.0, gt=0, le=3600, description="After SIGINT / SIGTERM / SIGHUP, how long the service gets to stop "
         "(Serve drains, redis-server flushes) before the keeper of `serve-rft up` / `demo` ends its "
         "processes with SIGKILL; a second signal ends them at once, s (serve_rft/service/keeper.py). "
         "Above a replica's graceful_shutdown_timeout_s (30 s, serve_rft/service/app.py), so requests "

@@ -18,6 +18,7 @@ Modes (the Trinity-RFT technical report (Pan et al., 2025) §2.1: online / train
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -208,17 +209,14 @@ class ServiceStack:
                 self.redis = None
 
 
-class _timed:
+@contextlib.contextmanager
+def _timed(what: str):
     """Log (INFO) how many seconds the block that stops ``what`` took."""
-
-    def __init__(self, what: str):
-        self.what = what
-
-    def __enter__(self) -> None:
-        self.t0 = time.monotonic()
-
-    def __exit__(self, *exc) -> None:
-        log.info("stopped %s in %.1f s", self.what, time.monotonic() - self.t0)
+    t0 = time.monotonic()
+    try:
+        yield
+    finally:
+        log.info("stopped %s in %.1f s", what, time.monotonic() - t0)
 
 
 def check_mode(cfg: Config, mode: str) -> None:

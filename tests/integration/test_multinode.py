@@ -124,21 +124,22 @@ class Deployment:
     url: str
     config: Path
 
-    def deploy(self) -> None:
-        """``serve deploy`` of ``config`` (as it is now) onto the cluster."""
+    def _serve(self, *args: str) -> None:
+        """Run Ray Serve's CLI (``serve ARGS --address <the head's dashboard>``); asserts exit 0."""
         serve = str(Path(sys.executable).parent / "serve")
-        out = subprocess.run([serve, "deploy", str(self.config), "--address", self.cluster.dashboard_url],
+        out = subprocess.run([serve, *args, "--address", self.cluster.dashboard_url],
                              env=self.cluster.env, capture_output=True, text=True, timeout=120, check=False)
         assert out.returncode == 0, out.stdout + out.stderr
+
+    def deploy(self) -> None:
+        """``serve deploy`` of ``config`` (as it is now) onto the cluster."""
+        self._serve("deploy", str(self.config))
 
     def shut_down(self) -> None:
         """``serve shutdown``: Serve stops the application gracefully (each replica drains and
         stops its engine), as an operator would before stopping the nodes. Stopping the nodes
         with the replicas still running took Ray 30 s per node."""
-        serve = str(Path(sys.executable).parent / "serve")
-        out = subprocess.run([serve, "shutdown", "-y", "--address", self.cluster.dashboard_url],
-                             env=self.cluster.env, capture_output=True, text=True, timeout=120, check=False)
-        assert out.returncode == 0, out.stdout + out.stderr
+        self._serve("shutdown", "-y")
 
     def update_autoscaling(self, **changes) -> None:
         """Redeploy with ``changes`` to the explorer's ``autoscaling_config`` only: a lightweight

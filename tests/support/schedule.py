@@ -20,7 +20,7 @@ SCHEDULE = ("test_multinode", "test_stack", "test_shutdown", "test_stack_keep", 
 """The modules in the order they are handed out (``"unit"``: every unit-test module): the longest
 shared ones first, then the exclusive ones, which run one test at a time with the machine to
 themselves. The unit tests hold no lock: they are handed out right after the first exclusive
-module, so the worker that is not running it runs them (181 s) instead of idling while the
+module, so the worker that is not running it runs them instead of idling while the
 exclusive tests run in turn (a suite's timeline: ``SERVE_RFT_TEST_TIMELINE``, tests/conftest.py).
 A module not named here runs after the named shared ones."""
 

@@ -24,17 +24,20 @@ from collections import defaultdict
 import psutil
 
 KINDS = (  # (kind, substrings of "name cmdline", the first match wins)
-    ("vllm-engine", ("EngineCore", "VLLM::", "vllm.v1")),
+    ("vllm-engine", ("EngineCore", "VLLM::", "vllm.v1", "multiprocessing.spawn")),
     ("serve-replica", ("ServeReplica",)),
     ("serve-controller", ("ServeController",)),
-    ("serve-proxy", ("ProxyActor", "haproxy")),
+    ("serve-proxy", ("ProxyActor", "haproxy", "HAProxyManager")),
     ("trainer", ("Trainer", "TrainRank")),
     ("synchronizer", ("Synchronizer",)),
     ("ray-daemons", ("raylet", "gcs_server", "dashboard", "log_monitor", "runtime_env", "monitor.py",
-                     "ray::IDLE", "default_worker")),
+                     "ray::IDLE", "default_worker", "DashboardAgent", "RuntimeEnvAgent",
+                     "ray.util.client")),
     ("redis-server", ("redis-server",)),
     ("pytest", ("pytest", "xdist")),
     ("serve-rft-cli", ("serve_rft.cli", "serve-rft")),
+    ("kernel", ("kdamond", "rcu_", "ksoftirqd", "kswapd", "kworker", "kcompactd", "migration/")),
+    ("sandbox", ("process_api", "binary_backend")),
 )
 CLK = os.sysconf("SC_CLK_TCK")
 
@@ -51,25 +54,31 @@ def _total_jiffies() -> int:
     return sum(v) - v[3] - v[4]  # busy: all but idle and iowait
 
 
+def _processes() -> dict[tuple[int, float], tuple[str, float]]:
+    """(pid, create time) -> (kind, CPU-seconds so far) of every running process (its kind as
+    of now: Ray's workers retitle themselves once they hold an actor)."""
+    out = {}
+    for p in psutil.process_iter():
+        try:
+            with p.oneshot():
+                key = (p.pid, p.create_time())
+                t = p.cpu_times()
+                out[key] = (kind_of(p), t.user + t.system)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return out
+
+
 def sample(path: str, period_s: float) -> None:
     """Append a line to ``path`` every ``period_s`` seconds, forever."""
-    seen: dict[tuple[int, float], tuple[str, float]] = {}  # (pid, create time) -> (kind, cpu s)
+    seen = _processes()  # the processes running before the first period: their CPU so far is not counted
     last_total = _total_jiffies()
     with open(path, "a") as out:
         while True:
             time.sleep(period_s)
             kinds: dict[str, float] = defaultdict(float)
-            now: dict[tuple[int, float], tuple[str, float]] = {}
-            for p in psutil.process_iter():
-                try:
-                    with p.oneshot():
-                        key = (p.pid, p.create_time())
-                        t = p.cpu_times()
-                        kind = seen[key][0] if key in seen else kind_of(p)
-                except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-                    continue
-                cpu = t.user + t.system
-                now[key] = (kind, cpu)
+            now = _processes()
+            for key, (kind, cpu) in now.items():
                 kinds[kind] += cpu - seen.get(key, (kind, 0.0))[1]
             seen = now
             total = _total_jiffies()

@@ -197,8 +197,9 @@ def deployed(tmp_path: Path, redis_url: str, model: Path, sync_method: str, expl
             server.shutdown()
         t_stop = time.monotonic()
         # with the trainer's actor alive (Serve's shutdown leaves it) the head took Ray 30 s to
-        # stop; a test's nodes get 10 s, then their processes are killed by pid
-        cluster.stop(keep_logs=tmp_path / "serve-logs", timeout_s=10)
+        # stop, a node with replicas 10 s or more; the test is over by then and its nodes are
+        # throwaway: each gets 3 s, then its processes are killed by pid
+        cluster.stop(keep_logs=tmp_path / "serve-logs", timeout_s=3)
         print(f"the cluster stopped in {time.monotonic() - t_stop:.1f} s", flush=True)
 
 

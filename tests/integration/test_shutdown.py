@@ -250,7 +250,7 @@ def _start_again(cmd: list[str], log: Path, kept: Load) -> tuple[subprocess.Pope
 def test_kill_9_of_the_leader_leaves_nothing_the_run_dir_starts_again_and_a_group_stop_ends_it(
         embedded_model, tmp_path):
     """SIGKILL runs no handler: the keeper's reaper (serve_rft.service.reaper) ends the run. One
-    run dir, three runs in turn, each under load with rewards:
+    run dir, three runs in turn (one replica, one, two), each under load with rewards:
 
     1. the keeper killed alone: its service process stops on the SIGTERM the kernel sends it
        (bounded by the grace);
@@ -265,11 +265,16 @@ def test_kill_9_of_the_leader_leaves_nothing_the_run_dir_starts_again_and_a_grou
 
     SIGINT to the leader (Ctrl-C's signal) ends every stack module's run (tests/support/stack.py
     asserts its exit 0); the rest of the signal x target matrix: tests/unit/test_keeper.py."""
-    cmd = stack_command("", tmp_path / "run", "leader", ["trainer.min_batch_size=4"])
+    def up(replicas: int) -> list[str]:
+        return stack_command("", tmp_path / "run", "leader",
+                             ["trainer.min_batch_size=4", f"explorer.num_replicas={replicas}"])
+    # runs 1 and 2 with one replica (their kills end the same kinds of process: Ray's, a vLLM
+    # engine's three, HAProxy, redis-server; two starts bring up one engine less each), run 3
+    # with two: one killed -9, the other serving the load while the group stops
     mark = uuid.uuid4().hex
-    proc, _, info = launch(cmd, tmp_path / "up.log", env={"SERVE_RFT_TEST_RUN": mark})
-    kept = _kill_leader(cmd, proc, info, mark, "keeper")
-    proc, _, info, mark = _start_again(cmd, tmp_path / "up2.log", kept)
-    kept = _kill_leader(cmd, proc, info, mark, "keeper-and-service")
-    proc, lines, info, mark = _start_again(cmd, tmp_path / "up3.log", kept)
+    proc, _, info = launch(up(1), tmp_path / "up.log", env={"SERVE_RFT_TEST_RUN": mark})
+    kept = _kill_leader(up(1), proc, info, mark, "keeper")
+    proc, _, info, mark = _start_again(up(1), tmp_path / "up2.log", kept)
+    kept = _kill_leader(up(1), proc, info, mark, "keeper-and-service")
+    proc, lines, info, mark = _start_again(up(2), tmp_path / "up3.log", kept)
     _stop_under_load(proc, lines, info, mark, signal.SIGTERM, to_group=True, kill_replica=True)

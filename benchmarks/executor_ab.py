@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import statistics
 import sys
 import tempfile
@@ -32,7 +31,7 @@ import psutil
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tests.support.load import Users, get_status  # noqa: E402
-from tests.support.stack import kill_all, launch, stack_command  # noqa: E402
+from tests.support.stack import launch, stack_command, stop  # noqa: E402
 
 VARIANTS = {"uni": "0", "mp": "1"}
 """Variant -> ``VLLM_ENABLE_V1_MULTIPROCESSING``."""
@@ -70,12 +69,8 @@ def run_one(variant: str, model: str, duration_s: float, users: int) -> dict:
                "chat_p50_s": round(statistics.median(c["end"] - c["t"] for c in ok), 3) if ok else None,
                "versions_published": v1 - v0, "stack_cpu_s": round(cpu1 - cpu0, 1), "load_s": round(t1 - t0, 1)}
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=120)
-        except Exception:
-            kill_all(proc)
-    out["stop_exit"] = proc.returncode
+        exit_code = stop(proc)
+    out["stop_exit"] = exit_code
     return out
 
 

@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from tests.support.load import Users, haproxy_on  # noqa: E402
-from tests.support.stack import kill_all, launch, stack_command  # noqa: E402
+from tests.support.stack import launch, stack_command, stop  # noqa: E402
 
 
 def _kind(chat: dict) -> str:
@@ -100,11 +100,7 @@ def run(env: dict[str, str], warm_s: float, wait_s: float, users: int) -> dict:
                 "reward_posts_answered_before_kill": before, "reward_retries": len(load.reward_errors),
                 "rewards_accepted": len(accepted), "rewards_kept": kept}
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=60)
-        except Exception:
-            kill_all(proc)
+        stop(proc, timeout_s=60)
 
 
 def main() -> None:

@@ -3,7 +3,8 @@ JSON line ``{"t": UNIX_TIME, "total": S, "kinds": {KIND: S, ...}}`` to FILE, unt
 CPU-seconds, user + system, used in the period: by every process still running at its end
 (``/proc/PID/stat``), and in all (``/proc/stat``); a process that started and ended within one
 period is only in ``total``). With ``--summary`` read FILE instead and print each kind's
-CPU-seconds from ``--since`` to ``--until`` (UNIX times; default: all), largest first.
+CPU-seconds from ``--since`` to ``--until`` (UNIX times; default: all), largest first, and the
+share of the cores' time that was busy.
 
     python3 scripts/cpu_by_kind.py /tmp/kinds.jsonl &         # beside `bash .ci/run`
     python3 scripts/cpu_by_kind.py /tmp/kinds.jsonl --summary --since 1795706078
@@ -82,25 +83,34 @@ def sample(path: str, period_s: float) -> None:
                 kinds[kind] += cpu - seen.get(key, (kind, 0.0))[1]
             seen = now
             total = _total_jiffies()
-            out.write(json.dumps({"t": round(time.time()), "total": round((total - last_total) / CLK, 2),
+            out.write(json.dumps({"t": round(time.time()), "cpus": os.cpu_count(),
+                                  "total": round((total - last_total) / CLK, 2),
                                   "kinds": {k: round(v, 2) for k, v in kinds.items()}}) + "\n")
             out.flush()
             last_total = total
 
 
 def summary(path: str, since: float = 0.0, until: float = float("inf")) -> str:
-    """Each kind's CPU-seconds (and share of the total) in the samples from ``since`` to ``until``."""
+    """Each kind's CPU-seconds (and share of the total) in the samples from ``since`` to
+    ``until``, and how busy the cores were: the total over the samples' periods (from each
+    sample's time to the one before it) times the cores (``os.cpu_count()`` where a line has no
+    ``cpus``)."""
     kinds: dict[str, float] = defaultdict(float)
-    total = 0.0
+    total = capacity = 0.0
+    last_t = None
     for line in open(path):
         s = json.loads(line)
         if since <= s["t"] <= until:
             total += s["total"]
+            if last_t is not None:
+                capacity += (s["t"] - last_t) * s.get("cpus", os.cpu_count())
             for k, v in s["kinds"].items():
                 kinds[k] += v
+        last_t = s["t"]
     rows = [f"{k:18} {v:8.0f} s  {v / max(total, 1e-9):5.1%}" for k, v in sorted(kinds.items(), key=lambda x: -x[1])]
     rows.append(f"{'unattributed':18} {total - sum(kinds.values()):8.0f} s")
-    return "\n".join([f"{'all processes':18} {total:8.0f} s", *rows])
+    busy = f"cores busy {total / capacity:.0%} of the period" if capacity else "cores busy: one sample only"
+    return "\n".join([f"{'all processes':18} {total:8.0f} s  ({busy})", *rows])
 
 
 if __name__ == "__main__":

@@ -111,6 +111,17 @@ def kill_all(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
+def stop(proc: subprocess.Popen, timeout_s: float = 120) -> int:
+    """End the `serve-rft up` keeper ``proc`` as Ctrl-C does: SIGINT, then wait up to
+    ``timeout_s`` seconds; past that, `kill_all`. Returns its exit code."""
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        kill_all(proc)
+    return proc.returncode
+
+
 def store_url(info: dict, redis_url: str, run_dir: Path) -> str:
     """The URL tests open the stack's store with: the caller's ``redis_url``, or the embedded
     redis-server's from the JSON line (``info``, printed without its password) with the password
@@ -134,12 +145,7 @@ def start_stack(redis_url: str, model_path: Path, run_dir: Path, overrides: list
                 model_path=model_path, run_dir=run_dir, proc=proc, startup_seconds=info["startup_seconds"],
                 ray_address=info["ray_address"], metrics_url=info.get("metrics_url", ""),
                 redis_pid=info.get("redis_pid"))
-    proc.send_signal(signal.SIGINT)
-    try:
-        proc.wait(timeout=120)
-    except subprocess.TimeoutExpired:
-        kill_all(proc)
-    assert proc.returncode == 0, "".join(lines[-80:])
+    assert stop(proc) == 0, "".join(lines[-80:])
 
 
 def stack_fixture(run_name: str, overrides: list[str], args: tuple[str, ...] = (), doc: str = ""):

@@ -9,9 +9,9 @@ the same load, and the cost of the behaviour logprobs our replica asks vLLM for.
 2. One `AsyncLLM` in this process, no HTTP: output tokens/s with ``logprobs=0`` (what every
    serve_rft request computes) and without.
 3. With ``--py-spy`` (needs ``.venv/bin/pip install py-spy``; not a project dependency): a
-   py-spy profile of the Serve replica during serve_rft's load run, as shares of its busy
-   samples (idle waits left out) whose stack passes through serve_rft's code, through vLLM's
-   output processing, through Starlette, and the rest (Ray Serve's machinery, asyncio).
+   py-spy profile of the Serve replica during serve_rft's load run (``--gil``: only the thread
+   holding the GIL is sampled, so the shares are of its Python CPU, not of waits), each sample
+   owned by the innermost frame of a package that names its cost (`OWNERS`).
 
     .venv/bin/python benchmarks/gap_profile.py [--concurrency 16] [--duration 20] [--py-spy]
 """
@@ -64,29 +64,37 @@ def _cpu(root: psutil.Process) -> dict[int, tuple[str, float]]:
     return out
 
 
-IDLE_LEAVES = ("select", "wait", "poll", "recv", "sleep", "_worker", "Thread.run", "main_loop",
-               "_run_user_code_event_loop", "acquire")
-PROFILE_GROUPS = (("serve_rft", "serve_rft/"), ("vllm output processing", "vllm/v1/engine/"),
-                  ("starlette", "starlette/"))
+# Who owns a sample: the innermost frame from one of these packages (path fragment -> owner).
+# Frames of generic libraries (asyncio, pydantic, json, msgpack, zmq, logging, threading) are
+# passed over, so their time counts for the code that called them.
+OWNERS = (("ray/util/metrics", "Ray metrics API (Metric._record)"),
+          ("vllm/v1/metrics/", "vLLM engine metrics (stat loggers)"),
+          ("serve_rft/", "serve_rft (routes, engine tap, experience log)"),
+          ("vllm/v1/engine/", "vLLM output processing (detokenize, logprobs)"),
+          ("vllm/tokenizers/", "vLLM output processing (detokenize, logprobs)"),
+          ("transformers/", "vLLM output processing (detokenize, logprobs)"),
+          ("vllm/", "vLLM OpenAI serving classes (render, parse, chunks)"),
+          ("uvicorn/", "uvicorn (HTTP parsing and socket writes)"),
+          ("ray/serve/", "Ray Serve (direct ingress: ASGI messages between its two event loops)"),
+          ("starlette/", "Starlette / FastAPI"), ("fastapi/", "Starlette / FastAPI"))
+OTHER = "asyncio and other"
 
 
 def pyspy_shares(raw_path: Path) -> dict:
-    """Shares of busy samples in a py-spy ``--format raw`` file by `PROFILE_GROUPS` (first
-    match in a stack wins), the rest as ``ray serve and other``."""
+    """Shares of the samples in a py-spy ``record --gil --format raw`` file (only the thread
+    holding the GIL is sampled: Python CPU, not waits) by owner (`OWNERS`: the innermost frame
+    that names one), the rest as `OTHER`."""
     counts: dict[str, int] = defaultdict(int)
-    busy = 0
+    total = 0
     for line in raw_path.read_text().splitlines():
-        if not line.strip():
+        stack, _, n = line.rpartition(" ")
+        if not stack or not n.isdigit():
             continue
-        stack, n = line.rsplit(" ", 1)
-        frames = stack.split(";")
-        if not frames[-1].strip() or any(k in frames[-1].split(" (")[0] for k in IDLE_LEAVES):
-            continue
-        busy += int(n)
-        group = next((g for g, key in PROFILE_GROUPS if any(key in f for f in frames)), "ray serve and other")
-        counts[group] += int(n)
-    return {"busy_samples": busy, **{g: counts[g] / busy if busy else 0.0
-                                     for g in [*(g for g, _ in PROFILE_GROUPS), "ray serve and other"]}}
+        total += int(n)
+        owner = next((o for f in reversed(stack.split(";")) for key, o in OWNERS if key in f), OTHER)
+        counts[owner] += int(n)
+    names = list(dict.fromkeys([o for _, o in OWNERS] + [OTHER]))
+    return {"samples": total, **{o: counts[o] / total if total else 0.0 for o in names}}
 
 
 def cpu_split(url: str, root_pid: int, concurrency: int, duration: float, max_tokens: int,
@@ -102,7 +110,7 @@ def cpu_split(url: str, root_pid: int, concurrency: int, duration: float, max_to
     if py_spy_out is not None:
         replica = next(p for p in root.children(recursive=True) if _role(p).startswith("ray serve replica"))
         exe = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
-        spy = subprocess.Popen([exe, "record", "-d", str(int(duration) - 2), "-r", "50", "-f", "raw",
+        spy = subprocess.Popen([exe, "record", "--gil", "-d", str(int(duration) - 2), "-r", "50", "-f", "raw",
                                 "-o", str(py_spy_out), "-p", str(replica.pid)],
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     load = asyncio.run(run_load(url, concurrency, duration, max_tokens))

@@ -136,16 +136,17 @@ times."""
 
 
 def shared_names(experiences: list[Experience]) -> set[str]:
-    """The fields the choices of one completion share, stored once (``P:pr:{cid}``, the first
-    choice's values as a JSON object): the prompt token ids (one prompt per completion) and each
-    of `SHARED` on which every choice agrees. Each choice's record leaves these fields out."""
+    """The fields the choices of one completion share, stored once (the ``pr`` field of its
+    record ``P:cmp:{cid}``, the first choice's values as a JSON object): the prompt token ids
+    (one prompt per completion) and each of `SHARED` on which every choice agrees. Each
+    choice's record leaves these fields out."""
     e0 = experiences[0]
     return {"prompt_token_ids", *(name for name in SHARED
                                   if all(getattr(e, name) == getattr(e0, name) for e in experiences[1:]))}
 
 
 def experience_from(exp_json: str, shared_json: str | None) -> Experience:
-    """An experience from its stored JSON and its completion's shared fields (``P:pr:{cid}``:
+    """An experience from its stored JSON and its completion's shared fields (its record's ``pr``:
     a `shared_names` object, or the bare prompt token ids list an older record has; none for
     an experience logged whole). A field the record has itself wins over the shared one.
 

@@ -5,12 +5,31 @@ Redis node (not Redis Cluster). Schema: `serve_rft.buffer.store`. The trainer's 
 ready stream are in `serve_rft.buffer.scripts_ready`.
 """
 
-# Shared Lua helpers of the ready entries' payload: a completion's shared fields (``P:pr:{cid}``)
+# Shared Lua helpers of a completion's record: its choices' states and its shared fields are
+# fields of ``P:cmp:{cid}`` (one key per completion). A record an earlier schema wrote keeps them
+# in keys of their own (``P:st:{cid}``, ``P:pr:{cid}``), still read and written there, so a store
+# written before an upgrade is served, rewarded and trained as it was.
+COMPLETION_HELPERS = """
+-- The hash of a completion's choice states, rewards, infos and versions: its record, or the
+-- P:st key an earlier schema kept them in
+local function state_key(P, cid)
+  local old = P..':st:'..cid
+  if redis.call('EXISTS', old) == 1 then return old end
+  return P..':cmp:'..cid
+end
+
+-- A completion's shared fields (JSON), or false if it has none
+local function shared_of(P, cid)
+  return redis.call('HGET', P..':cmp:'..cid, 'pr') or redis.call('GET', P..':pr:'..cid)
+end
+"""
+
+# Shared Lua helpers of the ready entries' payload: a completion's shared fields (its record's ``pr``)
 # are held once for all of its ready entries in ``P:rp:{cid}`` (``payload``; ``refs`` = how many
 # entries name it in their ``prompt_ref`` field), deleted with the last of them. It has no TTL:
 # every removal of a ready entry goes through `drop_entry` or `remove_entry`, which release the
 # reference exactly when XDEL removed the entry (XDEL returns how many it removed).
-PAYLOAD_HELPERS = """
+PAYLOAD_HELPERS = COMPLETION_HELPERS + """
 -- A stream entry's fields ({id, {k1, v1, ...}}) as a table
 local function entry_fields(e)
   local f = {}
@@ -58,10 +77,10 @@ local function release(P, gid)
     local sep = string.find(m, ':[^:]*$')
     local cid, i = string.sub(m, 1, sep - 1), string.sub(m, sep + 1)
     local exp = redis.call('GET', P..':exp:'..cid..':'..i)
-    local st = P..':st:'..cid
+    local st = state_key(P, cid)
     local reward = redis.call('HGET', st, 'r'..i)
     if exp and reward then
-      local pr = redis.call('GET', P..':pr:'..cid)
+      local pr = shared_of(P, cid)
       -- v: the policy version of its oldest token (what staleness is counted from)
       local v = 0
       local ok, e = pcall(cjson.decode, exp)
@@ -151,28 +170,26 @@ local function log_one(c)
   -- choices can be rewarded one by one) but does not join the list a conversation reward reads
   local ck = conv ~= '' and P..':'..conv
   local turns = ck and redis.call('LLEN', ck)
-  local g, st = P..':grp:'..gid, P..':st:'..cid
-  for _, k in ipairs({g, st}) do
-    local t = redis.call('TYPE', k).ok
-    if t ~= 'hash' and t ~= 'none' then
-      error({err = 'WRONGTYPE ' .. k .. ' holds a ' .. t .. ', not a hash: nothing of ' .. cid .. ' written'})
-    end
+  local g = P..':grp:'..gid
+  local t = redis.call('TYPE', g).ok
+  if t ~= 'hash' and t ~= 'none' then
+    error({err = 'WRONGTYPE ' .. g .. ' holds a ' .. t .. ', not a hash: nothing of ' .. cid .. ' written'})
   end
-  -- the record is each completion's first write: past maxmemory Redis refuses it, nothing written
-  redis.call('HSET', cmp, 'n', n, 'group', gid, 'conv', conv, 'created', c[5], 'ver', c[8], 'tenant', c[10])
+  -- the record (with the shared fields and every choice's state) is each completion's first
+  -- write: past maxmemory Redis refuses it, nothing written
+  local record = {'n', n, 'group', gid, 'conv', conv, 'created', c[5], 'ver', c[8], 'tenant', c[10], 'pr', c[9]}
+  for i = 0, n - 1 do
+    record[#record + 1] = tostring(i)
+    record[#record + 1] = 'pending'
+  end
+  call_chunked('HSET', cmp, record)
   redis.call('EXPIRE', cmp, ttl_l)
   redis.call('HSETNX', g, 'size', c[4])
   redis.call('HINCRBY', g, 'logged', n)
   redis.call('EXPIRE', g, ttl_l)
-  local states = {}
   for i = 0, n - 1 do
     redis.call('SET', P..':exp:'..cid..':'..i, c[11 + i], 'EX', ttl_p)
-    states[#states + 1] = tostring(i)
-    states[#states + 1] = 'pending'
   end
-  call_chunked('HSET', st, states)
-  redis.call('EXPIRE', st, ttl_l)
-  redis.call('SET', P..':pr:'..cid, c[9], 'EX', ttl_l)
   if ck then
     if turns < max_turns then redis.call('RPUSH', ck, cid) end
     redis.call('EXPIRE', ck, ttl_l)
@@ -224,7 +241,7 @@ if caller ~= '' and (redis.call('HGET', cmp, 'tenant') or 'default') ~= caller t
 if tonumber(i) >= tonumber(n) then return {404, ''} end
 local gid = redis.call('HGET', cmp, 'group')
 if not gid then return {404, ''} end
-local st = P..':st:'..cid
+local st = state_key(P, cid)
 local prev = redis.call('HGET', st, 'r'..i)
 if prev then
   if prev == ARGV[4] then return {200, prev} end
@@ -248,10 +265,14 @@ end
 local ttl = tonumber(ARGV[8])
 redis.call('HSET', st, 'r'..i, ARGV[4], i, 'rewarded')
 if ARGV[5] ~= '' then redis.call('HSET', st, 'info'..i, ARGV[5]) end
-redis.call('EXPIRE', st, ttl)
+-- the record (with the shared fields) is kept as long as its longest-kept choice
+if redis.call('TTL', st) < ttl then redis.call('EXPIRE', st, ttl) end
 redis.call('EXPIRE', ek, ttl)
-local pk = P..':pr:'..cid
-if redis.call('TTL', pk) < ttl then redis.call('EXPIRE', pk, ttl) end
+if st ~= cmp then  -- an earlier schema's keys: the record and the shared fields apart
+  for _, k in ipairs({cmp, P..':pr:'..cid}) do
+    if redis.call('TTL', k) < ttl then redis.call('EXPIRE', k, ttl) end
+  end
+end
 redis.call('ZREM', P..':pending', cid..':'..i)
 redis.call('HINCRBY', P..':stat', 'rewarded', 1)
 if vk then
@@ -297,7 +318,7 @@ for _, m in ipairs(gone) do
   local cid, i = string.sub(m, 1, sep - 1), string.sub(m, sep + 1)
   -- a late sweep (the service was down past the keys' TTLs) finds some of them expired: only
   -- what still exists is updated, so nothing is re-created without a TTL
-  local st = P..':st:'..cid
+  local st = state_key(P, cid)
   if redis.call('EXISTS', st) == 1 then redis.call('HSET', st, i, 'expired') end
   redis.call('DEL', P..':exp:'..cid..':'..i)
   local gid = redis.call('HGET', P..':cmp:'..cid, 'group')
@@ -336,7 +357,7 @@ if excess > 0 then
     local f = entry_fields(e)
     local m = f['member'] or ''
     local sep = string.find(m, ':[^:]*$')
-    local st = sep and P..':st:'..string.sub(m, 1, sep - 1)
+    local st = sep and state_key(P, string.sub(m, 1, sep - 1))
     if st and redis.call('EXISTS', st) == 1 then redis.call('HSET', st, string.sub(m, sep + 1), 'backlog-dropped') end
     drop_entry(P, e)
     shed = shed + 1

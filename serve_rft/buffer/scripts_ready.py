@@ -54,7 +54,7 @@ for _, e in ipairs(free_entries(rk, lim, false, also)) do
   local v, m = tonumber(f['v'] or ''), f['member'] or ''
   local sep = string.find(m, ':[^:]*$')
   if v and v < thr and sep then
-    local st = P..':st:'..string.sub(m, 1, sep - 1)
+    local st = state_key(P, string.sub(m, 1, sep - 1))
     local i = string.sub(m, sep + 1)
     redis.call('HSET', st, i, 'stale-dropped', 'v'..i, ver)
     if redis.call('TTL', st) < ttl then redis.call('EXPIRE', st, ttl) end
@@ -78,13 +78,13 @@ local trained, dropped, constrained, unshed = 0, 0, 0, 0
 for j = 0, k - 1 do
   local id, m, state, v = ARGV[4 + 4*j], ARGV[5 + 4*j], ARGV[6 + 4*j], ARGV[7 + 4*j]
   local sep = string.find(m, ':[^:]*$')
-  local shed = sep and redis.call('HGET', P..':st:'..string.sub(m, 1, sep - 1), string.sub(m, sep + 1))
+  local shed = sep and redis.call('HGET', state_key(P, string.sub(m, 1, sep - 1)), string.sub(m, sep + 1))
                    == 'backlog-dropped'
   if shed or acknowledged(P, id, m) then
     if shed then unshed = unshed + 1 else remove_entry(P, id, false) end
     if sep then  -- a member that names no choice ("{cid}:{i}") has no state to mark
       local cid, i = string.sub(m, 1, sep - 1), string.sub(m, sep + 1)
-      local st = P..':st:'..cid
+      local st = state_key(P, cid)
       redis.call('HSET', st, i, state, 'v'..i, v)
       -- readable trained_ttl_s from now (a state hash that had expired is not left without a TTL)
       if redis.call('TTL', st) < ttl then redis.call('EXPIRE', st, ttl) end
@@ -122,7 +122,7 @@ for j = 0, k - 1 do
     redis.call('HDEL', P..':attempts', id)
     local sep = m ~= '' and string.find(m, ':[^:]*$')
     if sep then
-      local st = P..':st:'..string.sub(m, 1, sep - 1)
+      local st = state_key(P, string.sub(m, 1, sep - 1))
       redis.call('HSET', st, string.sub(m, sep + 1), 'dead-letter')
       if redis.call('TTL', st) < ttl then redis.call('EXPIRE', st, ttl) end
     end

@@ -11,24 +11,29 @@ Schema (``P`` = ``buffer.key_prefix``; ``{cid}`` a completion id, ``{i}`` a choi
 =====================  ======  =============================================================
 key                    type    meaning
 =====================  ======  =============================================================
-``P:pr:{cid}``         string  The fields its choices share, once for all of them: a JSON
-                               object with the prompt token ids and, when every choice has
-                               the same, ``sampling`` (its grammar included), ``user`` and
-                               ``metadata`` (`records.shared_names`); kept as long as its
-                               longest-kept choice.
-``P:exp:{cid}:{i}``    string  Experience JSON without the shared fields (``P:pr:{cid}``).
+``P:exp:{cid}:{i}``    string  Experience JSON without the shared fields (``pr`` of
+                               ``P:cmp:{cid}``).
                                TTL ``reward_timeout_s`` while pending,
                                ``reward_timeout_s + trained_ttl_s`` from its reward (a
                                held member outlives its group's longest hold); deleted when it
                                expires.
-``P:cmp:{cid}``        hash    ``n`` choices, ``group`` id, ``conv`` its conversation's key,
+``P:cmp:{cid}``        hash    The completion's record, one key for all its choices: ``n``
+                               choices, ``group`` id, ``conv`` its conversation's key,
                                ``created`` (unix s), ``ver``, ``tenant`` (whose keys may reward
-                               and read it; none: the default tenant). Tells 404 (never logged,
-                               or another tenant's) from 410.
-``P:st:{cid}``         hash    Per choice: ``{i}`` state (pending / rewarded / ready /
-                               trained / expired / stale-dropped), ``r{i}`` reward (repr of
-                               a float), ``info{i}`` the reward's info JSON, ``v{i}`` the
-                               policy version that trained (or dropped) it.
+                               and read it; none: the default tenant); ``pr`` the fields its
+                               choices share, once for all of them (a JSON object with the
+                               prompt token ids and, when every choice has the same,
+                               ``sampling`` (its grammar included), ``user`` and ``metadata``:
+                               `records.shared_names`); per choice ``{i}`` its state
+                               (pending / rewarded / ready / trained / expired /
+                               stale-dropped / backlog-dropped / dead-letter / constrained),
+                               ``r{i}`` reward (repr of a float), ``info{i}`` the reward's
+                               info JSON, ``v{i}`` the policy version that trained (or
+                               dropped) it. Kept as long as its longest-kept choice. Tells
+                               404 (never logged, or another tenant's) from 410. A record an
+                               earlier schema wrote has the choices' fields in ``P:st:{cid}``
+                               and the shared fields in ``P:pr:{cid}``: read and written there
+                               (`serve_rft.buffer.scripts.COMPLETION_HELPERS`).
 ``P:grp:{gid}``        hash    Group: ``size`` expected answers (0 = unknown), ``logged``,
                                ``rewarded``, ``expired``, ``first`` reward time,
                                ``released`` (1 once its members went to the ready stream).
@@ -48,7 +53,7 @@ key                    type    meaning
                                FORCE, newest or oldest first); XACK + XDEL once trained.
                                Entries leave only by XDEL in a script (ACK, DEAD_LETTER,
                                DROP_STALE, SWEEP past ``max_ready``).
-``P:rp:{cid}``         hash    The ready entries' copy of ``P:pr:{cid}`` (which may expire
+``P:rp:{cid}``         hash    The ready entries' copy of the shared fields (which may expire
                                first), once per completion: ``payload`` the JSON, ``refs``
                                how many ready entries name it. No TTL: every XDEL that
                                removes such an entry takes one reference, the last deletes
@@ -221,9 +226,12 @@ class ExperienceStore:
 
     async def get_experience(self, completion_id: str, choice_index: int) -> Experience | None:
         """One choice's experience (its prompt joined back in), or None once it expired."""
-        raw, prompt = await self.redis.mget(self._k("exp", completion_id, str(choice_index)),
-                                            self._k("pr", completion_id))
-        return experience_from(raw, prompt) if raw else None
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.get(self._k("exp", completion_id, str(choice_index)))
+            pipe.hget(self._k("cmp", completion_id), "pr")
+            pipe.get(self._k("pr", completion_id))  # a record an earlier schema wrote
+            raw, prompt, old_prompt = await pipe.execute()
+        return experience_from(raw, prompt or old_prompt) if raw else None
 
     async def post_reward(self, completion_id: str, choice_index: int, reward: float,
                           info: dict | None = None, tenant: str | None = None) -> bool:
@@ -342,9 +350,13 @@ class ExperienceStore:
         n = await self.num_choices(completion_id)
         if n is None:
             return None
-        st = await self.redis.hgetall(self._k("st", completion_id))
-        # each choice's own record has its token versions: the shared fields (``P:pr:{cid}``,
-        # up to the request's grammar and metadata) are not read
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.hgetall(self._k("cmp", completion_id))
+            pipe.hgetall(self._k("st", completion_id))  # a record an earlier schema wrote
+            record, old = await pipe.execute()
+        st = old or record
+        # each choice's own record has its token versions: the shared fields (the record's
+        # ``pr``, up to the request's grammar and metadata) are not read
         raws = await self.redis.mget([self._k("exp", completion_id, str(i)) for i in range(n)]) if n else []
         out = []
         for i, raw in enumerate(raws):

@@ -204,7 +204,7 @@ def test_a_completion_with_the_largest_fields_and_n16_grows_redis_by_less_than_t
     """Storage amplification is bounded (issue 26): one request with the largest ``user``,
     ``metadata`` and ``response_format`` schema that explorer.limits lets through, ``n=16`` and
     one generated token each, adds less than 2x its body's bytes to Redis's ``used_memory``: the
-    fields are stored once per completion (``P:pr:{cid}``), not once per choice."""
+    fields are stored once per completion (its record's ``pr``), not once per choice."""
     from tests.support.stack_checks import open_store
 
     body = {"model": "serve-rft", "messages": [{"role": "user", "content": "a"}], "n": 16, "max_tokens": 1,

@@ -35,11 +35,11 @@ def test_an_ack_after_the_pending_list_was_lost_leaves_an_entry_of_another_membe
         sid = got[0].stream_id
         assert await s.ready.ack_entries([(sid, "chatcmpl-other:0", 3)]) == (0, 0)
         assert await s.redis.xlen(s._k("ready")) == 1
-        assert await s.redis.hget(s._k("st", "chatcmpl-a"), "0") == "ready"
+        assert await s.redis.hget(s._k("cmp", "chatcmpl-a"), "0") == "ready"
         assert (await s.counts()).trained == 0
         assert await s.ready.ack_entries([(sid, "chatcmpl-a:0", 3)]) == (1, 0)
         assert await s.redis.xlen(s._k("ready")) == 0
-        assert await s.redis.hget(s._k("st", "chatcmpl-a"), "0") == "trained"
+        assert await s.redis.hget(s._k("cmp", "chatcmpl-a"), "0") == "trained"
         await s.close()
     run(go())
 

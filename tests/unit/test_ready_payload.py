@@ -61,7 +61,7 @@ def test_the_trainer_reads_whole_experiences_after_the_completion_keys_are_gone(
         exps = await _released(s, "chatcmpl-g", 4, big=True)
         ready = [f for _, f in await s.redis.xrange(s._k("ready"))]
         assert all(f["prompt_ref"] == "chatcmpl-g" and "prompt" not in f and len(f["exp"]) < 600 for f in ready)
-        for key in [s._k("pr", "chatcmpl-g")] + [s._k("exp", "chatcmpl-g", str(i)) for i in range(4)]:
+        for key in [s._k("cmp", "chatcmpl-g")] + [s._k("exp", "chatcmpl-g", str(i)) for i in range(4)]:
             await s.redis.delete(key)
         got = sorted(await s.ready.read_ready("t", 10, block_ms=10), key=lambda b: b.experience.choice_index)
         assert [b.experience for b in got] == exps and [b.reward for b in got] == [0.0, 1.0, 2.0, 3.0]
@@ -151,7 +151,7 @@ def test_a_dead_letter_carries_the_shared_fields_after_the_payload_is_gone(store
         s = store_factory()
         await s.ready.ensure_group()
         exps = await _released(s, "chatcmpl-d", 2, big=True)
-        shared = await s.redis.get(s._k("pr", "chatcmpl-d"))
+        shared = await s.redis.hget(s._k("cmp", "chatcmpl-d"), "pr")
         got = await s.ready.read_ready("t", 10, block_ms=10)
         # an entry whose record does not parse (raw exp without the shared fields), and one whole
         ids = sorted(b.stream_id for b in got)
@@ -159,7 +159,7 @@ def test_a_dead_letter_carries_the_shared_fields_after_the_payload_is_gone(store
         letters = [DeadLetter(ids[0], raw[ids[0]]["member"], "unparseable: test", raw[ids[0]]["exp"], "0.0"),
                    DeadLetter.of(next(b for b in got if b.stream_id == ids[1]), "test")]
         assert await s.ready.dead_letter(letters) == 2
-        await s.redis.delete(s._k("pr", "chatcmpl-d"))
+        await s.redis.delete(s._k("cmp", "chatcmpl-d"))
         assert await _refs(s, "chatcmpl-d") is None
         dead = {d["id"]: d for d in await s.ready.dead_letters()}
         assert dead[ids[0]]["prompt"] == shared and dead[ids[1]]["prompt"] == ""  # the whole one needs no copy

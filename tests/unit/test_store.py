@@ -6,7 +6,7 @@ from asyncio import run
 import pytest
 
 from serve_rft.buffer.records import (RewardConflict, RewardExpired, RewardNotFinite, StoreFull,
-                                      UnknownChoice)
+                                      UnknownChoice, shared_names)
 from serve_rft.buffer.store import ExperienceStore
 from tests.support.experiences import experience, large_experience
 
@@ -290,9 +290,9 @@ def test_a_rewarded_member_outlives_its_groups_longest_hold(store_factory):
         await s.ready.ensure_group()
         await s.post_reward("chatcmpl-h", 1, 0.0)
         batch = await s.ready.read_ready("t", 10, block_ms=10)
-        await s.redis.delete(s._k("st", "chatcmpl-h"))  # as if the state hash had expired
+        await s.redis.delete(s._k("cmp", "chatcmpl-h"))  # as if the record (the states) had expired
         await s.ready.ack(batch, version=1)
-        assert 0 < await s.redis.ttl(s._k("st", "chatcmpl-h")) <= 10  # never left without a TTL
+        assert 0 < await s.redis.ttl(s._k("cmp", "chatcmpl-h")) <= 10  # never left without a TTL
         await s.close()
     run(go())
 
@@ -366,7 +366,7 @@ def test_the_prompt_is_stored_once_per_completion_and_joined_back_on_every_read(
             await s.post_reward("chatcmpl-p", i, float(i))
         got = await s.ready.read_ready("t", 10, block_ms=10)
         assert len(got) == 4 and all(b.experience.prompt_token_ids == list(range(500)) for b in got)
-        assert await s.redis.ttl(s._k("pr", "chatcmpl-p")) >= await s.redis.ttl(s._k("exp", "chatcmpl-p", "0"))
+        assert await s.redis.ttl(s._k("cmp", "chatcmpl-p")) >= await s.redis.ttl(s._k("exp", "chatcmpl-p", "0"))
         await s.close()
     run(go())
 
@@ -469,9 +469,9 @@ def test_the_fields_a_completion_shares_are_stored_once_and_every_read_sees_them
             raw = await s.redis.get(s._k("exp", "chatcmpl-s", str(i)))
             assert len(raw) < 600 and '"user"' not in raw and "structured_outputs" not in raw
             assert await s.get_experience("chatcmpl-s", i) == exps[i]
-        shared = await s.redis.get(s._k("pr", "chatcmpl-s"))
+        shared = await s.redis.hget(s._k("cmp", "chatcmpl-s"), "pr")
         assert shared.count("u" * 512) == 1 and shared.count('"p00000"') == 1
-        assert await s.redis.ttl(s._k("pr", "chatcmpl-s")) >= await s.redis.ttl(s._k("exp", "chatcmpl-s", "0"))
+        assert await s.redis.ttl(s._k("cmp", "chatcmpl-s")) >= await s.redis.ttl(s._k("exp", "chatcmpl-s", "0"))
         assert [c.token_versions for c in await s.choices("chatcmpl-s")] == [[[0, 0, 1]]] * 4
         await s.ready.ensure_group()
         for i in range(4):
@@ -479,7 +479,7 @@ def test_the_fields_a_completion_shares_are_stored_once_and_every_read_sees_them
         # the ready entries keep the shared fields (P:rp:{cid}, without a TTL): the trainer reads
         # the same experiences once every key of the completion is gone (its TTLs ran out while
         # the trainer was away)
-        for key in [s._k("pr", "chatcmpl-s")] + [s._k("exp", "chatcmpl-s", str(i)) for i in range(4)]:
+        for key in [s._k("cmp", "chatcmpl-s")] + [s._k("exp", "chatcmpl-s", str(i)) for i in range(4)]:
             await s.redis.delete(key)
         got = sorted(await s.ready.read_ready("t", 10, block_ms=10), key=lambda b: b.experience.choice_index)
         assert [b.experience for b in got] == exps and [b.reward for b in got] == [0.0, 1.0, 2.0, 3.0]
@@ -506,6 +506,42 @@ def test_a_record_whose_shared_key_holds_only_the_prompt_ids_still_reads(store_f
         await s.redis.set(s._k("exp", "chatcmpl-o", "0"), e.model_dump_json(exclude={"prompt_token_ids"}), ex=60)
         await s.redis.set(s._k("pr", "chatcmpl-o"), "[1,2]", ex=60)
         assert await s.get_experience("chatcmpl-o", 0) == e
+        await s.close()
+    run(go())
+
+
+def test_a_completion_logged_with_its_states_and_shared_fields_in_keys_of_their_own_is_rewarded_and_trained_once(
+        store_factory):
+    """A store written before a completion's record held its choices' states and shared fields
+    (``P:st:{cid}``, ``P:pr:{cid}`` beside ``P:cmp:{cid}``) keeps working after an upgrade: its
+    rewards are recorded there exactly once, its group released with the shared fields, and the
+    trainer reads it whole and marks it trained there."""
+    async def go():
+        s = store_factory()
+        e = experience("chatcmpl-old", 0)
+        cid, ttl = "chatcmpl-old", 600
+        await s.redis.hset(s._k("cmp", cid), mapping={"n": 1, "group": cid, "conv": "", "created": 1.0,
+                                                       "ver": 0, "tenant": "default"})
+        await s.redis.hset(s._k("grp", cid), mapping={"size": 1, "logged": 1})
+        await s.redis.set(s._k("exp", cid, "0"), e.model_dump_json(exclude=shared_names([e])), ex=ttl)
+        await s.redis.set(s._k("pr", cid), e.model_dump_json(include=shared_names([e])), ex=ttl)
+        await s.redis.hset(s._k("st", cid), "0", "pending")
+        for k in ("cmp", "grp", "st"):
+            await s.redis.expire(s._k(k, cid), ttl)
+        await s.redis.zadd(s._k("pending"), {f"{cid}:0": 1e12})
+        assert await s.get_experience(cid, 0) == e
+        await s.ready.ensure_group()
+        assert await s.post_reward(cid, 0, 1.0) is True
+        assert await s.post_reward(cid, 0, 1.0) is False  # the same reward again: recorded once
+        with pytest.raises(RewardConflict):
+            await s.post_reward(cid, 0, 0.0)
+        assert await s.redis.hget(s._k("cmp", cid), "r0") is None  # written where its states are
+        got = await s.ready.read_ready("t", 10, block_ms=10)
+        assert [b.experience for b in got] == [e] and [b.reward for b in got] == [1.0]
+        await s.ready.ack(got, version=1)
+        assert await s.redis.hget(s._k("st", cid), "0") == "trained"
+        assert [c.state for c in await s.choices(cid)] == ["trained"]
+        assert (await s.counts()).trained == 1
         await s.close()
     run(go())
 

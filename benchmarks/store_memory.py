@@ -1,0 +1,82 @@
+"""Redis memory per logged completion: ``used_memory`` growth and keys per one-choice completion
+(40 prompt + 64 response tokens with logprobs, the experience of `store_throughput.py`), for the
+working tree's ``serve_rft`` and, with ``--before REV``, for another git revision's (``git
+archive REV serve_rft``, first on ``PYTHONPATH`` of a child process), each on its own fresh
+embedded redis-server.
+
+    .venv/bin/python benchmarks/store_memory.py [--completions 5000] [--before REV]
+        [--out benchmarks/results/store_memory.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+async def _grow(url: str, completions: int) -> dict:
+    import serve_rft
+    from serve_rft.buffer.store import ExperienceStore
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from store_throughput import _experience
+
+    s = ExperienceStore(url, prefix="mem")
+    await s.log_experiences([_experience("chatcmpl-warm", 0, 40, 64)])  # loads the script
+    m0, k0 = int((await s.redis.info("memory"))["used_memory"]), await s.redis.dbsize()
+    for j in range(0, completions, 100):
+        await asyncio.gather(*(s.log_experiences([_experience(f"chatcmpl-{i}", 0, 40, 64)])
+                               for i in range(j, min(j + 100, completions))))
+    m1, k1 = int((await s.redis.info("memory"))["used_memory"]), await s.redis.dbsize()
+    await s.close()
+    return {"serve_rft_source": str(Path(serve_rft.__file__).parent), "completions": completions,
+            "used_memory_bytes_per_completion": (m1 - m0) / completions, "keys_per_completion": (k1 - k0) / completions}
+
+
+def measure(completions: int) -> dict:
+    """One fresh redis-server (``everysec``), ``completions`` logged 100 at a time."""
+    from serve_rft.buffer.redis_server import start_redis
+
+    with tempfile.TemporaryDirectory() as tmp:
+        server = start_redis(Path(tmp) / "redis", appendfsync="everysec")
+        try:
+            return asyncio.run(_grow(server.url, completions))
+        finally:
+            server.stop()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--completions", type=int, default=5000)
+    ap.add_argument("--before", help="git revision to measure too")
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--out", default="benchmarks/results/store_memory.json")
+    a = ap.parse_args()
+    if a.child:
+        print(json.dumps(measure(a.completions)))
+        return
+    out: dict = {"command": "python benchmarks/store_memory.py --completions "
+                 f"{a.completions}" + (f" --before {a.before}" if a.before else ""), "now": measure(a.completions)}
+    if a.before:
+        with tempfile.TemporaryDirectory() as tmp:
+            archive = subprocess.run(["git", "archive", a.before, "serve_rft"], cwd=ROOT, check=True,
+                                     capture_output=True).stdout
+            subprocess.run(["tar", "-x", "-C", tmp], input=archive, check=True)
+            env = {**os.environ, "PYTHONPATH": f"{tmp}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+            child = subprocess.run([sys.executable, __file__, "--child", "--completions", str(a.completions)],
+                                   env=env, check=True, capture_output=True, text=True)
+            out["before"] = json.loads(child.stdout.strip().splitlines()[-1])
+    Path(a.out).write_text(json.dumps(out, indent=2))
+    print(json.dumps(out, indent=2))
+
+
+if __name__ == "__main__":
+    main()

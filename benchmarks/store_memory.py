@@ -2,7 +2,8 @@
 (40 prompt + 64 response tokens with logprobs, the experience of `store_throughput.py`), for the
 working tree's ``serve_rft`` and, with ``--before REV``, for another git revision's (``git
 archive REV serve_rft``, first on ``PYTHONPATH`` of a child process), each on its own fresh
-embedded redis-server.
+embedded redis-server; also each of one completion's own keys with its encoding and ``MEMORY
+USAGE``.
 
     .venv/bin/python benchmarks/store_memory.py [--completions 5000] [--before REV]
         [--out benchmarks/results/store_memory.json]
@@ -36,9 +37,13 @@ async def _grow(url: str, completions: int) -> dict:
         await asyncio.gather(*(s.log_experiences([_experience(f"chatcmpl-{i}", 0, 40, 64)])
                                for i in range(j, min(j + 100, completions))))
     m1, k1 = int((await s.redis.info("memory"))["used_memory"]), await s.redis.dbsize()
+    keys = sorted(await s.redis.keys("mem:*:chatcmpl-0*"))  # one completion's own keys
+    per_key = {k: {"encoding": await s.redis.object("encoding", k), "memory_usage_bytes": await s.redis.memory_usage(k)}
+               for k in keys}
     await s.close()
     return {"serve_rft_source": str(Path(serve_rft.__file__).parent), "completions": completions,
-            "used_memory_bytes_per_completion": (m1 - m0) / completions, "keys_per_completion": (k1 - k0) / completions}
+            "used_memory_bytes_per_completion": (m1 - m0) / completions, "keys_per_completion": (k1 - k0) / completions,
+            "one_completions_keys": per_key}
 
 
 def measure(completions: int) -> dict:

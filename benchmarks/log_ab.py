@@ -18,27 +18,21 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _summary(xs: list[float]) -> dict:
-    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from log_throughput import _summary  # noqa: E402
+from other_revision import ROOT, env_importing, export  # noqa: E402
 
 
 def run_once(source: Path | None, durability: str, rounds: int, out: Path) -> dict:
     """One `log_throughput.py` run on ``source`` (a directory holding ``serve_rft``; None: the
     working tree's). Returns its JSON."""
-    env = dict(os.environ)
-    if source is not None:
-        env["PYTHONPATH"] = f"{source}{os.pathsep}{env.get('PYTHONPATH', '')}"
     subprocess.run([sys.executable, str(ROOT / "benchmarks" / "log_throughput.py"), "--rounds", str(rounds),
-                    "--durability", durability, "--out", str(out)], cwd=ROOT, env=env, check=True,
+                    "--durability", durability, "--out", str(out)], cwd=ROOT, env=env_importing(source), check=True,
                    stdout=subprocess.DEVNULL)
     return json.loads(out.read_text())
 
@@ -64,11 +58,7 @@ def main() -> None:
     ap.add_argument("--out", default="benchmarks/results/store_log_ab.json")
     a = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        before = Path(tmp) / "before"
-        before.mkdir()
-        archive = subprocess.run(["git", "archive", a.before, "serve_rft"], cwd=ROOT, check=True,
-                                 capture_output=True).stdout
-        subprocess.run(["tar", "-x", "-C", str(before)], input=archive, check=True)
+        before = export(a.before, Path(tmp) / "before")
         result: dict = {"command": "python benchmarks/log_ab.py " + " ".join(
             f"--{k} {' '.join(v) if isinstance(v, list) else v}" for k, v in vars(a).items() if k != "out"),
             "machine": f"{os.cpu_count()} CPUs", "load_average_1min_at_start": os.getloadavg()[0]}

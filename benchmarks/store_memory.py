@@ -14,22 +14,21 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+import serve_rft
+from serve_rft.buffer.redis_server import start_redis
+from serve_rft.buffer.store import ExperienceStore
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from other_revision import env_importing, export  # noqa: E402
+from store_throughput import _experience  # noqa: E402
 
 
 async def _grow(url: str, completions: int) -> dict:
-    import serve_rft
-    from serve_rft.buffer.store import ExperienceStore
-
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    from store_throughput import _experience
-
     s = ExperienceStore(url, prefix="mem")
     await s.log_experiences([_experience("chatcmpl-warm", 0, 40, 64)])  # loads the script
     m0, k0 = int((await s.redis.info("memory"))["used_memory"]), await s.redis.dbsize()
@@ -48,8 +47,6 @@ async def _grow(url: str, completions: int) -> dict:
 
 def measure(completions: int) -> dict:
     """One fresh redis-server (``everysec``), ``completions`` logged 100 at a time."""
-    from serve_rft.buffer.redis_server import start_redis
-
     with tempfile.TemporaryDirectory() as tmp:
         server = start_redis(Path(tmp) / "redis", appendfsync="everysec")
         try:
@@ -72,12 +69,9 @@ def main() -> None:
                  f"{a.completions}" + (f" --before {a.before}" if a.before else ""), "now": measure(a.completions)}
     if a.before:
         with tempfile.TemporaryDirectory() as tmp:
-            archive = subprocess.run(["git", "archive", a.before, "serve_rft"], cwd=ROOT, check=True,
-                                     capture_output=True).stdout
-            subprocess.run(["tar", "-x", "-C", tmp], input=archive, check=True)
-            env = {**os.environ, "PYTHONPATH": f"{tmp}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
             child = subprocess.run([sys.executable, __file__, "--child", "--completions", str(a.completions)],
-                                   env=env, check=True, capture_output=True, text=True)
+                                   env=env_importing(export(a.before, Path(tmp))), check=True,
+                                   capture_output=True, text=True)
             out["before"] = json.loads(child.stdout.strip().splitlines()[-1])
     Path(a.out).write_text(json.dumps(out, indent=2))
     print(json.dumps(out, indent=2))

@@ -10,8 +10,10 @@ most ``max_bytes``) in one call: group commit, as databases batch commits into o
 only after Redis acknowledged the batch that holds its completion, so "an experience is in
 Redis before its response ends" holds as with one call each.
 
-The completions travel as one MessagePack array (`msgpack`; Redis's Lua has ``cmsgpack``):
-one argument per batch instead of about a dozen per completion, each encoded once.
+Each completion is encoded once: its small fields (ids, times, version, tenant) as one
+MessagePack array (`msgpack`; Redis's Lua has ``cmsgpack``), all heads of a batch in one argument
+instead of about a dozen arguments per completion; its JSON (the shared fields and each choice)
+as arguments of their own, which Lua reads without copying them out of the MessagePack again.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import contextvars
 import math
 import time
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sized
 
 import msgpack
 from redis.exceptions import OutOfMemoryError, RedisError, ResponseError
@@ -57,12 +59,12 @@ def _own_copy(e: BaseException) -> BaseException:
 
 
 class _Entry:
-    """One submitted item: its bytes, its caller's future, and the batch it was sent in (None
-    while queued)."""
+    """One submitted item (encoded: ``len(item)`` is its size in bytes), its caller's future, and
+    the batch it was sent in (None while queued)."""
 
     __slots__ = ("item", "fut", "batch")
 
-    def __init__(self, item: bytes, fut: asyncio.Future):
+    def __init__(self, item: Sized, fut: asyncio.Future):
         self.item, self.fut, self.batch = item, fut, None
 
 
@@ -80,8 +82,9 @@ class LogBatcher:
     """Writes items submitted concurrently in batches; each submitter gets its own item's result.
 
     Args:
-        write: writes a batch of encoded items in one round trip and returns one result per
-            item, in order: a value, or an exception instance for that item alone.
+        write: writes a batch of encoded items (each `Sized`: its ``len`` is its size in bytes)
+            in one round trip and returns one result per item, in order: a value, or an
+            exception instance for that item alone.
         max_items: items per batch at most.
         max_bytes: encoded bytes per batch at most (an item larger than this goes alone).
         max_in_flight: batches written at once at most; what arrives meanwhile waits for the
@@ -99,7 +102,7 @@ class LogBatcher:
     ``write`` runs in a task with an empty `contextvars.Context`, not a submitter's.
     """
 
-    def __init__(self, write: Callable[[list[bytes]], Awaitable[list]], max_items: int = LOG_BATCH_ITEMS,
+    def __init__(self, write: Callable[[list], Awaitable[list]], max_items: int = LOG_BATCH_ITEMS,
                  max_bytes: int = LOG_BATCH_BYTES, max_in_flight: int = 2, max_held_bytes: int = LOG_HELD_BYTES):
         self._write, self.max_items, self.max_bytes = write, max_items, max_bytes
         self.max_in_flight, self.max_held_bytes = max_in_flight, max_held_bytes
@@ -119,7 +122,7 @@ class LogBatcher:
         """Items waiting for a batch."""
         return len(self._queue)
 
-    async def submit(self, item: bytes):
+    async def submit(self, item: Sized):
         """Queue ``item`` and wait for its result.
 
         Raises:
@@ -278,8 +281,8 @@ class CompletionLog:
             raise StoreFull(str(e)) from None
 
     def _encode_completion(self, exps: list[Experience], group_size: int | None, conversation_id: str | None,
-                           tenant: str) -> bytes:
-        """One completion as the LOG script reads it (a MessagePack array of strings)."""
+                           tenant: str) -> "EncodedCompletion":
+        """One completion as the LOG script reads it: its head and its JSON (`EncodedCompletion`)."""
         e0 = exps[0]
         cid, gid = e0.completion_id, e0.group_id
         if group_size is None:
@@ -287,21 +290,22 @@ class CompletionLog:
         now = time.time()
         shared = shared_names(exps)
         conv = conversation_key(tenant, conversation_id) if conversation_id else ""
-        return msgpack.packb([cid, str(len(exps)), gid, str(group_size), repr(now), repr(now + self.reward_timeout_s),
-                              conv, str(min(e.min_version for e in exps)), e0.model_dump_json(include=shared),
-                              tenant, *[e.model_dump_json(exclude=shared) for e in exps]])
+        to_json = e0.__pydantic_serializer__.to_json
+        head = msgpack.packb([cid, str(len(exps)), gid, str(group_size), repr(now), repr(now + self.reward_timeout_s),
+                              conv, str(min(e.min_version for e in exps)), tenant])
+        return EncodedCompletion(head, [to_json(e0, include=shared), *[to_json(e, exclude=shared) for e in exps]])
 
-    async def _write_log_batch(self, items: list[bytes]) -> list:
+    async def _write_log_batch(self, items: list["EncodedCompletion"]) -> list:
         """One LOG script call for ``items``; per item its experience count or its error.
 
         Raises:
             redis.exceptions.RedisError: the call failed; ResponseError for a reply that is not
                 one integer or error message per item.
         """
-        packer = msgpack.Packer()
+        heads = msgpack.Packer().pack_array_header(len(items)) + b"".join(c.head for c in items)
         results = await self._log(args=[self.p, max(1, math.ceil(self.reward_timeout_s)), self.long_ttl_s,
-                                        self.max_conversation_turns,
-                                        packer.pack_array_header(len(items)) + b"".join(items)])
+                                        self.max_conversation_turns, heads,
+                                        *[j for c in items for j in c.json]])
         if not isinstance(results, list):
             raise ResponseError(f"the LOG script answered a {type(results).__name__}, not a list")
         return [OutOfMemoryError(r) if isinstance(r, str) and r.startswith("OOM")
@@ -309,3 +313,23 @@ class CompletionLog:
                 else r if isinstance(r, int) and not isinstance(r, bool)
                 else ResponseError(f"the LOG script answered a {type(r).__name__} for a completion")
                 for r in results]
+
+
+class EncodedCompletion:
+    """One completion encoded for the LOG script (`serve_rft.buffer.scripts.LOG`).
+
+    Attributes:
+        head: MessagePack array of strings: cid, n, gid, group_size, now (unix s), reward
+            deadline (unix s), conversation key ('' for none), oldest policy version, tenant.
+        json: its shared fields' JSON object, then each choice's JSON without them (``1 + n``).
+    ``len()`` is its size in bytes (what `LogBatcher` bounds).
+    """
+
+    __slots__ = ("head", "json", "nbytes")
+
+    def __init__(self, head: bytes, json: list[bytes]):
+        self.head, self.json = head, json
+        self.nbytes = len(head) + sum(len(j) for j in json)
+
+    def __len__(self) -> int:
+        return self.nbytes

@@ -147,12 +147,15 @@ end
 """
 
 LOG = """
--- ARGV: P, ttl_pending, ttl_long, max_turns, then the completions: one MessagePack array
+-- ARGV: P, ttl_pending, ttl_long, max_turns, then the completions' heads: one MessagePack array
 -- (Redis's bundled cmsgpack) of {cid, n, gid, group_size, now, deadline, conv (the key of its
--- turn list under P, '' for none), version, prompt, tenant, exp_1..exp_n}, every field a string
--- (the prompt's token ids once per completion; each choice's JSON without them)
+-- turn list under P, '' for none), version, tenant}, every field a string; then, from ARGV[6],
+-- each completion's JSON in the heads' order: its shared fields (the prompt's token ids once per
+-- completion) and its n choices without them. The JSON stays in ARGV: Lua copies it once, not
+-- again out of the MessagePack.
 -- returns per completion, in order: n (logged), 0 (logged before), or an error message (nothing
--- of it written: every check is a read before its first write). Each completion runs in pcall,
+-- of it written: every check is a read before its first write, the first write being the
+-- group's, which raises WRONGTYPE for a key of another type). Each completion runs in pcall,
 -- so one refused completion leaves the others logged; past maxmemory, Redis refuses a script's
 -- first write only, so every completion of the call is refused alike (error "OOM ...").
 local P, ttl_p, ttl_l, max_turns = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
@@ -161,7 +164,8 @@ local pending = {}  -- score, member, ... of the completions logged: one ZADD pe
 local function call_chunked(cmd, key, args)
   for k = 1, #args, 2000 do redis.call(cmd, key, unpack(args, k, math.min(k + 1999, #args))) end
 end
-local function log_one(c)
+local function log_one(c, a)
+  -- a: the ARGV index of its shared fields; its choices' JSON follow
   local cid, n, gid, conv = c[1], tonumber(c[2]), c[3], c[7]
   local cmp = P..':cmp:'..cid
   -- a completion is logged once: a call re-sent after a lost reply (client retry) changes nothing
@@ -170,25 +174,22 @@ local function log_one(c)
   -- choices can be rewarded one by one) but does not join the list a conversation reward reads
   local ck = conv ~= '' and P..':'..conv
   local turns = ck and redis.call('LLEN', ck)
+  -- the group's first: a key of another type raises WRONGTYPE here, before any write; past
+  -- maxmemory Redis refuses this first write, nothing written
   local g = P..':grp:'..gid
-  local t = redis.call('TYPE', g).ok
-  if t ~= 'hash' and t ~= 'none' then
-    error({err = 'WRONGTYPE ' .. g .. ' holds a ' .. t .. ', not a hash: nothing of ' .. cid .. ' written'})
-  end
-  -- the record (with the shared fields and every choice's state) is each completion's first
-  -- write: past maxmemory Redis refuses it, nothing written
-  local record = {'n', n, 'group', gid, 'conv', conv, 'created', c[5], 'ver', c[8], 'tenant', c[10], 'pr', c[9]}
+  redis.call('HSETNX', g, 'size', c[4])
+  redis.call('HINCRBY', g, 'logged', n)
+  redis.call('EXPIRE', g, ttl_l)
+  -- the record: the shared fields and every choice's state
+  local record = {'n', n, 'group', gid, 'conv', conv, 'created', c[5], 'ver', c[8], 'tenant', c[9], 'pr', ARGV[a]}
   for i = 0, n - 1 do
     record[#record + 1] = tostring(i)
     record[#record + 1] = 'pending'
   end
   call_chunked('HSET', cmp, record)
   redis.call('EXPIRE', cmp, ttl_l)
-  redis.call('HSETNX', g, 'size', c[4])
-  redis.call('HINCRBY', g, 'logged', n)
-  redis.call('EXPIRE', g, ttl_l)
   for i = 0, n - 1 do
-    redis.call('SET', P..':exp:'..cid..':'..i, c[11 + i], 'EX', ttl_p)
+    redis.call('SET', P..':exp:'..cid..':'..i, ARGV[a + 1 + i], 'EX', ttl_p)
   end
   if ck then
     if turns < max_turns then redis.call('RPUSH', ck, cid) end
@@ -200,9 +201,10 @@ local function log_one(c)
   end
   return n
 end
-local out, logged = {}, 0
+local out, logged, a = {}, 0, 6
 for j, c in ipairs(cmsgpack.unpack(ARGV[5])) do
-  local ok, r = pcall(log_one, c)
+  local ok, r = pcall(log_one, c, a)
+  a = a + 1 + tonumber(c[2])
   if ok then
     out[j] = r
     logged = logged + r

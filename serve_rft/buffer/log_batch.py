@@ -136,16 +136,18 @@ class LogBatcher:
         entry = _Entry(item, loop.create_future())
         self._queue[id(entry)] = entry
         self._held += len(item)
-        entry.fut.add_done_callback(lambda _: self._caller_done(entry))
         if self._flushers < self.max_in_flight:
             self._flushers += 1
             task = loop.create_task(self._flush(), context=contextvars.Context())
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
-        return await entry.fut
+        try:
+            return await entry.fut
+        finally:  # answered, failed or cancelled
+            self._caller_done(entry)
 
     def _caller_done(self, entry: _Entry) -> None:
-        """A caller's future is done: a queued entry leaves the queue (its caller was cancelled);
+        """A caller stopped waiting (answered or cancelled): a queued entry leaves the queue;
         the last waiting caller of a batch in flight cancels its write."""
         if self._queue.pop(id(entry), None) is not None:
             self._held -= len(entry.item)
@@ -168,7 +170,7 @@ class LogBatcher:
             if batch and size + len(entry.item) > self.max_bytes:
                 break
             self._queue.popitem(last=False)
-            if entry.fut.done():  # cancelled, its done-callback not yet run: not written
+            if entry.fut.done():  # cancelled, its caller not yet resumed: not written
                 self._held -= len(entry.item)
                 continue
             batch.append(entry)

@@ -77,14 +77,14 @@ local P, ttl, k = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
 local trained, dropped, constrained, unshed = 0, 0, 0, 0
 for j = 0, k - 1 do
   local id, m, state, v = ARGV[4 + 4*j], ARGV[5 + 4*j], ARGV[6 + 4*j], ARGV[7 + 4*j]
+  -- a member that names no choice ("{cid}:{i}") has no state to mark
   local sep = string.find(m, ':[^:]*$')
-  local shed = sep and redis.call('HGET', state_key(P, string.sub(m, 1, sep - 1)), string.sub(m, sep + 1))
-                   == 'backlog-dropped'
+  local st = sep and state_key(P, string.sub(m, 1, sep - 1))
+  local i = sep and string.sub(m, sep + 1)
+  local shed = st and redis.call('HGET', st, i) == 'backlog-dropped'
   if shed or acknowledged(P, id, m) then
     if shed then unshed = unshed + 1 else remove_entry(P, id, false) end
-    if sep then  -- a member that names no choice ("{cid}:{i}") has no state to mark
-      local cid, i = string.sub(m, 1, sep - 1), string.sub(m, sep + 1)
-      local st = state_key(P, cid)
+    if st then
       redis.call('HSET', st, i, state, 'v'..i, v)
       -- readable trained_ttl_s from now (a state hash that had expired is not left without a TTL)
       if redis.call('TTL', st) < ttl then redis.call('EXPIRE', st, ttl) end

@@ -85,6 +85,45 @@ def test_one_refused_completion_fails_only_its_caller_and_writes_nothing_of_it(s
     run(go())
 
 
+def test_each_choice_of_a_mixed_batch_is_stored_as_logged_past_a_refused_or_repeated_completion(store_factory):
+    """Each completion's JSON travels as script arguments found by position: a refused completion
+    (and one logged before) in the middle of a batch must not shift what the ones after it store."""
+    async def go():
+        s = store_factory()
+        sizes = _count_batches(s)
+        s.completions.batcher.max_in_flight = 1  # one batch holds all of them
+        await s.log_experiences([experience("chatcmpl-seen", 0)])
+        await s.redis.set(s._k("conv:clash"), "not a list")  # a key of another type: WRONGTYPE
+
+        def completion(cid, n, offset):
+            exps = [experience(cid, i) for i in range(n)]
+            for i, e in enumerate(exps):  # each choice's response tells it apart
+                e.response_token_ids = [offset + i, 100 + offset, 200 + i]
+            return exps
+        batch = [completion("chatcmpl-m0", 2, 10), completion("chatcmpl-bad", 3, 20),
+                 completion("chatcmpl-seen", 1, 30), completion("chatcmpl-m1", 1, 40),
+                 completion("chatcmpl-m2", 4, 50)]
+        results = await asyncio.gather(*(s.log_experiences(exps, conversation_id="clash" if exps[0].completion_id
+                                                           == "chatcmpl-bad" else None) for exps in batch),
+                                       return_exceptions=True)
+        assert sizes[-1] == 5
+        assert isinstance(results[1], ResponseError) and [r for k, r in enumerate(results) if k != 1] == [None] * 4
+        for exps in batch:
+            cid = exps[0].completion_id
+            if cid == "chatcmpl-bad":
+                assert await s.num_choices(cid) is None
+                continue
+            if cid == "chatcmpl-seen":  # logged before: the first logging stays
+                assert (await s.get_experience(cid, 0)).response_token_ids == [5, 6, 7]
+                continue
+            assert await s.num_choices(cid) == len(exps)
+            for e in exps:
+                assert await s.get_experience(cid, e.choice_index) == e
+        assert (await s.counts()).logged == 1 + 2 + 1 + 4
+        await s.close()
+    run(go())
+
+
 def test_a_full_store_refuses_every_completion_of_a_batch_and_takes_them_after_it_drains(tmp_path):
     from serve_rft.buffer.redis_server import start_redis
 

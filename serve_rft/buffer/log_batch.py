@@ -227,6 +227,26 @@ class LogBatcher:
                 entry.fut.set_result(result)
 
 
+class EncodedCompletion:
+    """One completion encoded for the LOG script (`serve_rft.buffer.scripts.LOG`).
+
+    Attributes:
+        head: MessagePack array of strings: cid, n, gid, group_size, now (unix s), reward
+            deadline (unix s), conversation key ('' for none), oldest policy version, tenant.
+        json: its shared fields' JSON object, then each choice's JSON without them (``1 + n``).
+    ``len()`` is its size in bytes (what `LogBatcher` bounds).
+    """
+
+    __slots__ = ("head", "json", "nbytes")
+
+    def __init__(self, head: bytes, json: list[bytes]):
+        self.head, self.json = head, json
+        self.nbytes = len(head) + sum(len(j) for j in json)
+
+    def __len__(self) -> int:
+        return self.nbytes
+
+
 class CompletionLog:
     """The explorer's side of the experience store: `log_experiences`, batched by `LogBatcher`.
     A component of `serve_rft.buffer.store.ExperienceStore`, given what it writes with.
@@ -283,7 +303,7 @@ class CompletionLog:
             raise StoreFull(str(e)) from None
 
     def _encode_completion(self, exps: list[Experience], group_size: int | None, conversation_id: str | None,
-                           tenant: str) -> "EncodedCompletion":
+                           tenant: str) -> EncodedCompletion:
         """One completion as the LOG script reads it: its head and its JSON (`EncodedCompletion`)."""
         e0 = exps[0]
         cid, gid = e0.completion_id, e0.group_id
@@ -297,7 +317,7 @@ class CompletionLog:
                               conv, str(min(e.min_version for e in exps)), tenant])
         return EncodedCompletion(head, [to_json(e0, include=shared), *[to_json(e, exclude=shared) for e in exps]])
 
-    async def _write_log_batch(self, items: list["EncodedCompletion"]) -> list:
+    async def _write_log_batch(self, items: list[EncodedCompletion]) -> list:
         """One LOG script call for ``items``; per item its experience count or its error.
 
         Raises:
@@ -315,23 +335,3 @@ class CompletionLog:
                 else r if isinstance(r, int) and not isinstance(r, bool)
                 else ResponseError(f"the LOG script answered a {type(r).__name__} for a completion")
                 for r in results]
-
-
-class EncodedCompletion:
-    """One completion encoded for the LOG script (`serve_rft.buffer.scripts.LOG`).
-
-    Attributes:
-        head: MessagePack array of strings: cid, n, gid, group_size, now (unix s), reward
-            deadline (unix s), conversation key ('' for none), oldest policy version, tenant.
-        json: its shared fields' JSON object, then each choice's JSON without them (``1 + n``).
-    ``len()`` is its size in bytes (what `LogBatcher` bounds).
-    """
-
-    __slots__ = ("head", "json", "nbytes")
-
-    def __init__(self, head: bytes, json: list[bytes]):
-        self.head, self.json = head, json
-        self.nbytes = len(head) + sum(len(j) for j in json)
-
-    def __len__(self) -> int:
-        return self.nbytes

@@ -103,9 +103,9 @@ def test_each_choice_of_a_mixed_batch_is_stored_as_logged_past_a_refused_or_repe
         batch = [completion("chatcmpl-m0", 2, 10), completion("chatcmpl-bad", 3, 20),
                  completion("chatcmpl-seen", 1, 30), completion("chatcmpl-m1", 1, 40),
                  completion("chatcmpl-m2", 4, 50)]
-        results = await asyncio.gather(*(s.log_experiences(exps, conversation_id="clash" if exps[0].completion_id
-                                                           == "chatcmpl-bad" else None) for exps in batch),
-                                       return_exceptions=True)
+        conversations = [None, "clash", None, None, None]  # the bad one joins the clashing key
+        results = await asyncio.gather(*(s.log_experiences(exps, conversation_id=conv)
+                                         for exps, conv in zip(batch, conversations)), return_exceptions=True)
         assert sizes[-1] == 5
         assert isinstance(results[1], ResponseError) and [r for k, r in enumerate(results) if k != 1] == [None] * 4
         for exps in batch:

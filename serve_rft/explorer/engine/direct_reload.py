@@ -27,19 +27,11 @@ Figures: docs/performance.md, "Sync cost per method".
 
 from __future__ import annotations
 
-import json
 import mmap
-import os
-import struct
-import warnings
-from typing import Any
 
 import torch
 
-SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-                      "F64": torch.float64, "I64": torch.int64, "I32": torch.int32,
-                      "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
-"""safetensors' dtype names (the format's spec, huggingface/safetensors README "Format")."""
+from serve_rft.weights.safetensors_file import DTYPES, map_file, view
 
 QKV_SHARDS = {"q": 0, "k": 1, "v": 2}
 """vLLM's ``QKVParallelLinear`` shard ids, in the order of its ``output_sizes``."""
@@ -78,41 +70,6 @@ def unsupported_reason(model: torch.nn.Module, enforce_eager: bool) -> str | Non
     return None
 
 
-def map_safetensors(path: str) -> tuple[dict[str, Any], mmap.mmap]:
-    """Map a safetensors file read-only, its pages mapped up front (``MAP_POPULATE``: one call
-    instead of a fault per page); nothing is copied.
-
-    Returns:
-        The header (name -> ``{"dtype", "shape", "data_offsets"}``, offsets relative to the data
-        section, which starts at ``header["__data_start__"]``) and the mapping.
-    Raises:
-        ValueError: the file is not a well-formed safetensors file.
-        OSError: it cannot be opened or mapped.
-    """
-    with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        if size < 8:
-            raise ValueError(f"{path}: not a safetensors file ({size} bytes)")
-        n = struct.unpack("<Q", f.read(8))[0]
-        if n > size - 8:
-            raise ValueError(f"{path}: header of {n} bytes in a file of {size}")
-        header = json.loads(f.read(n))
-        mapping = mmap.mmap(f.fileno(), size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
-                            prot=mmap.PROT_READ)
-    header.pop("__metadata__", None)
-    header["__data_start__"] = 8 + n
-    return header, mapping
-
-
-def _view(mapping: mmap.mmap, start: int, dtype: torch.dtype, shape: list[int], nbytes: int) -> torch.Tensor:
-    """``[*shape]`` tensor over ``nbytes`` bytes of ``mapping`` from byte ``start`` (no copy; it
-    keeps the mapping alive). Read-only memory: only read from it."""
-    count = nbytes // torch.empty((), dtype=dtype).element_size()
-    with warnings.catch_warnings():  # torch warns that the buffer is not writable: nothing writes to it
-        warnings.simplefilter("ignore", UserWarning)
-        return torch.frombuffer(mapping, dtype=dtype, count=count, offset=start).view(shape)
-
-
 class DirectReload:
     """One policy update of ``model`` (module docstring), file by file; not thread-safe.
 
@@ -144,7 +101,7 @@ class DirectReload:
             ValueError: a tensor has no parameter in the model, or the wrong shape.
             OSError: the file cannot be read.
         """
-        header, mapping = map_safetensors(path)  # unmapped when the last view of it is gone
+        header, mapping = map_file(path)  # unmapped when the last view of it is gone
         base = header.pop("__data_start__")
         groups: dict[int, list[tuple[int | None, int, int, torch.Tensor, str]]] = {}
         for name, meta in header.items():
@@ -156,9 +113,9 @@ class DirectReload:
             vname, shard = mapped
             module, pname = self._resolve(vname, name)
             start, end = (base + o for o in meta["data_offsets"])
-            if meta["dtype"] not in SAFETENSORS_DTYPES or not base <= start <= end <= len(mapping):
+            if meta["dtype"] not in DTYPES or not base <= start <= end <= len(mapping):
                 raise ValueError(f"checkpoint tensor {name!r}: dtype {meta['dtype']!r}, bytes {start}-{end}")
-            tensor = _view(mapping, start, SAFETENSORS_DTYPES[meta["dtype"]], meta["shape"], end - start)
+            tensor = view(mapping, start, DTYPES[meta["dtype"]], meta["shape"], end - start)
             if id(module) in self.packed and pname == "weight":
                 index = None if shard is None else QKV_SHARDS.get(shard, -1) if isinstance(shard, str) else int(shard)
                 groups.setdefault(id(module), []).append((index, start, end, tensor, vname))
@@ -229,7 +186,7 @@ class DirectReload:
                 and all(a[2] == b[1] for a, b in zip(ordered, ordered[1:]))
                 and len({s[3].dtype for s in ordered}) == 1):
             first = ordered[0]
-            self._pack(layer, _view(mapping, first[1], first[3].dtype, [out, cols], ordered[-1][2] - first[1]), vname)
+            self._pack(layer, view(mapping, first[1], first[3].dtype, [out, cols], ordered[-1][2] - first[1]), vname)
             return
         dtype = layer.weight.dtype
         buf, have, _ = self.pending.setdefault(id(layer), (torch.empty(out, cols, dtype=dtype), set(), vname))

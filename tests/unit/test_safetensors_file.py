@@ -1,5 +1,5 @@
-"""Reading a bucket's safetensors file for the direct load (serve_rft/explorer/engine/direct_reload.py):
-views of the mapped file equal what was saved, and a malformed file is refused before any read."""
+"""The safetensors file as the weights move (serve_rft/weights/safetensors_file.py): views of a
+mapped file equal what was saved, and a malformed file is refused before any read."""
 
 from __future__ import annotations
 
@@ -7,24 +7,24 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from serve_rft.explorer.engine.direct_reload import SAFETENSORS_DTYPES, _view, map_safetensors
+from serve_rft.weights.safetensors_file import DTYPES, map_file, view
 
 
-def test_views_of_the_mapped_file_equal_the_saved_tensors_and_adjacent_ones_form_one_view(tmp_path):
+def test_views_of_the_mapped_file_equal_the_saved_tensors_and_adjacent_ones_form_oneview(tmp_path):
     gate, up = torch.randn(3, 4), torch.randn(5, 4)
     tensors = {"mlp.gate_proj.weight": gate, "mlp.up_proj.weight": up,
                "norm.weight": torch.randn(4).to(torch.bfloat16)}
     save_file(tensors, str(tmp_path / "b.safetensors"))
-    header, mapping = map_safetensors(str(tmp_path / "b.safetensors"))
+    header, mapping = map_file(str(tmp_path / "b.safetensors"))
     base = header.pop("__data_start__")
     for name, t in tensors.items():
         meta = header[name]
         start, end = (base + o for o in meta["data_offsets"])
-        assert torch.equal(_view(mapping, start, SAFETENSORS_DTYPES[meta["dtype"]], meta["shape"], end - start), t)
+        assert torch.equal(view(mapping, start, DTYPES[meta["dtype"]], meta["shape"], end - start), t)
     # safetensors stores tensors sorted by name: gate then up, next to each other = the fused weight
     g, u = header["mlp.gate_proj.weight"]["data_offsets"], header["mlp.up_proj.weight"]["data_offsets"]
     assert g[1] == u[0]
-    fused = _view(mapping, base + g[0], torch.float32, [8, 4], u[1] - g[0])
+    fused = view(mapping, base + g[0], torch.float32, [8, 4], u[1] - g[0])
     assert torch.equal(fused, torch.cat([gate, up]))
 
 
@@ -32,4 +32,4 @@ def test_views_of_the_mapped_file_equal_the_saved_tensors_and_adjacent_ones_form
 def test_a_malformed_file_is_refused(tmp_path, content):
     (tmp_path / "bad.safetensors").write_bytes(content)
     with pytest.raises(ValueError):
-        map_safetensors(str(tmp_path / "bad.safetensors"))
+        map_file(str(tmp_path / "bad.safetensors"))

@@ -1,14 +1,16 @@
 """MEMORY: versions as buckets in Ray's object store (shared memory on a node, network across).
 
-The trainer snapshots its parameters into buckets of at most ``bucket_bytes`` (a tensor larger
-than a bucket travels alone), each serialized once as the bytes of a safetensors file
+The trainer snapshots its parameters into buckets of at most ``bucket_bytes`` (the tensors of
+one block, which vLLM may fuse into one layer, stay together; a block larger than a bucket
+travels alone), each serialized once as the bytes of a safetensors file in the trainer's order
 (`pack_bucket`: a ``[nbytes]`` uint8 array, which Ray hands back without a copy: numpy
 arrays are read zero-copy from the object store, Ray docs "Serialization", "Numpy Arrays"),
 with the checksum of those bytes (XXH3-64, `serve_rft.weights.verify`); ``ray.put`` each; the handle lists the ObjectRefs and checksums.
 
 A replica pipelines the buckets: while its vLLM worker loads bucket k from a file in shared
-memory (``safe_open`` maps it, no copy; vLLM's layer-wise reload re-processes each layer as
-soon as all its tensors arrived), the replica fetches bucket k+1 and writes it to the next
+memory (mapped, no copy; on CPU each linear layer is packed straight from it,
+`serve_rft.explorer.engine.direct_reload`, else vLLM's layer-wise reload re-processes each layer
+as soon as all its tensors arrived), the replica fetches bucket k+1 and writes it to the next
 file, computing its checksum in the same pass (`_write_checked`); a bucket whose bytes do not
 match never reaches the worker. So the replica's extra memory is at most two buckets' files
 (one loading, one staged), not a second model. The object store holds one copy per version
@@ -31,19 +33,39 @@ from serve_rft.weights.base import WeightSyncMethod
 
 
 def iter_buckets(named_tensors: Iterator[tuple[str, Any]], bucket_bytes: int) -> Iterator[list[tuple[str, Any]]]:
-    """Group ``(name, tensor)`` pairs into lists of at most ``bucket_bytes`` bytes each
-    (a single larger tensor forms its own bucket). Order is preserved."""
+    """Group ``(name, tensor)`` pairs into lists of at most ``bucket_bytes`` bytes each, order
+    preserved, never splitting a run of tensors of one block (`block_of`: the parts a vLLM
+    engine fuses into one layer, ``q/k/v_proj`` or ``gate/up_proj``, so they arrive together);
+    a block larger than a bucket travels alone."""
     bucket: list[tuple[str, Any]] = []
     size = 0
+    block: list[tuple[str, Any]] = []
+    block_size = 0
     for name, t in named_tensors:
-        n = t.numel() * t.element_size()
-        if bucket and size + n > bucket_bytes:
+        if block and block_of(name) != block_of(block[-1][0]):
+            if bucket and size + block_size > bucket_bytes:
+                yield bucket
+                bucket, size = [], 0
+            bucket += block
+            size += block_size
+            block, block_size = [], 0
+        block.append((name, t))
+        block_size += t.numel() * t.element_size()
+    if block:
+        if bucket and size + block_size > bucket_bytes:
             yield bucket
-            bucket, size = [], 0
-        bucket.append((name, t))
-        size += n
+            bucket = []
+        bucket += block
     if bucket:
         yield bucket
+
+
+def block_of(name: str) -> str:
+    """The module two levels above a tensor (``model.layers.0.self_attn.q_proj.weight`` ->
+    ``model.layers.0.self_attn``): its siblings are the layers vLLM may fuse with it. A name of
+    fewer than three parts is a block of its own."""
+    parts = name.split(".")
+    return ".".join(parts[:-2]) if len(parts) > 2 else name
 
 
 def checkpoint_tensors(model) -> Iterator[tuple[str, Any]]:
@@ -107,15 +129,17 @@ class MemoryMethod(WeightSyncMethod):
 
 
 def pack_bucket(bucket: list[tuple[str, Any]]):
-    """``(name, CPU tensor)`` pairs as the bytes of one safetensors file.
+    """``(name, CPU tensor)`` pairs as the bytes of one safetensors file, in the bucket's order
+    (the trainer's: a fused layer's parts lie next to each other in the order vLLM fuses them,
+    so the replica's engine packs them straight from the file as one view,
+    `serve_rft.explorer.engine.direct_reload`).
 
     Returns:
         A read-only ``[nbytes]`` uint8 numpy array (what travels through the object store).
     """
-    import numpy as np
-    from safetensors.torch import save
+    from serve_rft.weights.safetensors_file import pack
 
-    return np.frombuffer(save(dict(bucket)), dtype=np.uint8)
+    return pack(bucket)
 
 
 def unpack_bucket(blob) -> dict[str, Any]:

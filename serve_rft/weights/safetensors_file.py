@@ -55,3 +55,35 @@ def view(mapping: mmap.mmap, start: int, dtype: torch.dtype, shape: list[int], n
     with warnings.catch_warnings():  # torch warns that the buffer is not writable: nothing writes to it
         warnings.simplefilter("ignore", UserWarning)
         return torch.frombuffer(mapping, dtype=dtype, count=count, offset=start).view(shape)
+
+
+def pack(named_tensors: list[tuple[str, torch.Tensor]]):
+    """``(name, CPU tensor)`` pairs as the bytes of one safetensors file, **in the given order**
+    (safetensors' own ``save`` sorts tensors by name). Each tensor is copied once, into the result.
+
+    Returns:
+        A read-only ``[nbytes]`` uint8 numpy array.
+    Raises:
+        KeyError: a dtype the format has no name for.
+    """
+    import numpy as np
+
+    names = {dtype: name for name, dtype in DTYPES.items()}
+    header, offset = {}, 0
+    for name, t in named_tensors:
+        n = t.numel() * t.element_size()
+        header[name] = {"dtype": names[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned, as safetensors writes it
+    out = np.empty(8 + len(raw) + offset, dtype=np.uint8)
+    out[:8] = np.frombuffer(struct.pack("<Q", len(raw)), dtype=np.uint8)
+    out[8:8 + len(raw)] = np.frombuffer(raw, dtype=np.uint8)
+    pos = 8 + len(raw)
+    for _, t in named_tensors:
+        n = t.numel() * t.element_size()
+        if n:
+            out[pos:pos + n] = t.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
+        pos += n
+    out.flags.writeable = False
+    return out

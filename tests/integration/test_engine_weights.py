@@ -48,6 +48,7 @@ def test_checkpoint_and_memory_loads_give_exactly_the_new_policy(embedded_model,
     from serve_rft.explorer.engine.engine_tap import EngineTap
     from serve_rft.explorer.engine.openai_serving import build_serving
     from serve_rft.weights import CheckpointMethod, LoadFailed, MemoryMethod, load_or_restore
+    from serve_rft.weights.memory import checkpoint_tensors, iter_buckets
 
     ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False)
     try:
@@ -89,8 +90,8 @@ def test_checkpoint_and_memory_loads_give_exactly_the_new_policy(embedded_model,
                 mem = MemoryMethod(bucket_bytes=1 << 18)  # several buckets for the tiny model
                 handle = mem.send(mem_model, 2)
                 assert len(handle["buckets"]) > 2
-                # some fused layer (q/k/v, gate/up) has its parts in two buckets: it is gathered
-                assert _fused_layers_split(mem_model, 1 << 18), "no fused layer spans two buckets"
+                # the parts of each fused layer (q/k/v, gate/up) travel in one bucket
+                assert not _fused_layers_split(list(iter_buckets(checkpoint_tensors(mem_model), 1 << 18)))
                 await engine.pause("wait")
                 await mem.receive(engine, handle, 2)
                 await engine.resume()
@@ -139,6 +140,18 @@ def test_checkpoint_and_memory_loads_give_exactly_the_new_policy(embedded_model,
                 ids5, lp5, spans5 = await _sample(engine, "v5")
                 results["layerwise"] = float((lp5 - _hf_logprobs(lw_model, ids5)).abs().max())
                 assert spans5[0].version == "5" and engine.load_path == "layerwise (turned off)"
+
+                # a sender that splits fused layers across buckets: their parts are gathered
+                engine.direct_weight_load = True
+                split_model = perturbed(embedded_model, 6)
+                split, buckets = _split_handle(split_model, 1 << 18)
+                assert _fused_layers_split(buckets), "no fused layer spans two buckets"
+                await engine.pause("wait")
+                await mem.receive(engine, split, 6)
+                await engine.resume()
+                ids6, lp6, _ = await _sample(engine, "v6")
+                results["split"] = float((lp6 - _hf_logprobs(split_model, ids6)).abs().max())
+                assert engine.load_path == "direct"
                 return results
             finally:
                 engine.shutdown()
@@ -152,14 +165,34 @@ def test_checkpoint_and_memory_loads_give_exactly_the_new_policy(embedded_model,
     assert results["restored"] < 1e-4, results
     assert results["restored_after_partial"] < 1e-4, results
     assert results["layerwise"] < 1e-4, results
+    assert results["split"] < 1e-4, results
 
 
-def _fused_layers_split(model, bucket_bytes: int) -> bool:
-    """Whether MEMORY's buckets put the parts of some fused vLLM layer in different buckets."""
-    from serve_rft.weights.memory import checkpoint_tensors, iter_buckets
+def _split_handle(model, bucket_bytes: int):
+    """A MEMORY handle whose buckets are cut at any tensor (fused layers split), and its buckets."""
+    import ray
 
+    from serve_rft.weights.memory import checkpoint_tensors, pack_bucket
+    from serve_rft.weights.verify import digest
+
+    buckets, size = [[]], 0
+    for name, t in checkpoint_tensors(model):
+        n = t.numel() * t.element_size()
+        if buckets[-1] and size + n > bucket_bytes:
+            buckets.append([])
+            size = 0
+        buckets[-1].append((name, t))
+        size += n
+    blobs = [pack_bucket(b) for b in buckets]
+    return {"method": "memory", "buckets": [ray.put(b) for b in blobs], "checksums": [digest(b) for b in blobs],
+            "bytes": sum(t.numel() * t.element_size() for b in buckets for _, t in b)}, buckets
+
+
+def _fused_layers_split(buckets) -> bool:
+    """Whether ``buckets`` (lists of ``(name, tensor)``) put the parts of some fused vLLM layer in
+    different buckets."""
     where = {}
-    for i, bucket in enumerate(iter_buckets(checkpoint_tensors(model), bucket_bytes)):
+    for i, bucket in enumerate(buckets):
         for name, _ in bucket:
             for part, fused in (("q_proj", "qkv"), ("k_proj", "qkv"), ("v_proj", "qkv"),
                                 ("gate_proj", "gate_up"), ("up_proj", "gate_up")):

@@ -17,6 +17,22 @@ def test_buckets_respect_the_byte_bound_and_keep_order():
     assert [n for b in buckets for n, _ in b] == [n for n, _ in tensors]
 
 
+def test_the_tensors_of_one_block_travel_in_one_bucket():
+    """The parts vLLM fuses into one layer (siblings under one module) are never split; a block
+    larger than a bucket travels alone; order is kept."""
+    t = lambda n: torch.zeros(n, dtype=torch.float32)  # noqa: E731
+    tensors = [("model.embed.weight", t(20)),
+               ("model.layers.0.attn.q.weight", t(10)), ("model.layers.0.attn.k.weight", t(10)),
+               ("model.layers.0.attn.v.weight", t(10)),
+               ("model.layers.0.mlp.gate.weight", t(30)), ("model.layers.0.mlp.up.weight", t(30)),
+               ("model.layers.0.norm.weight", t(2)), ("model.layers.1.norm.weight", t(2)), ("x", t(1))]
+    buckets = [[n for n, _ in b] for b in iter_buckets(iter(tensors), bucket_bytes=4 * 40)]
+    assert buckets == [["model.embed.weight"],
+                       ["model.layers.0.attn.q.weight", "model.layers.0.attn.k.weight", "model.layers.0.attn.v.weight"],
+                       ["model.layers.0.mlp.gate.weight", "model.layers.0.mlp.up.weight"],
+                       ["model.layers.0.norm.weight", "model.layers.1.norm.weight", "x"]]
+
+
 def test_checkpoint_tensors_send_tied_weights_once(embedded_model):
     from transformers import AutoModelForCausalLM
 
@@ -40,10 +56,17 @@ def test_a_packed_bucket_is_a_safetensors_file_and_unpacks_to_the_same_tensors()
     blob = pack_bucket(bucket)
     assert blob.dtype.name == "uint8" and blob.ndim == 1
     got = unpack_bucket(blob)
-    assert list(got) == [n for n, _ in bucket] or set(got) == {n for n, _ in bucket}
+    assert set(got) == {n for n, _ in bucket}
     for name, t in bucket:
         assert got[name].dtype == t.dtype and torch.equal(got[name], t)
-    assert load(bytes(blob)).keys() == got.keys()  # what the worker's safe_open reads
+    assert load(bytes(blob)).keys() == got.keys()  # what safetensors' own readers read
+    # the tensors lie in the bucket's order (safetensors' own writer sorts them by name)
+    import json
+    import struct
+
+    n = struct.unpack("<Q", bytes(blob[:8]))[0]
+    header = json.loads(bytes(blob[8:8 + n]))
+    assert sorted(bucket, key=lambda nt: header[nt[0]]["data_offsets"][0]) == bucket
 
 
 class _Ref:

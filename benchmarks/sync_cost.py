@@ -81,12 +81,16 @@ def pack_gbps(model, reps: int = 2) -> float:
 
 
 def file_read_gbps(path: Path, reps: int = 3) -> float:
+    """Page-cache read bandwidth: the file read into one reused 64 MiB buffer (``readinto``, so
+    no allocation or first-touch page faults count), best of ``reps``."""
     size = path.stat().st_size
+    buf = bytearray(64 << 20)
+    view = memoryview(buf)
     best = float("inf")
     for _ in range(reps):
         t0 = time.perf_counter()
-        with open(path, "rb") as f:
-            while f.read(64 << 20):
+        with open(path, "rb", buffering=0) as f:
+            while f.readinto(view):
                 pass
         best = min(best, time.perf_counter() - t0)
     return size / best / 1e9

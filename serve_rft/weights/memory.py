@@ -11,9 +11,9 @@ A replica pipelines the buckets: while its vLLM worker loads bucket k from a fil
 memory (mapped, no copy; on CPU each linear layer is packed straight from it,
 `serve_rft.explorer.engine.direct_reload`, else vLLM's layer-wise reload re-processes each layer
 as soon as all its tensors arrived), the replica fetches bucket k+1 and writes it to the next
-file, computing its checksum in the same pass (`_write_checked`); a bucket whose bytes do not
-match never reaches the worker. So the replica's extra memory is at most two buckets' files
-(one loading, one staged), not a second model. The object store holds one copy per version
+file, computing its checksum in the same pass (`_write_checked`; on CPU the two files are
+rewritten in turn); a bucket whose bytes do not match never reaches the worker. So the replica's
+extra memory is at most two buckets' files (one loading, one staged), not a second model. The object store holds one copy per version
 that some replica still references; Ray frees it once no handle refers to it.
 
 With adapter-only LoRA sync the trainer publishes its `peft.PeftModel`: one object holds the
@@ -150,8 +150,9 @@ def unpack_bucket(blob) -> dict[str, Any]:
 
 
 def _write_checked(blob, path: str, expected: str | None, index: int, chunk: int = 4 << 20) -> None:
-    """Write ``blob`` to ``path`` and check its checksum (`serve_rft.weights.verify.digest`)
-    in the same pass, a 4 MiB chunk at a time.
+    """Write ``blob`` to ``path`` (over what the file held: an existing file's pages are reused,
+    not allocated again) and check its checksum (`serve_rft.weights.verify.digest`) in the same
+    pass, a 4 MiB chunk at a time.
 
     Raises:
         VersionCorrupt: the bytes do not match ``expected`` (the file is removed).
@@ -164,11 +165,12 @@ def _write_checked(blob, path: str, expected: str | None, index: int, chunk: int
     view = memoryview(blob).cast("B")
     h = xxhash.xxh3_64()
     try:
-        with open(path, "wb") as f:
+        with open(os.open(path, os.O_WRONLY | os.O_CREAT, 0o600), "wb") as f:
             for k in range(0, len(view), chunk):
                 part = view[k:k + chunk]
                 h.update(part)
                 f.write(part)
+            f.truncate()
         if expected is not None and XXH3 + h.hexdigest() != expected:
             raise VersionCorrupt(f"bucket {index}: checksum mismatch")
     except BaseException:
@@ -198,16 +200,26 @@ def _remove(path: str) -> None:
 
 async def _load_pipelined(engine, refs: list, sums: list, took: dict[str, float]) -> None:
     """Fetch, stage and check bucket k+1 while the engine loads bucket k; adds each stage's
-    seconds to ``took``. The engine is never left mid-load when this raises, and no staged
-    file outlives it (the engine removes each file it was given).
+    seconds to ``took``. Where the engine allows it (``staged_files_reusable``) the buckets take
+    turns in two files, each rewritten in place (no shared-memory pages allocated per bucket:
+    docs/performance.md, "Sync cost per method"); else each bucket gets a new file, removed once
+    loaded. The engine is never left mid-load when this raises, and no staged
+    file outlives it.
 
     Raises:
         VersionCorrupt, or whatever Ray or the engine raises.
     """
+    slots = [engine.staging_path(), engine.staging_path()] if getattr(engine, "staged_files_reusable", False) else None
+    staged: set[str] = set()
+
     async def load(path: str) -> None:
         t = time.perf_counter()
-        await engine.load_bucket(path)
-        took["engine_s"] += time.perf_counter() - t
+        try:
+            await engine.load_bucket(path)
+        finally:
+            took["engine_s"] += time.perf_counter() - t
+            if slots is None:
+                _remove(path)
 
     loading: asyncio.Future | None = None
     try:
@@ -216,22 +228,21 @@ async def _load_pipelined(engine, refs: list, sums: list, took: dict[str, float]
             blob = await ref
             took["fetch_s"] += time.perf_counter() - t
             t = time.perf_counter()
-            path = engine.staging_path()
-            await _stage(blob, path, expected, i)
+            path = slots[i % 2] if slots else engine.staging_path()
+            staged.add(path)
+            await _stage(blob, path, expected, i)  # slot i % 2: its last load (bucket i - 2) has ended
             took["stage_s"] += time.perf_counter() - t
             del blob
-            try:
-                if loading is not None:
-                    await loading
-            except BaseException:
-                _remove(path)
-                raise
+            if loading is not None:
+                await loading
             loading = asyncio.ensure_future(load(path))
         if loading is not None:
             await loading
     finally:
         if loading is not None and not loading.done():
             await asyncio.wait([loading])  # its outcome is superseded by the error raised here
+        for path in staged:
+            _remove(path)
 
 
 def _check_bucket(named_tensors, expected: str | None, index: int) -> None:

@@ -86,8 +86,10 @@ class _Engine:
     """Records what a replica's engine is asked; its load of a staged file lasts until the next
     bucket is staged beside it (up to 1 s: a replica that does not pipeline fails the test)."""
 
-    def __init__(self, tmp_path, fail_at: int | None = None, hold_s: float = 0.0):
+    def __init__(self, tmp_path, fail_at: int | None = None, hold_s: float = 0.0, reusable: bool = False):
         self.tmp_path, self.fail_at, self.hold_s = tmp_path, fail_at, hold_s
+        self.staged_files_reusable = reusable
+        self.paths: list[str] = []
         self.loaded: list[dict] = []
         self.staged_peak = 0
         self.loading = False
@@ -107,6 +109,7 @@ class _Engine:
     async def load_bucket(self, path):
         from safetensors.torch import load_file
 
+        self.paths.append(path)
         self.loading = True
         try:
             await asyncio.sleep(self.hold_s)
@@ -117,10 +120,10 @@ class _Engine:
             self.staged_peak = max(self.staged_peak, self.staged())
             if self.fail_at is not None and len(self.loaded) == self.fail_at:
                 raise RuntimeError("the loader refused the tensors")
-            self.loaded.append(load_file(path))
+            # copies: an engine keeps nothing of the file (safetensors' tensors are views of it)
+            self.loaded.append({n: t.clone() for n, t in load_file(path).items()})
         finally:
-            os.unlink(path)
-            self.loading = False
+            self.loading = False  # the file is the caller's to remove
 
     async def finish_update(self, version):
         self.finished = version
@@ -155,6 +158,19 @@ def test_receive_pipelines_buckets_with_at_most_two_staged_files(tmp_path):
     assert engine.staged_peak == 2 and engine.staged() == 0
     assert engine.finished == 7
     assert {"seconds", "bytes", "fetch_s", "stage_s", "engine_s", "finish_s"} <= info.keys()
+
+
+def test_with_a_reusable_engine_two_files_take_turns_and_each_bucket_loads_intact(tmp_path):
+    """An engine that keeps nothing of a file once loaded (the direct load): the buckets are
+    written over two files in turn, never over the one loading, and both are removed at the end."""
+    from serve_rft.weights.memory import MemoryMethod
+
+    engine = _Engine(tmp_path, reusable=True)
+    asyncio.run(MemoryMethod().receive(engine, _handle(BUCKETS), 7))
+    assert len(set(engine.paths)) == 2 and engine.paths[0] != engine.paths[1]
+    assert all(engine.paths[i] == engine.paths[i % 2] for i in range(len(BUCKETS)))
+    assert all(torch.equal(engine.loaded[i][n], t) for i, b in enumerate(BUCKETS) for n, t in b)
+    assert engine.staged_peak == 2 and engine.staged() == 0 and engine.finished == 7
 
 
 def test_a_corrupt_bucket_never_reaches_the_engine_and_leaves_no_file(tmp_path):

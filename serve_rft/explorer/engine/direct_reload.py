@@ -104,6 +104,7 @@ class DirectReload:
         header, mapping = map_file(path)  # unmapped when the last view of it is gone
         base = header.pop("__data_start__")
         groups: dict[int, list[tuple[int | None, int, int, torch.Tensor, str]]] = {}
+        tensor = None
         for name, meta in header.items():
             if self.tied_head and name.startswith("lm_head."):
                 continue
@@ -123,7 +124,19 @@ class DirectReload:
             self._load_in_place(module, pname, vname, tensor, shard)
         for key, shards in groups.items():
             self._load_packed(self.packed[key], shards, mapping)
+        del groups, tensor
+        self._own_memory(mapping)
         return len(header)
+
+    def _own_memory(self, mapping: mmap.mmap) -> None:
+        """Give any parameter or buffer that a vLLM loader left pointing into the file a copy of
+        its own: nothing of the model may change when the file is rewritten or removed (the
+        replica reuses its staging files, `serve_rft.weights.memory`)."""
+        base = view(mapping, 0, torch.uint8, [len(mapping)], len(mapping)).data_ptr()
+        end = base + len(mapping)
+        for t in [*self.model.parameters(), *self.model.buffers()]:
+            if t.numel() and base <= t.untyped_storage().data_ptr() < end:
+                t.data = t.data.clone()
 
     def finish(self) -> set[str]:
         """Re-run vLLM's post-load processing of the modules loaded in place.

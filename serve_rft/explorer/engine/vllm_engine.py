@@ -233,18 +233,22 @@ class ExplorerEngine:
         return _shm_path()
 
     async def load_bucket(self, path: str) -> None:
-        """Load one bucket, a safetensors file at ``path`` (`staging_path`), in the worker
-        (``safe_open`` maps it: the file is read in place, not copied); only its path goes
-        through vLLM's RPC. The file is removed once loaded, or failed.
+        """Load one bucket, a safetensors file at ``path`` (`staging_path`), in the worker (it
+        maps the file: read in place, not copied); only its path goes through vLLM's RPC. The
+        caller removes the file.
 
         Raises:
             Whatever vLLM's loader raises for tensors that do not fit the model.
         """
-        try:
-            await self.llm.collective_rpc("load_policy_bucket", kwargs={"path": path})
-        finally:
-            if os.path.exists(path):
-                os.unlink(path)
+        await self.llm.collective_rpc("load_policy_bucket", kwargs={"path": path})
+
+    @property
+    def staged_files_reusable(self) -> bool:
+        """Whether a staged file may be rewritten once `load_bucket` returned: true when this
+        update loads straight into the packed layers, whose worker keeps nothing of a file
+        after loading it (vLLM's layer-wise reload keeps views of a file until each layer it
+        began there is complete)."""
+        return self.load_path == "direct"
 
     async def finish_update(self, version: int) -> None:
         """Finish a bucketed update and label subsequent tokens with ``version``."""

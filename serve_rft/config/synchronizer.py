@@ -112,7 +112,8 @@ class SynchronizerConfig(StrictSection):
         "canary.replicas first and is promoted or rolled back by its rewards (serve_rft/synchronizer/canary.py).")
     canary: CanaryConfig = Field(default_factory=CanaryConfig)
     bucket_bytes: int = Field(
-        32 << 20, ge=1 << 16, description="MEMORY: largest bucket of tensors sent at once, bytes."
+        32 << 20, ge=1 << 16, description="MEMORY: largest bucket of tensors sent at once, bytes (the "
+        "tensors of one block, which vLLM may fuse into one layer, travel together; a larger block alone)."
     )
 
     @model_validator(mode="after")

@@ -211,3 +211,27 @@ def test_a_receive_cancelled_mid_load_leaves_no_staged_file(tmp_path):
 
     for delay in (0.0, 0.005, 0.02, 0.05, 0.1):
         asyncio.run(run(delay))
+
+
+def test_files_of_replicas_that_are_gone_are_removed_and_live_ones_kept(tmp_path):
+    """A replica killed by SIGKILL mid-sync leaves its staged buckets and adapter folder in shared
+    memory; the next replica to start removes them, never a live process's."""
+    import subprocess
+    import uuid
+
+    from serve_rft.explorer.engine.vllm_engine import remove_dead_replicas_files
+
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    dead, alive = gone.pid, os.getpid()
+    names = {f"serve-rft-bucket-{dead}-{uuid.uuid4().hex}.safetensors": True,
+             f"serve-rft-bucket-{alive}-{uuid.uuid4().hex}.safetensors": False,
+             f"serve-rft-bucket-{dead}-not-a-uuid.safetensors": False, "other-file": False}
+    for name in names:
+        (tmp_path / name).write_bytes(b"x")
+    adapters = tmp_path / f"serve-rft-adapters-{dead}-{uuid.uuid4().hex}"
+    (adapters / "v000001").mkdir(parents=True)
+    (adapters / "v000001" / "adapter_model.safetensors").write_bytes(b"x")
+    removed = remove_dead_replicas_files(str(tmp_path))
+    assert sorted(removed) == sorted([str(tmp_path / n) for n, gone_ in names.items() if gone_] + [str(adapters)])
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(n for n, gone_ in names.items() if not gone_)

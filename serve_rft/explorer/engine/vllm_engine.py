@@ -7,6 +7,7 @@ labelled in vLLM itself (`update_weight_version`), so every output carries per-t
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -49,13 +50,58 @@ def engine_env(cfg: ExplorerConfig) -> None:
     logging.getLogger("vllm").setLevel(os.environ["VLLM_LOGGING_LEVEL"])
 
 
+SHM_PREFIX = "serve-rft-"
+"""Names of what a replica writes to shared memory: ``serve-rft-<kind>-<pid>-<uuid hex><suffix>``."""
+
+
+def _shm_root() -> str:
+    import tempfile
+
+    return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+
+
 def _shm_path(kind: str = "bucket", suffix: str = ".safetensors") -> str:
     """A fresh path in shared memory (tmpfs), or in the temp dir where there is none."""
-    import tempfile
     import uuid
 
-    root = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-    return os.path.join(root, f"serve-rft-{kind}-{os.getpid()}-{uuid.uuid4().hex}{suffix}")
+    return os.path.join(_shm_root(), f"{SHM_PREFIX}{kind}-{os.getpid()}-{uuid.uuid4().hex}{suffix}")
+
+
+def remove_dead_replicas_files(root: str | None = None) -> list[str]:
+    """Remove the shared-memory files and folders (staged buckets, adapters) of replica
+    processes that are gone: one killed by SIGKILL mid-sync leaves up to two bucket files (a
+    bucket each, ``synchronizer.bucket_bytes``) and its adapter folder behind, in memory until
+    the machine restarts. A name whose pid is alive is kept (its owner, or a process that reused
+    the pid: then it stays until that process ends).
+
+    Returns:
+        The paths removed.
+    """
+    import re
+    import shutil
+
+    pattern = re.compile(re.escape(SHM_PREFIX) + r"(bucket|adapters)-(\d+)-[0-9a-f]{32}(\.safetensors)?$")
+    root = root or _shm_root()
+    removed = []
+    for name in os.listdir(root):
+        m = pattern.match(name)
+        if m is None:
+            continue
+        try:
+            os.kill(int(m.group(2)), 0)
+            continue  # alive
+        except ProcessLookupError:
+            pass
+        except PermissionError:  # alive, another user's
+            continue
+        path = os.path.join(root, name)
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+        removed.append(path)
+    return removed
 
 
 class ExplorerEngine:
@@ -102,6 +148,9 @@ class ExplorerEngine:
                 ``max_lora_rank`` values; `LoraSettings.vllm_max_lora_rank`), or None.
         """
         engine_env(cfg)
+        gone = remove_dead_replicas_files()
+        if gone:
+            logging.getLogger(__name__).info("removed %d shared-memory files of replicas that are gone", len(gone))
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.platforms import current_platform
         from vllm.v1.engine.async_llm import AsyncLLM

@@ -130,16 +130,19 @@ class MemoryMethod(WeightSyncMethod):
 
 def pack_bucket(bucket: list[tuple[str, Any]]):
     """``(name, CPU tensor)`` pairs as the bytes of one safetensors file, in the bucket's order
-    (the trainer's: a fused layer's parts lie next to each other in the order vLLM fuses them,
-    so the replica's engine packs them straight from the file as one view,
-    `serve_rft.explorer.engine.direct_reload`).
+    (the trainer's) but each block's weights before its other tensors: a fused layer's parts lie
+    next to each other in the order vLLM fuses them, so the replica's engine packs them straight
+    from the file as one view (`serve_rft.explorer.engine.direct_reload`).
 
     Returns:
         A read-only ``[nbytes]`` uint8 numpy array (what travels through the object store).
     """
     from serve_rft.weights.safetensors_file import pack
 
-    return pack(bucket)
+    # within a block, the weights first: a fused layer's parts (q, k, v) then lie next to each
+    # other, not between their biases
+    blocks = {b: i for i, b in enumerate(dict.fromkeys(block_of(n) for n, _ in bucket))}
+    return pack(sorted(bucket, key=lambda nt: (blocks[block_of(nt[0])], not nt[0].endswith(".weight"))))
 
 
 def unpack_bucket(blob) -> dict[str, Any]:
@@ -234,10 +237,10 @@ async def _load_pipelined(engine, refs: list, sums: list, took: dict[str, float]
             took["stage_s"] += time.perf_counter() - t
             del blob
             if loading is not None:
-                await loading
+                await asyncio.shield(loading)  # a cancel must not abandon the engine mid-load
             loading = asyncio.ensure_future(load(path))
         if loading is not None:
-            await loading
+            await asyncio.shield(loading)
     finally:
         if loading is not None and not loading.done():
             await asyncio.wait([loading])  # its outcome is superseded by the error raised here

@@ -98,6 +98,7 @@ def test_checkpoint_and_memory_loads_give_exactly_the_new_policy(embedded_model,
                 ids2, lp2, spans2 = await _sample(engine, "v2")
                 results["memory"] = float((lp2 - _hf_logprobs(mem_model, ids2)).abs().max())
                 assert engine.load_path == "direct"
+                assert engine.gathered_layers == []  # every fused layer packed from one view of a file
                 assert spans2[0].version == "2"
 
                 # a corrupt (but committed) version: the load fails, version 2 is restored
@@ -151,7 +152,7 @@ def test_checkpoint_and_memory_loads_give_exactly_the_new_policy(embedded_model,
                 await engine.resume()
                 ids6, lp6, _ = await _sample(engine, "v6")
                 results["split"] = float((lp6 - _hf_logprobs(split_model, ids6)).abs().max())
-                assert engine.load_path == "direct"
+                assert engine.load_path == "direct" and engine.gathered_layers  # those split were gathered
                 return results
             finally:
                 engine.shutdown()

@@ -33,6 +33,26 @@ def test_the_tensors_of_one_block_travel_in_one_bucket():
                        ["model.layers.0.norm.weight", "model.layers.1.norm.weight", "x"]]
 
 
+def test_in_a_packed_bucket_a_blocks_weights_lie_together_before_its_biases():
+    """q, k, v weights next to each other in that order (vLLM's fused ``qkv_proj``), not between
+    their biases; blocks keep their order."""
+    import json
+    import struct
+
+    from serve_rft.weights.memory import pack_bucket
+
+    names = ["model.embed.weight", "m.l.0.attn.q.weight", "m.l.0.attn.q.bias", "m.l.0.attn.k.weight",
+             "m.l.0.attn.k.bias", "m.l.0.attn.v.weight", "m.l.0.attn.v.bias", "m.l.0.attn.o.weight",
+             "m.l.0.norm.weight"]
+    blob = pack_bucket([(n, torch.zeros(2)) for n in names])
+    n = struct.unpack("<Q", bytes(blob[:8]))[0]
+    header = json.loads(bytes(blob[8:8 + n]))
+    assert sorted(header, key=lambda k: header[k]["data_offsets"][0]) == [
+        "model.embed.weight", "m.l.0.attn.q.weight", "m.l.0.attn.k.weight", "m.l.0.attn.v.weight",
+        "m.l.0.attn.o.weight", "m.l.0.attn.q.bias", "m.l.0.attn.k.bias", "m.l.0.attn.v.bias",
+        "m.l.0.norm.weight"]
+
+
 def test_checkpoint_tensors_send_tied_weights_once(embedded_model):
     from transformers import AutoModelForCausalLM
 
@@ -221,17 +241,27 @@ def test_files_of_replicas_that_are_gone_are_removed_and_live_ones_kept(tmp_path
 
     from serve_rft.explorer.engine.vllm_engine import remove_dead_replicas_files
 
+    from serve_rft.explorer.engine.vllm_engine import _pid_namespace
+
     gone = subprocess.Popen(["true"])
     gone.wait()
-    dead, alive = gone.pid, os.getpid()
-    names = {f"serve-rft-bucket-{dead}-{uuid.uuid4().hex}.safetensors": True,
-             f"serve-rft-bucket-{alive}-{uuid.uuid4().hex}.safetensors": False,
-             f"serve-rft-bucket-{dead}-not-a-uuid.safetensors": False, "other-file": False}
+    dead, alive, ns = gone.pid, os.getpid(), _pid_namespace()
+    names = {f"serve-rft-bucket-{ns}-{dead}-{uuid.uuid4().hex}.safetensors": True,
+             f"serve-rft-bucket-{ns}-{alive}-{uuid.uuid4().hex}.safetensors": False,
+             f"serve-rft-bucket-{ns + 1}-{dead}-{uuid.uuid4().hex}.safetensors": False,  # another pid namespace
+             f"serve-rft-bucket-{ns}-99999999999-{uuid.uuid4().hex}.safetensors": False,  # no such pid
+             f"serve-rft-bucket-{ns}-{dead}-not-a-uuid.safetensors": False, "other-file": False}
     for name in names:
         (tmp_path / name).write_bytes(b"x")
-    adapters = tmp_path / f"serve-rft-adapters-{dead}-{uuid.uuid4().hex}"
+    link = tmp_path / f"serve-rft-bucket-{ns}-{dead}-{uuid.uuid4().hex}.safetensors"
+    link.symlink_to(tmp_path / "other-file")
+    adapters = tmp_path / f"serve-rft-adapters-{ns}-{dead}-{uuid.uuid4().hex}"
     (adapters / "v000001").mkdir(parents=True)
     (adapters / "v000001" / "adapter_model.safetensors").write_bytes(b"x")
     removed = remove_dead_replicas_files(str(tmp_path))
-    assert sorted(removed) == sorted([str(tmp_path / n) for n, gone_ in names.items() if gone_] + [str(adapters)])
+    links = [p for p in tmp_path.iterdir() if p.is_symlink()]
+    assert sorted(removed) == sorted([str(tmp_path / n) for n, gone_ in names.items() if gone_]
+                                     + [str(adapters), str(link)])
+    # a dead replica's symlink is removed as a link: what it points at stays
+    assert not links and (tmp_path / "other-file").read_bytes() == b"x"
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(n for n, gone_ in names.items() if not gone_)

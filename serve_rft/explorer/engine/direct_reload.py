@@ -33,6 +33,11 @@ import torch
 
 from serve_rft.weights.safetensors_file import DTYPES, map_file, view
 
+class UnknownTensor(ValueError):
+    """A checkpoint tensor names no module or parameter of the model as this loader maps names
+    (vLLM's own loader may know more of the model's names: the worker then keeps to it)."""
+
+
 QKV_SHARDS = {"q": 0, "k": 1, "v": 2}
 """vLLM's ``QKVParallelLinear`` shard ids, in the order of its ``output_sizes``."""
 
@@ -55,6 +60,8 @@ def unsupported_reason(model: torch.nn.Module, enforce_eager: bool) -> str | Non
         return "not on CPU (vLLM's weights are plain tensors there)"
     if not enforce_eager:
         return "not in eager mode"
+    if current_platform.is_zen_cpu():  # zentorch may keep the weight tensor itself (unpacked)
+        return "zentorch GEMM"
     if get_tensor_model_parallel_world_size() != 1:
         return "tensor-parallel"
     mapper = getattr(model, "hf_to_vllm_mapper", None)
@@ -70,6 +77,22 @@ def unsupported_reason(model: torch.nn.Module, enforce_eager: bool) -> str | Non
     return None
 
 
+def _tensor(mapping: mmap.mmap, base: int, name: str, meta: dict) -> torch.Tensor:
+    """The view of one header entry; ValueError when the entry does not describe bytes of the file."""
+    try:
+        dtype = DTYPES[meta["dtype"]]
+        shape = [int(n) for n in meta["shape"]]
+        start, end = (base + int(o) for o in meta["data_offsets"])
+    except (KeyError, TypeError, ValueError):
+        raise ValueError(f"checkpoint tensor {name!r}: malformed header entry {meta!r}") from None
+    count = 1
+    for n in shape:
+        count *= n
+    if not base <= start <= end <= len(mapping) or end - start != count * torch.empty((), dtype=dtype).element_size():
+        raise ValueError(f"checkpoint tensor {name!r}: shape {shape} of {meta['dtype']} in bytes {start}-{end}")
+    return view(mapping, start, dtype, shape, end - start)
+
+
 class DirectReload:
     """One policy update of ``model`` (module docstring), file by file; not thread-safe.
 
@@ -77,20 +100,27 @@ class DirectReload:
         model: the worker's vLLM model (`unsupported_reason` returned None for it).
         tied_head: the model ties its LM head to the embedding (``lm_head.*`` tensors are
             skipped, as vLLM's loader skips them).
+        repacked_by_caller: a module whose post-load processing the caller runs itself (the
+            embedding of a tied head: its re-pack is the head's), skipped in `finish`.
     """
 
-    def __init__(self, model: torch.nn.Module, tied_head: bool):
+    def __init__(self, model: torch.nn.Module, tied_head: bool, repacked_by_caller: torch.nn.Module | None = None):
         from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+        from vllm.model_executor.models.utils import AutoWeightsLoader
 
         self.model = model
-        self.mapper = model.hf_to_vllm_mapper
+        # the model's names, and the stale rotary tensors vLLM's own loader drops
+        self.mapper = model.hf_to_vllm_mapper | AutoWeightsLoader.REMOVE_UNUSED_ROTARY_EMBEDS_MAPPER
         self.tied_head = tied_head
+        self.skip_processing = {id(repacked_by_caller)} if repacked_by_caller is not None else set()
         self.packed = {id(m): m for m in model.modules()
                        if isinstance(getattr(m, "quant_method", None), UnquantizedLinearMethod)}
         self.pending: dict[int, tuple[torch.Tensor, set[int], str]] = {}
         """A fused layer's gathered shards: ``[out, in]`` buffer, shard indices in it, vLLM name."""
         self.touched: dict[int, torch.nn.Module] = {}
         self.loaded: set[str] = set()
+        self.gathered: set[str] = set()
+        """Fused layers whose parts were copied into one buffer (not one view of a file)."""
 
     def load_file(self, path: str) -> int:
         """Load every tensor of one safetensors file (checkpoint names).
@@ -98,13 +128,19 @@ class DirectReload:
         Returns:
             The number of tensors in the file.
         Raises:
-            ValueError: a tensor has no parameter in the model, or the wrong shape.
+            UnknownTensor: a tensor has no parameter in the model (as this loader maps names).
+            ValueError: a tensor has the wrong shape, or the file a malformed header.
             OSError: the file cannot be read.
         """
         header, mapping = map_file(path)  # unmapped when the last view of it is gone
+        try:
+            return self._load_mapped(header, mapping)
+        finally:  # also when a loader failed half way: nothing may keep pointing into the file
+            self._own_memory(mapping)
+
+    def _load_mapped(self, header: dict, mapping: mmap.mmap) -> int:
         base = header.pop("__data_start__")
         groups: dict[int, list[tuple[int | None, int, int, torch.Tensor, str]]] = {}
-        tensor = None
         for name, meta in header.items():
             if self.tied_head and name.startswith("lm_head."):
                 continue
@@ -113,19 +149,16 @@ class DirectReload:
                 continue
             vname, shard = mapped
             module, pname = self._resolve(vname, name)
-            start, end = (base + o for o in meta["data_offsets"])
-            if meta["dtype"] not in DTYPES or not base <= start <= end <= len(mapping):
-                raise ValueError(f"checkpoint tensor {name!r}: dtype {meta['dtype']!r}, bytes {start}-{end}")
-            tensor = view(mapping, start, DTYPES[meta["dtype"]], meta["shape"], end - start)
-            if id(module) in self.packed and pname == "weight":
+            key = id(module)
+            tensor = _tensor(mapping, base, name, meta)
+            if key in self.packed and pname == "weight":
                 index = None if shard is None else QKV_SHARDS.get(shard, -1) if isinstance(shard, str) else int(shard)
-                groups.setdefault(id(module), []).append((index, start, end, tensor, vname))
+                start, end = (base + o for o in meta["data_offsets"])
+                groups.setdefault(key, []).append((index, start, end, tensor, vname))
                 continue
             self._load_in_place(module, pname, vname, tensor, shard)
         for key, shards in groups.items():
             self._load_packed(self.packed[key], shards, mapping)
-        del groups, tensor
-        self._own_memory(mapping)
         return len(header)
 
     def _own_memory(self, mapping: mmap.mmap) -> None:
@@ -160,11 +193,11 @@ class DirectReload:
         try:
             module = self.model.get_submodule(module_name)
         except AttributeError:
-            raise ValueError(f"checkpoint tensor {name!r}: the model has no module {module_name!r}") from None
+            raise UnknownTensor(f"checkpoint tensor {name!r}: the model has no module {module_name!r}") from None
         if isinstance(module, BaseLayerWithLoRA):
             module = module.base_layer
         if not hasattr(module, pname):
-            raise ValueError(f"checkpoint tensor {name!r}: the model has no parameter {vname!r}")
+            raise UnknownTensor(f"checkpoint tensor {name!r}: the model has no parameter {vname!r}")
         return module, pname
 
     def _load_in_place(self, module: torch.nn.Module, pname: str, vname: str, tensor: torch.Tensor, shard) -> None:
@@ -172,24 +205,28 @@ class DirectReload:
 
         param = getattr(module, pname)
         loader = getattr(param, "weight_loader", default_weight_loader)
-        if shard is None:
-            loader(param, tensor)
-        else:
-            loader(param, tensor, shard)
+        try:
+            if shard is None:
+                loader(param, tensor)
+            else:
+                loader(param, tensor, shard)
+        except AssertionError as e:  # vLLM's loaders assert shapes
+            raise ValueError(f"{vname}: tensor of shape {tuple(tensor.shape)} does not fit: {e}") from None
         self.loaded.add(vname)
         method = getattr(module, "quant_method", None)
-        if method is not None and id(module) not in self.packed and hasattr(method, "process_weights_after_loading"):
+        if (method is not None and id(module) not in self.packed and id(module) not in self.skip_processing
+                and hasattr(method, "process_weights_after_loading")):
             self.touched[id(module)] = module
 
     def _load_packed(self, layer: torch.nn.Module, shards: list, mapping: mmap.mmap) -> None:
         """Pack one linear layer from ``shards`` (``(index, start, end, view, vLLM name)``; index
         None: the whole weight), or gather a fused layer's shards until all have arrived."""
-        out, cols = layer.output_size_per_partition, layer.input_size_per_partition
+        out, cols = _out_in(layer)
         vname = shards[0][4]
         if shards[0][0] is None:
             self._pack(layer, shards[0][3], vname)
             return
-        sizes = list(layer.output_sizes)
+        sizes = list(getattr(layer, "output_sizes", [out]))
         for index, _, _, tensor, _ in shards:
             if not 0 <= index < len(sizes) or tuple(tensor.shape) != (sizes[index], cols):
                 raise ValueError(f"{vname}: shard {index} of shape {tuple(tensor.shape)}, "
@@ -207,13 +244,14 @@ class DirectReload:
             row = sum(sizes[:index])
             buf[row:row + sizes[index]].copy_(tensor)
             have.add(index)
+        self.gathered.add(vname)
         if len(have) == len(sizes):
             del self.pending[id(layer)]
             self._pack(layer, buf, vname)
 
     def _pack(self, layer: torch.nn.Module, weight: torch.Tensor, vname: str) -> None:
         """Give ``layer`` the ``[out, in]`` weight and let vLLM pack it (its handle owns a copy)."""
-        expected = (layer.output_size_per_partition, layer.input_size_per_partition)
+        expected = _out_in(layer)
         if tuple(weight.shape) != expected:
             raise ValueError(f"{vname}: shape {tuple(weight.shape)}, expected {expected}")
         dtype = layer.weight.dtype
@@ -225,3 +263,9 @@ class DirectReload:
             # vLLM kept the tensor itself (its plain-linear fallback): it must not be the file's
             layer.weight = torch.nn.Parameter(weight.clone(), requires_grad=False)
         self.loaded.add(vname)
+
+
+def _out_in(layer: torch.nn.Module) -> tuple[int, int]:
+    """A linear layer's ``[out, in]`` weight shape on this (only) worker."""
+    return (getattr(layer, "output_size_per_partition", None) or layer.output_size,
+            getattr(layer, "input_size_per_partition", None) or layer.input_size)

@@ -51,7 +51,8 @@ def engine_env(cfg: ExplorerConfig) -> None:
 
 
 SHM_PREFIX = "serve-rft-"
-"""Names of what a replica writes to shared memory: ``serve-rft-<kind>-<pid>-<uuid hex><suffix>``."""
+"""Names of what a replica writes to shared memory:
+``serve-rft-<kind>-<pid namespace>-<pid>-<uuid hex><suffix>``."""
 
 
 def _shm_root() -> str:
@@ -60,19 +61,30 @@ def _shm_root() -> str:
     return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 
 
+def _pid_namespace() -> int:
+    """This process's pid namespace (the inode of ``/proc/self/ns/pid``; 0 where unreadable):
+    a pid names a process only within its namespace, and containers may share ``/dev/shm``."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
+
+
 def _shm_path(kind: str = "bucket", suffix: str = ".safetensors") -> str:
     """A fresh path in shared memory (tmpfs), or in the temp dir where there is none."""
     import uuid
 
-    return os.path.join(_shm_root(), f"{SHM_PREFIX}{kind}-{os.getpid()}-{uuid.uuid4().hex}{suffix}")
+    return os.path.join(_shm_root(),
+                        f"{SHM_PREFIX}{kind}-{_pid_namespace()}-{os.getpid()}-{uuid.uuid4().hex}{suffix}")
 
 
 def remove_dead_replicas_files(root: str | None = None) -> list[str]:
     """Remove the shared-memory files and folders (staged buckets, adapters) of replica
     processes that are gone: one killed by SIGKILL mid-sync leaves up to two bucket files (a
     bucket each, ``synchronizer.bucket_bytes``) and its adapter folder behind, in memory until
-    the machine restarts. A name whose pid is alive is kept (its owner, or a process that reused
-    the pid: then it stays until that process ends).
+    the machine restarts. Only this user's entries named in this pid namespace are looked at; a
+    name whose pid is alive is kept (its owner, or a process that reused the pid: then it stays
+    until that process ends); one that cannot be removed is left.
 
     Returns:
         The paths removed.
@@ -80,26 +92,31 @@ def remove_dead_replicas_files(root: str | None = None) -> list[str]:
     import re
     import shutil
 
-    pattern = re.compile(re.escape(SHM_PREFIX) + r"(bucket|adapters)-(\d+)-[0-9a-f]{32}(\.safetensors)?$")
+    pattern = re.compile(re.escape(SHM_PREFIX) + r"(bucket|adapters)-(\d+)-(\d{1,9})-[0-9a-f]{32}(\.safetensors)?$")
     root = root or _shm_root()
+    namespace, uid = _pid_namespace(), os.getuid()
     removed = []
     for name in os.listdir(root):
         m = pattern.match(name)
-        if m is None:
+        if m is None or int(m.group(2)) != namespace:
             continue
+        path = os.path.join(root, name)
         try:
-            os.kill(int(m.group(2)), 0)
+            if os.lstat(path).st_uid != uid:
+                continue
+            os.kill(int(m.group(3)), 0)
             continue  # alive
         except ProcessLookupError:
             pass
-        except PermissionError:  # alive, another user's
+        except OSError:  # alive (another user's), or gone already
             continue
-        path = os.path.join(root, name)
-        if os.path.isdir(path) and not os.path.islink(path):
-            shutil.rmtree(path, ignore_errors=True)
-        else:
-            with contextlib.suppress(FileNotFoundError):
+        try:
+            if os.path.isdir(path) and not os.path.islink(path):
+                shutil.rmtree(path)
+            else:
                 os.unlink(path)
+        except OSError:
+            continue
         removed.append(path)
     return removed
 
@@ -135,6 +152,7 @@ class ExplorerEngine:
         self.nccl_update_info: dict | None = None
         self.direct_weight_load = True  # ExplorerConfig.direct_weight_load
         self.load_path = ""  # how the last full-weight load went in: "direct" or "layerwise (why)"
+        self.gathered_layers: list[str] = []  # of the last bucketed load: fused layers not one view
 
     @classmethod
     async def create(cls, model_path: str, cfg: ExplorerConfig, seed: int = 0,
@@ -301,7 +319,8 @@ class ExplorerEngine:
 
     async def finish_update(self, version: int) -> None:
         """Finish a bucketed update and label subsequent tokens with ``version``."""
-        await self.llm.collective_rpc("finish_policy_update")
+        gathered = await self.llm.collective_rpc("finish_policy_update")
+        self.gathered_layers = list(gathered[0] or [])
         await self.llm.update_weight_version(str(version))
         self.policy_version = version
 

@@ -92,7 +92,8 @@ class PolicyWeightsExtension:
         self._policy_update_loaded = set()
         path = self._load_path(direct)
         if path == "direct":
-            self._direct_reload = DirectReload(model, tied_head=lm_head is not None)
+            embed = getattr(getattr(model, "model", None), "embed_tokens", None) if lm_head is not None else None
+            self._direct_reload = DirectReload(model, tied_head=lm_head is not None, repacked_by_caller=embed)
             return path
         from vllm.model_executor.model_loader.reload.layerwise import initialize_layerwise_reload
 
@@ -107,7 +108,13 @@ class PolicyWeightsExtension:
             The number of tensors in the bucket.
         """
         if getattr(self, "_direct_reload", None) is not None:
-            return self._direct_reload.load_file(path)
+            from serve_rft.explorer.engine.direct_reload import UnknownTensor
+
+            try:
+                return self._direct_reload.load_file(path)
+            except UnknownTensor as e:  # from now on vLLM's own loader, which may know the name
+                self._direct_refused = str(e)
+                raise
         from safetensors import safe_open
 
         with safe_open(path, framework="pt", device="cpu") as f:
@@ -117,17 +124,22 @@ class PolicyWeightsExtension:
             self._policy_update_loaded |= set(loaded)
         return len(names)
 
-    def finish_policy_update(self) -> None:
+    def finish_policy_update(self) -> list[str]:
         """Finalize the load, then re-pack a tied LM head.
 
+        Returns:
+            The fused layers whose parts were gathered into one buffer before packing (empty
+            when each was one view of a file, or for vLLM's layer-wise reload).
         Raises:
             RuntimeError: some parameters received no tensor (the model would be half old), or
                 a fused layer got only some of its shards.
         """
         model = self.model_runner.get_model()
+        gathered: list[str] = []
         if getattr(self, "_direct_reload", None) is not None:
             reload, self._direct_reload = self._direct_reload, None
             self._policy_update_loaded |= reload.finish()
+            gathered = sorted(reload.gathered)
         else:
             from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload
 
@@ -138,14 +150,15 @@ class PolicyWeightsExtension:
         missing = self._policy_update_expected - self._policy_update_loaded
         if missing:
             raise RuntimeError(f"policy update left {len(missing)} parameters unloaded: {sorted(missing)[:5]}")
+        return gathered
 
     def _load_path(self, direct: bool) -> str:
         """``"direct"`` where a load can go straight into the packed layers, else
         ``"layerwise (<why not>)"``."""
         from serve_rft.explorer.engine.direct_reload import unsupported_reason
 
-        why = "turned off" if not direct else unsupported_reason(
-            self.model_runner.get_model(), self.model_runner.model_config.enforce_eager)
+        why = ("turned off" if not direct else getattr(self, "_direct_refused", None)
+               or unsupported_reason(self.model_runner.get_model(), self.model_runner.model_config.enforce_eager))
         return "direct" if why is None else f"layerwise ({why})"
 
     def _tie_lm_head(self):

@@ -10,18 +10,20 @@ file's mapped bytes, so each of its weights is read once, by the pack:
 - a layer stored whole (``o_proj``, ``down_proj``) is a view of the file;
 - a fused layer (``qkv_proj`` from ``q/k/v_proj``, ``gate_up_proj`` from ``gate/up_proj``, vLLM's
   ``hf_to_vllm_mapper.orig_to_new_stacked``) is one view too when its shards lie next to each
-  other in the file in the fused order (safetensors stores tensors sorted by name: ``gate`` before
-  ``up``), otherwise its shards are gathered into one buffer first (``k`` sorts before ``q``; a
-  layer split across two buckets waits for the rest in that buffer).
+  other in the file in the fused order (MEMORY's buckets: `serve_rft.weights.memory.pack_bucket`;
+  a folder written by transformers sorts tensors by name, so ``gate`` precedes ``up`` but ``k``
+  precedes ``q``), otherwise its shards are gathered into one buffer first (a layer split across
+  two buckets waits for the rest in that buffer).
 
 Every other parameter (norms, biases, embeddings) is written in place by its own vLLM weight
 loader, and each such module's vLLM post-load processing runs again at the end (an LM head is
 re-packed). A load that fails half way leaves every layer usable (old or new values), unlike the
 layer-wise reload, which keeps unfinished layers on the meta device until it is finalized.
 
-Used only where this holds: CPU, one worker, eager mode, no quantization, and a model whose
-checkpoint names vLLM maps with a ``WeightsMapper`` of single shards (`unsupported_reason`);
-elsewhere the worker keeps vLLM's layer-wise reload (`serve_rft.explorer.engine.worker_ext`).
+Used only where this holds: CPU without zentorch, one worker, eager mode, no quantization, and a
+model whose checkpoint names vLLM maps with a ``WeightsMapper`` of single shards
+(`unsupported_reason`); elsewhere, and once a name did not resolve (`UnknownTensor`), the worker
+keeps vLLM's layer-wise reload (`serve_rft.explorer.engine.worker_ext`).
 Figures: docs/performance.md, "Sync cost per method".
 """
 

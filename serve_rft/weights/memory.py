@@ -5,7 +5,8 @@ one block, which vLLM may fuse into one layer, stay together; a block larger tha
 travels alone), each serialized once as the bytes of a safetensors file in the trainer's order
 (`pack_bucket`: a ``[nbytes]`` uint8 array, which Ray hands back without a copy: numpy
 arrays are read zero-copy from the object store, Ray docs "Serialization", "Numpy Arrays"),
-with the checksum of those bytes (XXH3-64, `serve_rft.weights.verify`); ``ray.put`` each; the handle lists the ObjectRefs and checksums.
+with the checksum of those bytes (XXH3-64, `serve_rft.weights.verify`); ``ray.put`` each; the
+handle lists the ObjectRefs and checksums.
 
 A replica pipelines the buckets: while its vLLM worker loads bucket k from a file in shared
 memory (mapped, no copy; on CPU each linear layer is packed straight from it,
@@ -13,8 +14,9 @@ memory (mapped, no copy; on CPU each linear layer is packed straight from it,
 as soon as all its tensors arrived), the replica fetches bucket k+1 and writes it to the next
 file, computing its checksum in the same pass (`_write_checked`; on CPU the two files are
 rewritten in turn); a bucket whose bytes do not match never reaches the worker. So the replica's
-extra memory is at most two buckets' files (one loading, one staged), not a second model. The object store holds one copy per version
-that some replica still references; Ray frees it once no handle refers to it.
+extra memory is at most two buckets' files (one loading, one staged), not a second model. The
+object store holds one copy per version that some replica still references; Ray frees it once no
+handle refers to it.
 
 With adapter-only LoRA sync the trainer publishes its `peft.PeftModel`: one object holds the
 adapter's tensors and config; a replica writes it to a folder in shared memory and registers it
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import os
 import time
 from typing import Any, Collection, Iterator
@@ -39,23 +42,14 @@ def iter_buckets(named_tensors: Iterator[tuple[str, Any]], bucket_bytes: int) ->
     a block larger than a bucket travels alone."""
     bucket: list[tuple[str, Any]] = []
     size = 0
-    block: list[tuple[str, Any]] = []
-    block_size = 0
-    for name, t in named_tensors:
-        if block and block_of(name) != block_of(block[-1][0]):
-            if bucket and size + block_size > bucket_bytes:
-                yield bucket
-                bucket, size = [], 0
-            bucket += block
-            size += block_size
-            block, block_size = [], 0
-        block.append((name, t))
-        block_size += t.numel() * t.element_size()
-    if block:
+    for _, run in itertools.groupby(named_tensors, key=lambda nt: block_of(nt[0])):
+        block = list(run)
+        block_size = sum(t.numel() * t.element_size() for _, t in block)
         if bucket and size + block_size > bucket_bytes:
             yield bucket
-            bucket = []
+            bucket, size = [], 0
         bucket += block
+        size += block_size
     if bucket:
         yield bucket
 

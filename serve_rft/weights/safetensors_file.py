@@ -22,13 +22,14 @@ DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
 """The format's dtype names."""
 
 
-def map_file(path: str) -> tuple[dict[str, Any], mmap.mmap]:
+def map_file(path: str) -> tuple[dict[str, Any], int, mmap.mmap]:
     """Map a safetensors file read-only, its pages mapped up front (``MAP_POPULATE``: one call
     instead of a fault per page); nothing is copied.
 
     Returns:
         The header (name -> ``{"dtype", "shape", "data_offsets"}``, offsets relative to the data
-        section, which starts at ``header["__data_start__"]``) and the mapping.
+        section; ``__metadata__`` dropped), the data section's start in the file (bytes), and the
+        mapping.
     Raises:
         ValueError: the file is not a well-formed safetensors file.
         OSError: it cannot be opened or mapped.
@@ -44,17 +45,36 @@ def map_file(path: str) -> tuple[dict[str, Any], mmap.mmap]:
         mapping = mmap.mmap(f.fileno(), size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
                             prot=mmap.PROT_READ)
     header.pop("__metadata__", None)
-    header["__data_start__"] = 8 + n
-    return header, mapping
+    return header, 8 + n, mapping
+
+
+def entry(mapping: mmap.mmap, data_start: int, name: str, meta: Any) -> tuple[torch.Tensor, int, int]:
+    """The tensor one header entry describes, as a `view`, with its first and end byte in the file.
+
+    Raises:
+        ValueError: the entry is malformed, or its bytes are not the file's or do not hold its
+            shape of its dtype.
+    """
+    try:
+        dtype = DTYPES[meta["dtype"]]
+        shape = [int(n) for n in meta["shape"]]
+        start, end = (data_start + int(o) for o in meta["data_offsets"])
+    except (KeyError, TypeError, ValueError):
+        raise ValueError(f"tensor {name!r}: malformed header entry {meta!r}") from None
+    count = 1
+    for n in shape:
+        count *= n
+    if not data_start <= start <= end <= len(mapping) or end - start != count * dtype.itemsize:
+        raise ValueError(f"tensor {name!r}: shape {shape} of {meta['dtype']} in bytes {start}-{end}")
+    return view(mapping, start, dtype, shape, end - start), start, end
 
 
 def view(mapping: mmap.mmap, start: int, dtype: torch.dtype, shape: list[int], nbytes: int) -> torch.Tensor:
     """``[*shape]`` tensor over ``nbytes`` bytes of ``mapping`` from byte ``start`` (no copy; it
     keeps the mapping alive). Read-only memory: only read from it."""
-    count = nbytes // torch.empty((), dtype=dtype).element_size()
     with warnings.catch_warnings():  # torch warns that the buffer is not writable: nothing writes to it
         warnings.simplefilter("ignore", UserWarning)
-        return torch.frombuffer(mapping, dtype=dtype, count=count, offset=start).view(shape)
+        return torch.frombuffer(mapping, dtype=dtype, count=nbytes // dtype.itemsize, offset=start).view(shape)
 
 
 def pack(named_tensors: list[tuple[str, torch.Tensor]]):

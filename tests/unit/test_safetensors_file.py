@@ -15,8 +15,7 @@ def test_views_of_the_mapped_file_equal_the_saved_tensors_and_adjacent_ones_form
     tensors = {"mlp.gate_proj.weight": gate, "mlp.up_proj.weight": up,
                "norm.weight": torch.randn(4).to(torch.bfloat16)}
     save_file(tensors, str(tmp_path / "b.safetensors"))
-    header, mapping = map_file(str(tmp_path / "b.safetensors"))
-    base = header.pop("__data_start__")
+    header, base, mapping = map_file(str(tmp_path / "b.safetensors"))
     for name, t in tensors.items():
         meta = header[name]
         start, end = (base + o for o in meta["data_offsets"])

@@ -33,7 +33,7 @@ import mmap
 
 import torch
 
-from serve_rft.weights.safetensors_file import DTYPES, map_file, view
+from serve_rft.weights.safetensors_file import entry, map_file, view
 
 class UnknownTensor(ValueError):
     """A checkpoint tensor names no module or parameter of the model as this loader maps names
@@ -79,22 +79,6 @@ def unsupported_reason(model: torch.nn.Module, enforce_eager: bool) -> str | Non
     return None
 
 
-def _tensor(mapping: mmap.mmap, base: int, name: str, meta: dict) -> torch.Tensor:
-    """The view of one header entry; ValueError when the entry does not describe bytes of the file."""
-    try:
-        dtype = DTYPES[meta["dtype"]]
-        shape = [int(n) for n in meta["shape"]]
-        start, end = (base + int(o) for o in meta["data_offsets"])
-    except (KeyError, TypeError, ValueError):
-        raise ValueError(f"checkpoint tensor {name!r}: malformed header entry {meta!r}") from None
-    count = 1
-    for n in shape:
-        count *= n
-    if not base <= start <= end <= len(mapping) or end - start != count * torch.empty((), dtype=dtype).element_size():
-        raise ValueError(f"checkpoint tensor {name!r}: shape {shape} of {meta['dtype']} in bytes {start}-{end}")
-    return view(mapping, start, dtype, shape, end - start)
-
-
 class DirectReload:
     """One policy update of ``model`` (module docstring), file by file; not thread-safe.
 
@@ -134,14 +118,13 @@ class DirectReload:
             ValueError: a tensor has the wrong shape, or the file a malformed header.
             OSError: the file cannot be read.
         """
-        header, mapping = map_file(path)  # unmapped when the last view of it is gone
+        header, data_start, mapping = map_file(path)  # unmapped when the last view of it is gone
         try:
-            return self._load_mapped(header, mapping)
+            return self._load_mapped(header, data_start, mapping)
         finally:  # also when a loader failed half way: nothing may keep pointing into the file
             self._own_memory(mapping)
 
-    def _load_mapped(self, header: dict, mapping: mmap.mmap) -> int:
-        base = header.pop("__data_start__")
+    def _load_mapped(self, header: dict, data_start: int, mapping: mmap.mmap) -> int:
         groups: dict[int, list[tuple[int | None, int, int, torch.Tensor, str]]] = {}
         for name, meta in header.items():
             if self.tied_head and name.startswith("lm_head."):
@@ -152,10 +135,9 @@ class DirectReload:
             vname, shard = mapped
             module, pname = self._resolve(vname, name)
             key = id(module)
-            tensor = _tensor(mapping, base, name, meta)
+            tensor, start, end = entry(mapping, data_start, name, meta)
             if key in self.packed and pname == "weight":
                 index = None if shard is None else QKV_SHARDS.get(shard, -1) if isinstance(shard, str) else int(shard)
-                start, end = (base + o for o in meta["data_offsets"])
                 groups.setdefault(key, []).append((index, start, end, tensor, vname))
                 continue
             self._load_in_place(module, pname, vname, tensor, shard)
@@ -260,10 +242,8 @@ class DirectReload:
         if weight.dtype != dtype:
             weight = weight.to(dtype)
         layer.weight = torch.nn.Parameter(weight, requires_grad=False)
+        # (vLLM's plain-linear fallback keeps the tensor itself: `_own_memory` copies it off the file)
         layer.quant_method.process_weights_after_loading(layer)
-        if layer.weight.numel() and layer.weight.data_ptr() == weight.data_ptr():
-            # vLLM kept the tensor itself (its plain-linear fallback): it must not be the file's
-            layer.weight = torch.nn.Parameter(weight.clone(), requires_grad=False)
         self.loaded.add(vname)
 
 

@@ -6,15 +6,12 @@ from __future__ import annotations
 
 import mmap
 
-import pytest
 import torch
+from vllm import _custom_ops as ops
 
 from serve_rft.weights.safetensors_file import view
 
-ops = pytest.importorskip("vllm._custom_ops")
 
-
-@pytest.mark.skipif(not getattr(ops, "_supports_onednn", False), reason="this vLLM build has no oneDNN GEMM")
 def test_a_packed_handle_keeps_its_weights_when_the_file_is_rewritten_and_unmapped(tmp_path):
     w = torch.randn(96, 64)
     x = torch.randn(4, 64)

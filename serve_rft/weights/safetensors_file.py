@@ -21,6 +21,9 @@ DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
            "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
 """The format's dtype names."""
 
+MAX_HEADER_BYTES = 100_000_000
+"""The largest header read, as safetensors' own reader bounds it (``MAX_HEADER_SIZE``)."""
+
 
 def map_file(path: str) -> tuple[dict[str, Any], int, mmap.mmap]:
     """Map a safetensors file read-only, its pages mapped up front (``MAP_POPULATE``: one call
@@ -39,7 +42,7 @@ def map_file(path: str) -> tuple[dict[str, Any], int, mmap.mmap]:
         if size < 8:
             raise ValueError(f"{path}: not a safetensors file ({size} bytes)")
         n = struct.unpack("<Q", f.read(8))[0]
-        if n > size - 8:
+        if n > min(size - 8, MAX_HEADER_BYTES):
             raise ValueError(f"{path}: header of {n} bytes in a file of {size}")
         header = json.loads(f.read(n))
         mapping = mmap.mmap(f.fileno(), size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),

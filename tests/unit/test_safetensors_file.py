@@ -32,3 +32,16 @@ def test_a_malformed_file_is_refused(tmp_path, content):
     (tmp_path / "bad.safetensors").write_bytes(content)
     with pytest.raises(ValueError):
         map_file(str(tmp_path / "bad.safetensors"))
+
+
+def test_a_header_larger_than_safetensors_allows_is_refused_before_it_is_read(tmp_path):
+    import struct
+
+    from serve_rft.weights.safetensors_file import MAX_HEADER_BYTES
+
+    path = tmp_path / "huge.safetensors"
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", MAX_HEADER_BYTES + 1))
+        f.truncate(8 + MAX_HEADER_BYTES + 16)  # sparse: the file holds the claimed bytes
+    with pytest.raises(ValueError, match="header of"):
+        map_file(str(path))

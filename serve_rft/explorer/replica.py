@@ -87,12 +87,6 @@ class ExplorerReplica(OpenAIRoutes, AdminRoutes):
                                node_id=ray.get_runtime_context().get_node_id())
         await self.swap.start()  # a restarted or new replica loads the incumbent version first
         self._counts_task = asyncio.create_task(self._export_store_counts())
-        # What vLLM's API server does once started (vllm/entrypoints/launchers/utils/server_utils.py):
-        # collect, then freeze what is alive (Ray, torch, vLLM, the tokenizer), so no collection of the
-        # oldest generation walks those objects again while serving
-        from vllm.utils.gc_utils import freeze_gc_heap
-
-        freeze_gc_heap()
 
     # -- Ray Serve hooks ---------------------------------------------------------------
     def record_routing_stats(self) -> dict[str, Any]:

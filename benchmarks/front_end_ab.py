@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import shlex
 import statistics
@@ -43,12 +44,15 @@ def main() -> None:
     ap.add_argument("--sample-interval", type=float, default=1.0, help="seconds between process snapshots")
     ap.add_argument("--out", default="benchmarks/results/front_end_ab.json")
     a = ap.parse_args()
+    if a.rounds < 1:
+        ap.error("--rounds must be at least 1")
     stream = not a.non_stream
     work = Path(tempfile.mkdtemp(prefix="srft-fe-ab-"))
     procs, urls = {}, {}
-    try:
+    with contextlib.ExitStack() as up:  # every stack ends by its process group, even if one stop fails
         for side, sets in (("A", a.a), ("B", a.b)):
             procs[side], urls[side] = start_ours(work / side, work / f"{side}.log", overrides=tuple(sets))
+            up.callback(stop, procs[side])
         for url in urls.values():  # warm-up
             asyncio.run(run_load(url, a.concurrency, 4.0, a.max_tokens, stream, True))
         roots = {side: p.pid for side, p in procs.items()}
@@ -57,14 +61,13 @@ def main() -> None:
             runs = {}
             for side in (("A", "B") if r % 2 == 0 else ("B", "A")):
                 runs[side] = measure(urls[side], side, roots, a.concurrency, a, stream, True)
+                if not runs[side]["output_tokens"]:
+                    raise RuntimeError(f"stack {side} answered no token in round {r}: {runs[side]['error_samples']}")
                 c = runs[side]["cpu_s_per_1k_tokens"]
                 print(json.dumps({"round": r, "side": side, "tok_s": round(runs[side]["output_tokens_per_s"], 1),
                                   "front_end_cpu_s_per_1k": round(c["front_end"], 4),
                                   "errors": runs[side]["errors"]}), flush=True)
             pairs.append(runs)
-    finally:
-        for p in procs.values():
-            stop(p)
 
     def per_side(key):
         return {s: statistics.median(p[s][key] for p in pairs) for s in ("A", "B")}

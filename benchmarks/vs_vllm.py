@@ -243,6 +243,7 @@ def machine() -> dict:
 
 def main() -> None:
     from serve_rft.buffer.redis_server import free_port
+    from serve_rft.config import load_config
     from serve_rft.config import ModelConfig
     from serve_rft.model.embedded import ensure_embedded_model
 
@@ -273,9 +274,8 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="srft-vs-vllm-"))
     out: dict = {"command": shlex.join([".venv/bin/python", "benchmarks/vs_vllm.py", *sys.argv[1:]]),
                  "args": vars(a), "model": model, "machine": machine(), "complete": False}
-    ours_stats = dict(o.split("=", 1) for o in a.sets).get("explorer.log_stats", "true")
-    vllm_proc, vllm_url = start_vllm(model, free_port(), work / "vllm.log", a.vllm_threads,  # same engine stats
-                                     log_stats=ours_stats.strip().lower() not in ("false", "0", "no", "off"))
+    ours_stats = load_config(None, a.sets).explorer.log_stats  # as our side reads the overrides
+    vllm_proc, vllm_url = start_vllm(model, free_port(), work / "vllm.log", a.vllm_threads, log_stats=ours_stats)
     ours_proc = None
     try:
         ours_proc, ours_url = start_ours(work / "run", work / "ours.log", a.ingress, tuple(a.sets))

@@ -69,16 +69,15 @@ def main() -> None:
                                   "errors": runs[side]["errors"]}), flush=True)
             pairs.append(runs)
 
-    def per_side(key):
-        return {s: statistics.median(p[s][key] for p in pairs) for s in ("A", "B")}
+    def per_side(figure):
+        return {s: statistics.median(figure(p[s]) for p in pairs) for s in ("A", "B")}
 
     fe = [p["B"]["cpu_s_per_1k_tokens"]["front_end"] / p["A"]["cpu_s_per_1k_tokens"]["front_end"] for p in pairs]
     tok = [p["B"]["output_tokens_per_s"] / p["A"]["output_tokens_per_s"] for p in pairs]
     out = {"command": shlex.join([".venv/bin/python", "benchmarks/front_end_ab.py", *sys.argv[1:]]),
            "args": vars(a), "machine": machine(),
-           "output_tokens_per_s": per_side("output_tokens_per_s"),
-           "front_end_cpu_s_per_1k_tokens": {s: statistics.median(p[s]["cpu_s_per_1k_tokens"]["front_end"]
-                                                                 for p in pairs) for s in ("A", "B")},
+           "output_tokens_per_s": per_side(lambda run: run["output_tokens_per_s"]),
+           "front_end_cpu_s_per_1k_tokens": per_side(lambda run: run["cpu_s_per_1k_tokens"]["front_end"]),
            "b_over_a": {"output_tokens_per_s": bootstrap_median(tok), "front_end_cpu_s_per_1k_tokens": bootstrap_median(fe)},
            "errors": {s: sum(p[s]["errors"] for p in pairs) for s in ("A", "B")},
            "pairs": pairs}

@@ -243,8 +243,7 @@ def machine() -> dict:
 
 def main() -> None:
     from serve_rft.buffer.redis_server import free_port
-    from serve_rft.config import load_config
-    from serve_rft.config import ModelConfig
+    from serve_rft.config import ModelConfig, load_config
     from serve_rft.model.embedded import ensure_embedded_model
 
     ap = argparse.ArgumentParser()

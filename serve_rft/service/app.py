@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from serve_rft.config import Config
+from serve_rft.config import Config, ExplorerConfig
 from serve_rft.config.service import check_exposure
 from serve_rft.explorer.http.ingress_mode import haproxy_enabled
 
@@ -40,7 +40,7 @@ def serve_http_host(cfg: Config, timeout_s: float = 30.0) -> str | None:
     return ray.get(controller.get_http_config.remote(), timeout=timeout_s).host
 
 
-def replica_env(ecfg) -> dict[str, str]:
+def replica_env(ecfg: ExplorerConfig) -> dict[str, str]:
     """Environment variables of an explorer replica's process (merged into the job's by Ray: Ray
     docs, "Runtime environments", inheritance): Ray Serve reads
     ``RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD`` when the replica imports it

@@ -159,7 +159,9 @@ class EngineTap:
         first = True
         async for ro in stream:
             for out in ro.outputs:
-                c = choices.setdefault(out.index, Sampled(out.index, pinned=self._engine.adapter_sync))
+                c = choices.get(out.index)
+                if c is None:
+                    c = choices[out.index] = Sampled(out.index, pinned=self._engine.adapter_sync)
                 c.add(out, replace=cumulative)
                 if first and out.token_ids:
                     first = False

@@ -1,7 +1,9 @@
 """serve_rft against itself: two run configs side by side, CPU per output token of each front end.
 
 Starts two ``serve-rft up --mode serve`` stacks (one replica each, `vs_vllm.start_ours`): A with
-the ``--a`` overrides, B with the ``--b`` overrides (none: the defaults). Both stay up while the
+the ``--a`` overrides and the ``--a-env`` environment (``VAR=value``: read by the Ray cluster the
+stack starts, e.g. Ray Serve's ``RAY_SERVE_HAPROXY_NBTHREAD``), B with ``--b`` and ``--b-env``
+(none: the defaults). Both stay up while the
 runs alternate between them in pairs (A then B in even rounds, B then A in odd ones), so the
 machine's drift and the idle stack's own spin fall on both alike. Each run is `vs_vllm.measure`:
 the `vs_vllm.run_load` load (chat, logprobs asked, ``--max-tokens``) at ``--concurrency`` for
@@ -12,7 +14,8 @@ the Serve replica process: our HTTP server, vLLM's serving classes, the engine t
 the median and a percentile-bootstrap 95 % interval over the pairs (`vs_vllm.bootstrap_median`).
 
     .venv/bin/python benchmarks/front_end_ab.py --a explorer.user_code_loop_thread=true \\
-        [--b ...] [--concurrency 16] [--rounds 5] [--duration 15] [--non-stream]
+        [--b ...] [--a-env VAR=value ...] [--b-env ...] [--concurrency 16] [--rounds 5] \\
+        [--duration 15] [--non-stream] [--out FILE]
 """
 
 from __future__ import annotations
@@ -36,6 +39,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--a", nargs="*", default=[], help="run-config overrides of stack A (section.field=value)")
     ap.add_argument("--b", nargs="*", default=[], help="run-config overrides of stack B (none: the defaults)")
+    ap.add_argument("--a-env", nargs="*", default=[], help="environment of stack A's processes (VAR=value)")
+    ap.add_argument("--b-env", nargs="*", default=[], help="environment of stack B's processes (VAR=value)")
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=5, help="A-B pairs")
     ap.add_argument("--duration", type=float, default=15.0, help="seconds of load per run")
@@ -46,12 +51,18 @@ def main() -> None:
     a = ap.parse_args()
     if a.rounds < 1:
         ap.error("--rounds must be at least 1")
+    envs = {}
+    for side, given in (("A", a.a_env), ("B", a.b_env)):
+        if any("=" not in p or not p.split("=", 1)[0] for p in given):
+            ap.error(f"--{side.lower()}-env takes VAR=value")
+        envs[side] = dict(p.split("=", 1) for p in given)
     stream = not a.non_stream
     work = Path(tempfile.mkdtemp(prefix="srft-fe-ab-"))
     procs, urls = {}, {}
     with contextlib.ExitStack() as up:  # every stack ends by its process group, even if one stop fails
         for side, sets in (("A", a.a), ("B", a.b)):
-            procs[side], urls[side] = start_ours(work / side, work / f"{side}.log", overrides=tuple(sets))
+            procs[side], urls[side] = start_ours(work / side, work / f"{side}.log", overrides=tuple(sets),
+                                                 env=envs[side])
             up.callback(stop, procs[side])
         for url in urls.values():  # warm-up
             asyncio.run(run_load(url, a.concurrency, 4.0, a.max_tokens, stream, True))

@@ -59,17 +59,19 @@ PROMPTS = ["Say something nice.", "Tell me a story about the sea.", "Name an ani
            "Describe a grey sky over a quiet town in a few words."]
 
 
-def start_ours(run_dir: Path, log: Path, ingress: str = "haproxy",
-               overrides: tuple[str, ...] = ()) -> tuple[subprocess.Popen, str]:
+def start_ours(run_dir: Path, log: Path, ingress: str = "haproxy", overrides: tuple[str, ...] = (),
+               env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str]:
     """``serve-rft up --mode serve`` with one replica (its own embedded redis-server) behind
-    ``ingress`` (``service.ingress``: haproxy or proxy), plus ``overrides`` (``section.field=value``)."""
+    ``ingress`` (``service.ingress``: haproxy or proxy), plus ``overrides`` (``section.field=value``)
+    and ``env`` (variables added to this process's environment: the Ray cluster it starts reads
+    them; an operator's setting wins over serve_rft's, `serve_rft.service.ingress.haproxy_env`)."""
     cmd = [sys.executable, "-m", "serve_rft.cli", "up", "--mode", "serve", "--port", "0",
            "--set", "explorer.num_replicas=1", "--set", f"service.run_dir={run_dir}",
            "--set", "service.metrics_port=0", "--set", f"service.ingress={ingress}"]
     for o in overrides:
         cmd += ["--set", o]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=open(log, "w"), text=True,  # noqa: SIM115
-                            start_new_session=True, cwd=ROOT)
+                            start_new_session=True, cwd=ROOT, env={**os.environ, **(env or {})})
     for line in proc.stdout:
         if line.startswith('{"url"'):
             return proc, json.loads(line)["url"]

@@ -24,6 +24,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from plain_vllm import stop, wait_http  # noqa: E402
 from vs_vllm import run_load, start_ours  # noqa: E402
+from provenance import command, machine  # noqa: E402
 
 
 def main() -> None:
@@ -53,9 +54,7 @@ def main() -> None:
                                       "errors": res["errors"]}), flush=True)
     finally:
         stop(proc)
-    out = {"command": f".venv/bin/python benchmarks/direct_ingress_probe.py --levels "
-                      f"{' '.join(map(str, a.levels))} --rounds {a.rounds} --duration {a.duration:g}",
-           "runs": rows}
+    out = {"command": command(), "args": vars(a), "machine": machine(), "runs": rows}
     Path(a.out).write_text(json.dumps(out, indent=2))
 
 

@@ -24,7 +24,6 @@ import argparse
 import asyncio
 import contextlib
 import json
-import shlex
 import statistics
 import sys
 import tempfile
@@ -32,7 +31,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from plain_vllm import stop  # noqa: E402
-from vs_vllm import bootstrap_median, machine, measure, run_load, start_ours  # noqa: E402
+from vs_vllm import bootstrap_median, measure, run_load, start_ours  # noqa: E402
+from provenance import command, machine  # noqa: E402
 
 
 def main() -> None:
@@ -85,7 +85,7 @@ def main() -> None:
 
     fe = [p["B"]["cpu_s_per_1k_tokens"]["front_end"] / p["A"]["cpu_s_per_1k_tokens"]["front_end"] for p in pairs]
     tok = [p["B"]["output_tokens_per_s"] / p["A"]["output_tokens_per_s"] for p in pairs]
-    out = {"command": shlex.join([".venv/bin/python", "benchmarks/front_end_ab.py", *sys.argv[1:]]),
+    out = {"command": command(),
            "args": vars(a), "machine": machine(),
            "output_tokens_per_s": per_side(lambda run: run["output_tokens_per_s"]),
            "front_end_cpu_s_per_1k_tokens": per_side(lambda run: run["cpu_s_per_1k_tokens"]["front_end"]),

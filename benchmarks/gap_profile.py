@@ -34,6 +34,7 @@ import psutil
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from plain_vllm import start_vllm, stop  # noqa: E402
 from vs_vllm import run_load, start_ours  # noqa: E402
+from provenance import command, machine  # noqa: E402
 
 
 def _role(p: psutil.Process) -> str:
@@ -198,9 +199,7 @@ def main() -> None:
         res["in_process_engine_c1_tokens_per_s"] = asyncio.run(engine_logprob_cost(model))
     finally:
         ray.shutdown()
-    out = {"command": f".venv/bin/python benchmarks/gap_profile.py --concurrency {a.concurrency} "
-                      f"--duration {a.duration:g} --max-tokens {a.max_tokens} --ingress {a.ingress} --out {a.out}"
-                      + (" --py-spy" if a.py_spy else ""), "cpus": os.cpu_count(), **res}
+    out = {"command": command(), "args": vars(a), "machine": machine(), **res}
     Path(a.out).write_text(json.dumps(out, indent=2))
     print(json.dumps(out, indent=1))
 

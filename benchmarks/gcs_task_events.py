@@ -17,11 +17,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from provenance import command, machine  # benchmarks/ (the script's folder)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -89,8 +90,7 @@ def main() -> None:
                              capture_output=True, text=True, check=True, cwd=ROOT)
         runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
         print(runs[-1])
-    result = {"command": " ".join(["benchmarks/gcs_task_events.py"] + sys.argv[1:]),
-              "machine": f"{platform.machine()}, {os.cpu_count()} cores", "runs": runs}
+    result = {"command": command(), "machine": machine(), "runs": runs}
     Path(ROOT / a.out).write_text(json.dumps(result, indent=1) + "\n")
 
 

@@ -26,6 +26,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from log_throughput import _summary  # noqa: E402
 from other_revision import ROOT, env_importing, export  # noqa: E402
+from provenance import command, machine  # noqa: E402
 
 
 def run_once(source: Path | None, durability: str, rounds: int, out: Path) -> dict:
@@ -59,9 +60,8 @@ def main() -> None:
     a = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         before = export(a.before, Path(tmp) / "before")
-        result: dict = {"command": "python benchmarks/log_ab.py " + " ".join(
-            f"--{k} {' '.join(v) if isinstance(v, list) else v}" for k, v in vars(a).items() if k != "out"),
-            "machine": f"{os.cpu_count()} CPUs", "load_average_1min_at_start": os.getloadavg()[0]}
+        result: dict = {"command": command(), "args": vars(a), "machine": machine(),
+                        "load_average_1min_at_start": os.getloadavg()[0]}
         for d in a.durability:
             runs: dict[str, list[dict]] = {"before": [], "after": []}
             for p in range(a.pairs):

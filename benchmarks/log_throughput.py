@@ -37,7 +37,6 @@ import cProfile
 import io
 import json
 import os
-import platform
 import pstats
 import re
 import statistics
@@ -53,6 +52,7 @@ from serve_rft.buffer.store import ExperienceStore
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from store_throughput import _experience  # (the same experience as the store benchmark)
+from provenance import command, machine  # noqa: E402
 
 
 def _redis_cpu_s(port: int) -> float:
@@ -192,10 +192,7 @@ def main() -> None:
         finally:
             server.stop()
     out = {
-        "command": "python benchmarks/log_throughput.py " + " ".join(
-            f"--{k.replace('_', '-')}" + ("" if v is True else f" {v}") for k, v in vars(a).items()
-            if k != "out" and v is not False),
-        "machine": f"{platform.machine()}, {platform.node()}, {os.cpu_count()} CPUs",
+        "command": command(), "args": vars(a), "machine": machine(),
         "load_average_1min_at_start_and_end": [load0, os.getloadavg()[0]],
         "serve_rft_source": str(Path(serve_rft.__file__).parent),
         "durability": a.durability,

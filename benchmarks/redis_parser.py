@@ -20,8 +20,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import platform
 import statistics
 import tempfile
 import time
@@ -31,6 +29,8 @@ import redis.asyncio as aioredis
 from redis._parsers import _AsyncHiredisParser, _AsyncRESP3Parser
 
 from serve_rft.buffer.redis_server import start_redis
+
+from provenance import command, machine  # benchmarks/ (the script's folder)
 
 PARSERS = {"hiredis": _AsyncHiredisParser, "python": _AsyncRESP3Parser}
 
@@ -84,8 +84,7 @@ def main() -> None:
             server.stop()
     kinds = [k for k in rows[0] if k not in ("round", "parser")]
     summary = {p: {k: statistics.median(r[k] for r in rows if r["parser"] == p) for k in kinds} for p in PARSERS}
-    out = {"command": f"python benchmarks/redis_parser.py --rounds {a.rounds} --calls {a.calls}",
-           "machine": f"{platform.machine()}, {os.cpu_count()} CPUs", "unit": "µs of Python CPU per call",
+    out = {"command": command(), "args": vars(a), "machine": machine(), "unit": "µs of Python CPU per call",
            "median": summary, "rounds": rows}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(out, indent=2))

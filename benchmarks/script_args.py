@@ -13,14 +13,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import tempfile
 from pathlib import Path
 
 import redis
 
 from serve_rft.buffer.redis_server import start_redis
+
+from provenance import command, machine  # benchmarks/ (the script's folder)
 
 SIZES = (1_000, 8_000, 35_000, 70_000)
 
@@ -49,8 +49,7 @@ def main() -> None:
             r.close()
         finally:
             server.stop()
-    out = {"command": f"python benchmarks/script_args.py --calls {a.calls}",
-           "machine": f"{platform.machine()}, {os.cpu_count()} CPUs", "rows": rows}
+    out = {"command": command(), "args": vars(a), "machine": machine(), "rows": rows}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(out, indent=2))
 

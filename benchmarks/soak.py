@@ -41,6 +41,8 @@ import redis
 
 from serve_rft.buffer.redis_auth import embedded_url
 
+from provenance import command, machine  # benchmarks/ (the script's folder)
+
 ROOT = Path(__file__).resolve().parents[1]
 REWARD_TIMEOUT_S, TRAINED_TTL_S = 300, 600
 
@@ -180,7 +182,7 @@ def main() -> None:
         proc.wait(timeout=120)
         stop_s = time.monotonic() - t_stop
     out = {
-        "command": " ".join([Path(sys.executable).name, *sys.argv]), "machine": f"{os.cpu_count()} cores",
+        "command": command(), "machine": machine(),
         "settings": {"reward_timeout_s": REWARD_TIMEOUT_S, "trained_ttl_s": TRAINED_TTL_S, "users": a.users,
                      "rate_per_user": a.rate, "duration_s": a.duration, "reward_skip": 0.1},
         "requests": sum(q["name"] in ("chat", "chat_stream") for q in reqs),

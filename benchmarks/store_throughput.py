@@ -34,7 +34,6 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import random
 import re
 import subprocess
@@ -45,6 +44,8 @@ from pathlib import Path
 from serve_rft.buffer.redis_server import start_redis
 from serve_rft.buffer.store import ExperienceStore
 from serve_rft.types import Experience, SamplingInfo
+
+from provenance import command, machine  # benchmarks/ (the script's folder)
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -193,9 +194,7 @@ def main() -> None:
         finally:
             server.stop()
     out = {
-        "command": "python benchmarks/store_throughput.py " + " ".join(
-            f"--{k.replace('_', '-')} {v}" for k, v in vars(a).items() if k != "out"),
-        "machine": f"{platform.machine()}, {platform.node()}, {os.cpu_count()} CPUs",
+        "command": command(), "args": vars(a), "machine": machine(),
         "load_average_1min_at_start_and_end": [load0, os.getloadavg()[0]],
         "durability": a.durability,
         "experience_json_bytes": value_bytes,

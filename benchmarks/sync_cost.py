@@ -23,12 +23,13 @@ import argparse
 import asyncio
 import json
 import os
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+
+from provenance import command, machine  # benchmarks/ (the script's folder)
 
 HALF_B_ARCH = dict(hidden_size=1024, intermediate_size=5632, num_hidden_layers=24,
                    num_attention_heads=16, num_key_value_heads=2, max_position_embeddings=2048,
@@ -233,7 +234,7 @@ def main() -> None:
     for name in a.models.split(","):
         rows.extend(asyncio.run(bench_model(name, models[name], work, a.bucket_bytes, a.rounds)))
     ray.shutdown()
-    out = {"command": " ".join([Path(sys.executable).name, *sys.argv]), "machine": f"{os.cpu_count()} cores",
+    out = {"command": command(), "machine": machine(),
            "results": rows}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(out, indent=2))

@@ -38,8 +38,6 @@ import argparse
 import asyncio
 import json
 import os
-import platform
-import shlex
 import statistics
 import subprocess
 import sys
@@ -53,6 +51,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from plain_vllm import pct, start_vllm, stop
 from proc_cpu import CLASSES, Sampler, snapshot, window_usage
+from provenance import command, machine
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = ["Say something nice.", "Tell me a story about the sea.", "Name an animal.",
@@ -228,21 +227,6 @@ def idle_window(roots: dict[str, int], seconds: float, interval_s: float) -> dic
                                  for t, tr in u["trees"].items()}}
 
 
-def machine() -> dict:
-    """Cores, memory, CPU model, OS and the versions that matter to the comparison."""
-    import psutil
-    import ray
-    import torch
-    import vllm
-
-    model = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
-                  if ln.startswith("model name")), platform.processor())
-    return {"cpus_logical": os.cpu_count(), "cpus_physical": psutil.cpu_count(logical=False),
-            "cpu_model": model, "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
-            "platform": platform.platform(), "python": platform.python_version(),
-            "vllm": vllm.__version__, "ray": ray.__version__, "torch": torch.__version__}
-
-
 def main() -> None:
     from serve_rft.buffer.redis_server import free_port
     from serve_rft.config import ModelConfig, load_config
@@ -273,7 +257,7 @@ def main() -> None:
         a.work = ["logprobs"]
     model = str(ensure_embedded_model(ModelConfig().cache_dir))
     work = Path(tempfile.mkdtemp(prefix="srft-vs-vllm-"))
-    out: dict = {"command": shlex.join([".venv/bin/python", "benchmarks/vs_vllm.py", *sys.argv[1:]]),
+    out: dict = {"command": command(),
                  "args": vars(a), "model": model, "machine": machine(), "complete": False}
     ours_stats = load_config(None, a.sets).explorer.log_stats  # as our side reads the overrides
     vllm_proc, vllm_url = start_vllm(model, free_port(), work / "vllm.log", a.vllm_threads, log_stats=ours_stats)

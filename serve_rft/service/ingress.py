@@ -72,6 +72,15 @@ HAProxy is replaced only if its socket stays unanswered for three checks (>= 4 s
 is far shorter, and each check may still take Ray's 10 s timeout."""
 
 
+def haproxy_threads(cores: int) -> int:
+    """HAProxy's worker threads (``nbthread``) on a node with ``cores`` CPUs: one per two cores,
+    at least 1, at most 4 (Ray's default is 4 on any node). HAProxy shares the node with the
+    replicas' engines; on 2 cores one thread cost 16 % less HAProxy CPU per token than two
+    (0.028 against 0.033 CPU-s per 1,000 tokens, streaming 16) at the same tokens/s
+    (benchmarks/results/front_end_ab_haproxy_threads.json; docs/performance.md)."""
+    return max(1, min(4, cores // 2))
+
+
 def haproxy_env() -> dict[str, str]:
     """The environment that puts a Ray cluster started from this process in HAProxy mode.
 
@@ -83,7 +92,7 @@ def haproxy_env() -> dict[str, str]:
     (``tune.bufsize``); a replica holds a larger one instead of refusing it
     (`serve_rft.explorer.http.ingress_mode.fits_a_retry`). HAProxy's own per-request
     metrics pipeline is off: replicas export ``serve_rft_requests_total`` and the latency
-    histograms themselves. Worker threads: at most the machine's cores, at most 4. A killed HAProxy
+    histograms themselves. Worker threads: `haproxy_threads`. A killed HAProxy
     is replaced within seconds (`PROXY_HEALTH_CHECK_PERIOD_S`).
 
     Returns:
@@ -106,7 +115,7 @@ def haproxy_env() -> dict[str, str]:
         "RAY_SERVE_HAPROXY_METRICS_PORT": str(free_port("0.0.0.0")),
         "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT": str(free_port("0.0.0.0")),
         "RAY_SERVE_HAPROXY_METRICS_ENABLED": "0",
-        "RAY_SERVE_HAPROXY_NBTHREAD": str(max(1, min(4, os.cpu_count() or 1))),
+        "RAY_SERVE_HAPROXY_NBTHREAD": str(haproxy_threads(os.cpu_count() or 1)),
         "RAY_SERVE_HAPROXY_STARTUP_TIMEOUT_S": str(HAPROXY_STARTUP_TIMEOUT_S),
         "RAY_SERVE_PROXY_HEALTH_CHECK_PERIOD_S": str(PROXY_HEALTH_CHECK_PERIOD_S),
     }

@@ -211,6 +211,14 @@ def test_rayservice_serves_the_shipped_application_on_the_cluster_config(monkeyp
     assert opts["label_selector"] == cfg.trainer.label_selector and opts["num_gpus"] == 1.0
 
 
+def test_haproxy_gets_one_thread_per_two_cores_between_one_and_four(monkeypatch):
+    from serve_rft.service import ingress
+
+    assert [ingress.haproxy_threads(c) for c in (1, 2, 3, 4, 8, 9, 64)] == [1, 1, 1, 2, 4, 4, 4]
+    monkeypatch.setattr(ingress.os, "cpu_count", lambda: None)  # unknown: one thread
+    assert ingress.haproxy_env()["RAY_SERVE_HAPROXY_NBTHREAD"] == "1"
+
+
 def test_every_pod_starts_ray_as_serve_rft_up_does():
     """HAProxy mode with the launcher's retry line, the task-events bound and the replicas'
     draining period on every pod (an HAProxy runs on each); the proxies' draining period is at

@@ -63,6 +63,28 @@ def _marked(mark: str) -> list[psutil.Process]:
     return out
 
 
+def _replica_pids(mark: str) -> set[int]:
+    """The run's Serve replica processes (Ray workers titled ``ray::ServeReplica:...``)."""
+    pids = set()
+    for p in _marked(mark):
+        try:
+            if "ServeReplica" in " ".join(p.cmdline()):
+                pids.add(p.pid)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            pass
+    return pids
+
+
+def _replica_files(pids: set[int]) -> list[str]:
+    """What the replica processes ``pids`` keep in shared memory (staged buckets, adapters,
+    vLLM's IPC sockets: `serve_rft.explorer.engine.vllm_engine.SHM_PREFIX`) that is still there."""
+    from serve_rft.explorer.engine.vllm_engine import SHM_PREFIX, _pid_namespace, _shm_root
+
+    ns = _pid_namespace()
+    return [n for n in os.listdir(_shm_root()) if n.startswith(SHM_PREFIX)
+            and any(f"-{ns}-{pid}-" in n for pid in pids)]
+
+
 def _alive(p: psutil.Process) -> bool:
     """The same process (pid and start time) still running."""
     try:
@@ -126,11 +148,13 @@ class Load:
 
 
 def _stop_under_load(proc: subprocess.Popen, lines: list[str], info: dict, mark: str, sig: signal.Signals,
-                     to_group: bool, kill_replica: bool = False) -> None:
+                     to_group: bool, kill_replica: bool = False) -> int | None:
     """With two users chatting and rewarding on the `serve-rft up` ``proc`` (started with
     ``SERVE_RFT_TEST_RUN=mark``), optionally kill -9 a replica, send ``sig`` to the leader or its
-    group and assert the module docstring's promises. Ends whatever is left should one fail."""
+    group and assert the module docstring's promises. Ends whatever is left should one fail.
+    Returns the pid of the replica killed, if any."""
     tree: dict[int, psutil.Process] = {}
+    pid = None
     try:
         url, redis_url = info["url"], info["redis_url"]
         # redis-server rewrites its environment block (its process title): found as a descendant
@@ -164,6 +188,7 @@ def _stop_under_load(proc: subprocess.Popen, lines: list[str], info: dict, mark:
         assert not left, [(p.pid, p.name(), p.cmdline()[:3]) for p in left.values()]
         for u in (url, redis_url, info["metrics_url"]):
             assert not _listening(u), f"{u} still accepts connections"
+        return pid
     finally:
         if proc.poll() is None:
             kill_all(proc)
@@ -263,6 +288,10 @@ def test_kill_9_of_the_leader_leaves_nothing_the_run_dir_starts_again_and_a_grou
        kill -- -PGID): the hardest stop, a Ray worker and its engine dead before it
        (`_stop_under_load`).
 
+    At the end no replica's files are left in shared memory (vLLM's IPC sockets among them),
+    but the one killed in run 3: a stopped replica removes its own, and the replicas of the next
+    run remove those of the replicas killed before (`remove_dead_replicas_files`).
+
     SIGINT to the leader (Ctrl-C's signal) ends every stack module's run (tests/support/stack.py
     asserts its exit 0); the rest of the signal x target matrix: tests/unit/test_keeper.py."""
     def up(replicas: int) -> list[str]:
@@ -273,8 +302,18 @@ def test_kill_9_of_the_leader_leaves_nothing_the_run_dir_starts_again_and_a_grou
     # two: one killed -9, the other serving the load while the group stops
     mark = uuid.uuid4().hex
     proc, _, info = launch(up(1), tmp_path / "up.log", env={"SERVE_RFT_TEST_RUN": mark})
+    replicas = _replica_pids(mark)
     kept = _kill_leader(up(1), proc, info, mark, "keeper")
     proc, _, info, mark = _start_again(up(1), tmp_path / "up2.log", kept)
+    replicas |= _replica_pids(mark)
     kept = _kill_leader(up(1), proc, info, mark, "keeper-and-service")
     proc, lines, info, mark = _start_again(up(2), tmp_path / "up3.log", kept)
-    _stop_under_load(proc, lines, info, mark, signal.SIGTERM, to_group=True, kill_replica=True)
+    run3 = _replica_pids(mark)
+    replicas |= run3
+    from serve_rft.explorer.engine.vllm_engine import _shm_root
+
+    ipc = [n for n in _replica_files(run3) if "-ipc-" in n]  # each replica's vLLM sockets, in its own folder
+    assert len(ipc) == 2 and all(os.listdir(os.path.join(_shm_root(), n)) for n in ipc), ipc
+    killed = _stop_under_load(proc, lines, info, mark, signal.SIGTERM, to_group=True, kill_replica=True)
+    assert len(replicas) == 4 and killed in replicas, (replicas, killed)
+    assert not _replica_files(replicas - {killed}), _replica_files(replicas)

@@ -234,8 +234,10 @@ def test_a_receive_cancelled_mid_load_leaves_no_staged_file(tmp_path):
 
 
 def test_files_of_replicas_that_are_gone_are_removed_and_live_ones_kept(tmp_path):
-    """A replica killed by SIGKILL mid-sync leaves its staged buckets and adapter folder in shared
-    memory; the next replica to start removes them, never a live process's."""
+    """A replica killed by SIGKILL mid-sync leaves its staged buckets, adapter folder and the
+    folder of vLLM's IPC sockets in shared memory; the next replica to start removes them, never
+    a live process's."""
+    import stat
     import subprocess
     import uuid
 
@@ -258,10 +260,16 @@ def test_files_of_replicas_that_are_gone_are_removed_and_live_ones_kept(tmp_path
     adapters = tmp_path / f"serve-rft-adapters-{ns}-{dead}-{uuid.uuid4().hex}"
     (adapters / "v000001").mkdir(parents=True)
     (adapters / "v000001" / "adapter_model.safetensors").write_bytes(b"x")
+    ipc = tmp_path / f"serve-rft-ipc-{ns}-{dead}-{uuid.uuid4().hex[:8]}"  # vLLM's sockets' folder
+    ipc.mkdir()
+    os.mknod(ipc / str(uuid.uuid4()), stat.S_IFSOCK | 0o600)  # a socket file, as vLLM leaves them
+    live_ipc = tmp_path / f"serve-rft-ipc-{ns}-{alive}-{uuid.uuid4().hex[:8]}"
+    live_ipc.mkdir()
+    names[live_ipc.name] = False
     removed = remove_dead_replicas_files(str(tmp_path))
     links = [p for p in tmp_path.iterdir() if p.is_symlink()]
     assert sorted(removed) == sorted([str(tmp_path / n) for n, gone_ in names.items() if gone_]
-                                     + [str(adapters), str(link)])
+                                     + [str(adapters), str(ipc), str(link)])
     # a dead replica's symlink is removed as a link: what it points at stays
     assert not links and (tmp_path / "other-file").read_bytes() == b"x"
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(n for n, gone_ in names.items() if not gone_)

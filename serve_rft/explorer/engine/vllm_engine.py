@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import shutil
 import time
 from pathlib import Path
 from typing import AsyncIterator
@@ -52,7 +53,8 @@ def engine_env(cfg: ExplorerConfig) -> None:
 
 SHM_PREFIX = "serve-rft-"
 """Names of what a replica writes to shared memory:
-``serve-rft-<kind>-<pid namespace>-<pid>-<uuid hex><suffix>``."""
+``serve-rft-<kind>-<pid namespace>-<pid>-<uuid hex><suffix>`` (the ``ipc`` folder: 8 hex digits
+of the uuid, so that a socket path in it stays within a unix socket's 107 bytes)."""
 
 
 def _shm_root() -> str:
@@ -70,19 +72,20 @@ def _pid_namespace() -> int:
         return 0
 
 
-def _shm_path(kind: str = "bucket", suffix: str = ".safetensors") -> str:
-    """A fresh path in shared memory (tmpfs), or in the temp dir where there is none."""
+def _shm_path(kind: str = "bucket", suffix: str = ".safetensors", id_hex: int = 32) -> str:
+    """A fresh path in shared memory (tmpfs), or in the temp dir where there is none; its id is
+    the first ``id_hex`` hex digits of a uuid4."""
     import uuid
 
-    return os.path.join(_shm_root(),
-                        f"{SHM_PREFIX}{kind}-{_pid_namespace()}-{os.getpid()}-{uuid.uuid4().hex}{suffix}")
+    return os.path.join(_shm_root(), f"{SHM_PREFIX}{kind}-{_pid_namespace()}-{os.getpid()}-"
+                                     f"{uuid.uuid4().hex[:id_hex]}{suffix}")
 
 
 def remove_dead_replicas_files(root: str | None = None) -> list[str]:
-    """Remove the shared-memory files and folders (staged buckets, adapters) of replica
-    processes that are gone: one killed by SIGKILL mid-sync leaves up to two bucket files (a
-    bucket each, ``synchronizer.bucket_bytes``) and its adapter folder behind, in memory until
-    the machine restarts. Only this user's entries named in this pid namespace are looked at; a
+    """Remove the shared-memory files and folders (staged buckets, adapters, vLLM's IPC
+    sockets) of replica processes that are gone: one killed by SIGKILL mid-sync leaves up to two
+    bucket files (a bucket each, ``synchronizer.bucket_bytes``), its adapter folder and its IPC
+    folder behind, in memory until the machine restarts. Only this user's entries named in this pid namespace are looked at; a
     name whose pid is alive is kept (its owner, or a process that reused the pid: then it stays
     until that process ends); one that cannot be removed is left.
 
@@ -90,9 +93,9 @@ def remove_dead_replicas_files(root: str | None = None) -> list[str]:
         The paths removed.
     """
     import re
-    import shutil
 
-    pattern = re.compile(re.escape(SHM_PREFIX) + r"(bucket|adapters)-(\d+)-(\d{1,9})-[0-9a-f]{32}(\.safetensors)?$")
+    pattern = re.compile(re.escape(SHM_PREFIX) + r"(bucket|adapters|ipc)-(\d+)-(\d{1,9})-([0-9a-f]{32}|[0-9a-f]{8})"
+                         r"(\.safetensors)?$")
     root = root or _shm_root()
     namespace, uid = _pid_namespace(), os.getuid()
     removed = []
@@ -135,6 +138,8 @@ class ExplorerEngine:
         adapters: adapter-only sync: policy version -> its `vllm.lora.request.LoRARequest`
             (the newest `ADAPTERS_KEPT`); version 0 has none (the base itself).
         adapter_dir: where adapters received in memory are written (removed at shutdown).
+        ipc_dir: the folder of vLLM's IPC sockets (removed at shutdown), or None where the
+            operator set ``VLLM_RPC_BASE_PATH``.
         replica_id: the Serve replica this engine belongs to (names its NCCL group).
         world_size: vLLM workers of this engine (tensor x pipeline parallel; 1 here).
         nccl_update_info: names/dtypes/shapes the NCCL receive uses, once the group is joined.
@@ -147,6 +152,7 @@ class ExplorerEngine:
         self.adapter_sync = adapter_sync
         self.adapters: dict[int, object] = {}
         self.adapter_dir = Path(_shm_path("adapters", ""))  # adapters received in memory
+        self.ipc_dir: str | None = None
         self.world_size = 1
         self.engine_pids: list[int] = []  # processes running the model (the EngineCore on CPU)
         self.nccl_update_info: dict | None = None
@@ -175,8 +181,25 @@ class ExplorerEngine:
 
         args = AsyncEngineArgs(**engine_kwargs(cfg, model_path, seed=seed, on_cpu=current_platform.is_cpu(),
                                                weight_transfer=weight_transfer, lora_rank=lora_rank))
-        llm = AsyncLLM.from_engine_args(args, stat_loggers=stat_loggers())
+        # vLLM binds its IPC sockets in VLLM_RPC_BASE_PATH (the temp dir) and leaves them there when
+        # the replica's process ends: they go to a folder of this replica's instead, removed at
+        # shutdown or, after a SIGKILL, by the next replica to start. An operator's setting stands.
+        ipc_dir = None
+        if "VLLM_RPC_BASE_PATH" not in os.environ:
+            ipc_dir = _shm_path("ipc", "", id_hex=8)
+            os.makedirs(ipc_dir)
+            os.environ["VLLM_RPC_BASE_PATH"] = ipc_dir
+        try:
+            llm = AsyncLLM.from_engine_args(args, stat_loggers=stat_loggers())
+        except BaseException:
+            if ipc_dir is not None:
+                shutil.rmtree(ipc_dir, ignore_errors=True)
+            raise
+        finally:
+            if ipc_dir is not None:
+                del os.environ["VLLM_RPC_BASE_PATH"]
         engine = cls(llm, 0, replica_id, adapter_sync=lora_rank is not None)
+        engine.ipc_dir = ipc_dir
         engine.direct_weight_load = cfg.direct_weight_load
         await llm.update_weight_version("0")
         # the engine's processes end when this process does, even by SIGKILL (no orphans)
@@ -355,13 +378,14 @@ class ExplorerEngine:
         await self.llm.resume_generation()
 
     def shutdown(self) -> None:
-        """Stop the engine (its EngineCore and worker processes) and remove the adapter dir.
+        """Stop the engine (its EngineCore and worker processes) and remove the adapter and IPC
+        folders.
 
         The EngineCore gets `ENGINE_EXIT_WAIT_S` to exit before vLLM kills it. Serve calls this
         once the replica has no request left; vLLM's own wait is 5 s, which on CPU a worker's
         garbage collection at interpreter exit always used up (py-spy of the worker during the
         wait: ``gc_collect_main``), adding 5 s to every replica's stop."""
-        import shutil
-
         self.llm.shutdown(timeout=ENGINE_EXIT_WAIT_S)
         shutil.rmtree(self.adapter_dir, ignore_errors=True)
+        if self.ipc_dir is not None:
+            shutil.rmtree(self.ipc_dir, ignore_errors=True)

@@ -7,7 +7,6 @@ labelled in vLLM itself (`update_weight_version`), so every output carries per-t
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import shutil

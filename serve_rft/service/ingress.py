@@ -24,6 +24,7 @@ the launcher sets.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 from serve_rft.buffer.redis_server import free_port
 from serve_rft.explorer.http.ingress_mode import HAPROXY_FLAG, REQUEST_ID_HEADER
@@ -79,6 +80,19 @@ def haproxy_threads(cores: int) -> int:
     (0.028 against 0.033 CPU-s per 1,000 tokens, streaming 16) at the same tokens/s
     (benchmarks/results/front_end_ab_haproxy_threads.json; docs/performance.md)."""
     return max(1, min(4, cores // 2))
+
+
+def haproxy_node_dirs(node_id: str) -> set[Path]:
+    """The folders in which Ray Serve's HAProxy manager keeps its config, admin socket and server
+    state for the Ray node ``node_id``: ``/tmp/haproxy-serve/<node id>`` with Ray's defaults (each
+    ``RAY_SERVE_HAPROXY_*`` path of ``ray.serve._private.constants`` with the node's id inserted
+    before the file name, as the manager does). Ray leaves them when the node stops; about 40 KB
+    each."""
+    from ray.serve._private import constants as c
+
+    files = (c.RAY_SERVE_HAPROXY_CONFIG_FILE_LOC, c.RAY_SERVE_HAPROXY_SOCKET_PATH,
+             c.RAY_SERVE_HAPROXY_SERVER_STATE_FILE, c.RAY_SERVE_HAPROXY_METRICS_SOCKET_PATH)
+    return {Path(os.path.dirname(f)) / node_id for f in files} | {Path(c.RAY_SERVE_HAPROXY_SERVER_STATE_BASE) / node_id}
 
 
 def haproxy_env() -> dict[str, str]:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import shutil
 import signal
 import time
 from pathlib import Path
@@ -33,7 +34,7 @@ from serve_rft.buffer.redis_server import RedisSupervisor, free_port
 from serve_rft.config import Config
 from serve_rft.config.service import check_exposure
 from serve_rft.names import SYNCHRONIZER_NAME, TRAINER_NAME, find_actor, get_trainer
-from serve_rft.service.ingress import DRAIN_ENV, HAPROXY_FLAG, haproxy_env
+from serve_rft.service.ingress import DRAIN_ENV, HAPROXY_FLAG, haproxy_env, haproxy_node_dirs
 from serve_rft.model.embedded import resolve_model_path
 
 log = logging.getLogger("serve_rft.service")
@@ -73,6 +74,7 @@ class ServiceStack:
         self.url = ""
         self.model_path: Path | None = None
         self.started_ray = False
+        self.haproxy_dirs: set[Path] = set()  # Ray's HAProxy folders of the node this process started
         self.metrics_url = ""  # Ray's Prometheus endpoint when this process started Ray
         self.startup_seconds = 0.0
         self.ray_address = ""
@@ -140,6 +142,8 @@ class ServiceStack:
                          _metrics_export_port=cfg.service.metrics_port)
                 self.started_ray = True
                 self.metrics_url = f"http://127.0.0.1:{cfg.service.metrics_port}/metrics"
+                if cfg.service.ingress == "haproxy":
+                    self.haproxy_dirs = haproxy_node_dirs(ray.get_runtime_context().get_node_id())
         self.ray_address = ray.get_runtime_context().gcs_address
         if self.mode == "train":
             self.progress("starting the trainer (loading the policy model)")
@@ -178,8 +182,9 @@ class ServiceStack:
         raise TimeoutError(f"service at {self.url} not healthy after {timeout_s} s")
 
     def stop(self) -> None:
-        """Shut down Serve and the actors, the Ray cluster we started, and our redis-server;
-        logs each phase's seconds (INFO)."""
+        """Shut down Serve and the actors, the Ray cluster we started (with the folders Ray's
+        HAProxy manager leaves: `serve_rft.service.ingress.haproxy_node_dirs`), and our
+        redis-server; logs each phase's seconds (INFO)."""
         try:
             import ray
 
@@ -202,6 +207,8 @@ class ServiceStack:
                     if self.started_ray:
                         with _timed("Ray"):
                             ray.shutdown()
+                        for d in self.haproxy_dirs:
+                            shutil.rmtree(d, ignore_errors=True)
         finally:
             if self.redis is not None:
                 with _timed("redis-server"):

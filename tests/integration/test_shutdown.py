@@ -6,7 +6,8 @@ test starts: Ray's GCS, raylet and workers, the vLLM engines, HAProxy), and ever
 descendant of the command while it runs (redis-server too, whose process title overwrites its
 environment). After the stop: the command exited with 0 within ``service.shutdown_grace_s``
 (`GRACE_S`) + the keeper's SIGTERM-then-SIGKILL of leftovers (3 s); no marked process is left; the
-service, redis and metrics ports no longer accept connections.
+service, redis and metrics ports no longer accept connections; the folder Ray's HAProxy manager
+kept the node's HAProxy config in is gone (Ray leaves it; the stop removes it).
 
 Where each case is covered. The keeper (serve_rft.service.keeper) turns every stop signal into
 one SIGINT to the service process, which runs in a session of its own, so the signal's kind and
@@ -83,6 +84,19 @@ def _replica_files(pids: set[int]) -> list[str]:
     ns = _pid_namespace()
     return [n for n in os.listdir(_shm_root()) if n.startswith(SHM_PREFIX)
             and any(f"-{ns}-{pid}-" in n for pid in pids)]
+
+
+def _haproxy_dirs(tree: dict[int, psutil.Process]) -> set[str]:
+    """The folders of the HAProxy configs (``haproxy -f DIR/haproxy.cfg``) that ``tree`` runs."""
+    dirs = set()
+    for p in tree.values():
+        try:
+            args = p.cmdline()
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+        if args and os.path.basename(args[0]) == "haproxy" and "-f" in args[:-1]:
+            dirs.add(os.path.dirname(args[args.index("-f") + 1]))
+    return dirs
 
 
 def _alive(p: psutil.Process) -> bool:
@@ -163,6 +177,8 @@ def _stop_under_load(proc: subprocess.Popen, lines: list[str], info: dict, mark:
         names = " ".join(before.values()).lower()
         assert "redis-server" in names and "raylet" in names and "gcs_server" in names, before
         assert any("haproxy" in n.lower() for n in before.values()), before
+        haproxy_dirs = _haproxy_dirs(tree)
+        assert haproxy_dirs and all(os.path.isdir(d) for d in haproxy_dirs), haproxy_dirs
         load = Load(url)
         try:
             deadline = time.monotonic() + 60
@@ -188,6 +204,7 @@ def _stop_under_load(proc: subprocess.Popen, lines: list[str], info: dict, mark:
         assert not left, [(p.pid, p.name(), p.cmdline()[:3]) for p in left.values()]
         for u in (url, redis_url, info["metrics_url"]):
             assert not _listening(u), f"{u} still accepts connections"
+        assert not [d for d in haproxy_dirs if os.path.exists(d)], haproxy_dirs  # Ray leaves them; the stop does not
         return pid
     finally:
         if proc.poll() is None:

@@ -53,7 +53,8 @@ def engine_env(cfg: ExplorerConfig) -> None:
 SHM_PREFIX = "serve-rft-"
 """Names of what a replica writes to shared memory:
 ``serve-rft-<kind>-<pid namespace>-<pid>-<uuid hex><suffix>`` (the ``ipc`` folder: 8 hex digits
-of the uuid, so that a socket path in it stays within a unix socket's 107 bytes)."""
+of the uuid, so that a socket path in it stays within a unix socket's 107 bytes: 87 at most
+under /dev/shm)."""
 
 
 def _shm_root() -> str:
@@ -84,17 +85,17 @@ def remove_dead_replicas_files(root: str | None = None) -> list[str]:
     """Remove the shared-memory files and folders (staged buckets, adapters, vLLM's IPC
     sockets) of replica processes that are gone: one killed by SIGKILL mid-sync leaves up to two
     bucket files (a bucket each, ``synchronizer.bucket_bytes``), its adapter folder and its IPC
-    folder behind, in memory until the machine restarts. Only this user's entries named in this pid namespace are looked at; a
-    name whose pid is alive is kept (its owner, or a process that reused the pid: then it stays
-    until that process ends); one that cannot be removed is left.
+    folder behind, in memory until the machine restarts. Only this user's entries named in this
+    pid namespace are looked at; a name whose pid is alive is kept (its owner, or a process that
+    reused the pid: then it stays until that process ends); one that cannot be removed is left.
 
     Returns:
         The paths removed.
     """
     import re
 
-    pattern = re.compile(re.escape(SHM_PREFIX) + r"(bucket|adapters|ipc)-(\d+)-(\d{1,9})-([0-9a-f]{32}|[0-9a-f]{8})"
-                         r"(\.safetensors)?$")
+    pattern = re.compile(re.escape(SHM_PREFIX) + r"(bucket|adapters|ipc)-(\d+)-(\d{1,9})-"
+                         r"([0-9a-f]{32}|[0-9a-f]{8})(\.safetensors)?$")
     root = root or _shm_root()
     namespace, uid = _pid_namespace(), os.getuid()
     removed = []
@@ -182,10 +183,14 @@ class ExplorerEngine:
                                                weight_transfer=weight_transfer, lora_rank=lora_rank))
         # vLLM binds its IPC sockets in VLLM_RPC_BASE_PATH (the temp dir) and leaves them there when
         # the replica's process ends: they go to a folder of this replica's instead, removed at
-        # shutdown or, after a SIGKILL, by the next replica to start. An operator's setting stands.
+        # shutdown or, after a SIGKILL, by the next replica to start. An operator's setting stands,
+        # and so does vLLM's default where a socket path in the folder would pass a unix socket's
+        # 107 bytes (no /dev/shm and a long temp dir). vLLM reads the variable when it makes each
+        # path (vllm.envs caches variables only in the EngineCore process, after it started).
         ipc_dir = None
-        if "VLLM_RPC_BASE_PATH" not in os.environ:
-            ipc_dir = _shm_path("ipc", "", id_hex=8)
+        candidate = _shm_path("ipc", "", id_hex=8)
+        if "VLLM_RPC_BASE_PATH" not in os.environ and len(candidate) + 1 + 36 <= 107:  # "/" + a uuid4
+            ipc_dir = candidate
             os.makedirs(ipc_dir)
             os.environ["VLLM_RPC_BASE_PATH"] = ipc_dir
         try:
@@ -196,7 +201,7 @@ class ExplorerEngine:
             raise
         finally:
             if ipc_dir is not None:
-                del os.environ["VLLM_RPC_BASE_PATH"]
+                os.environ.pop("VLLM_RPC_BASE_PATH", None)
         engine = cls(llm, 0, replica_id, adapter_sync=lora_rank is not None)
         engine.ipc_dir = ipc_dir
         engine.direct_weight_load = cfg.direct_weight_load

@@ -47,12 +47,21 @@ RULES: tuple[tuple[str, str, str], ...] = (
     ("raylet", "raylet", "ray_system"),
     ("gcs_server", "gcs_server", "ray_system"),
     ("dashboard", "ray dashboard/agent", "ray_system"),
+    ("DashboardAgent", "ray dashboard/agent", "ray_system"),  # Ray 2.60's title: ray::DashboardAgent
     ("runtime_env", "ray runtime-env agent", "ray_system"),
+    ("RuntimeEnvAgent", "ray runtime-env agent", "ray_system"),
     ("log_monitor", "ray log monitor", "ray_system"),
     ("ray::IDLE", "ray idle worker", "ray_system"),
     ("ray::", "ray other actor", "ray_system"),
     ("/ray/", "ray other", "ray_system"),
 )
+
+
+def short_command(cmd: str) -> str:
+    """A process's program and first arguments, without any ``KEY=value`` or JSON argument (a
+    machine's agents carry their environment on their command lines): what `window_usage` lists
+    of the processes outside the trees."""
+    return " ".join(t for t in cmd.split()[:4] if "=" not in t and "{" not in t)[:80]
 
 
 def classify(cmdline: str, name: str = "") -> tuple[str, str]:
@@ -151,7 +160,7 @@ def window_usage(snaps: list[Snapshot], roots: dict[str, int], own_pid: int, top
     Returns:
         ``seconds`` (wall), ``trees`` (name -> ``by_class`` over `CLASSES`, ``by_role``,
         ``processes``), ``load_generator_cpu_s``, ``machine_busy_cpu_s``, ``other_cpu_s`` (every
-        process outside the trees and the load generator), ``top_other`` (pid, cmd, cpu_s),
+        process outside the trees and the load generator), ``top_other`` (pid, `short_command`, cpu_s),
         ``loadavg_1m`` (at the end).
 
     Raises:
@@ -178,7 +187,8 @@ def window_usage(snaps: list[Snapshot], roots: dict[str, int], own_pid: int, top
     out["load_generator_cpu_s"] = round(sum(used[k][0] for k in own), 4)
     out["machine_busy_cpu_s"] = round(snaps[-1].busy_cpu_s - snaps[0].busy_cpu_s, 4)
     out["other_cpu_s"] = round(sum(c for c, _, _ in others), 4)
-    out["top_other"] = [{"pid": k[0], "cmd": p.cmd, "cpu_s": round(c, 3)} for c, k, p in others[:top] if c > 0]
+    out["top_other"] = [{"pid": k[0], "cmd": short_command(p.cmd), "cpu_s": round(c, 3)}
+                        for c, k, p in others[:top] if c > 0]
     out["loadavg_1m"] = os.getloadavg()[0]
     return out
 

@@ -78,7 +78,9 @@ def haproxy_threads(cores: int) -> int:
     at least 1, at most 4 (Ray's default is 4 on any node). HAProxy shares the node with the
     replicas' engines; on 2 cores one thread cost 16 % less HAProxy CPU per token than two
     (0.028 against 0.033 CPU-s per 1,000 tokens, streaming 16) at the same tokens/s
-    (benchmarks/results/front_end_ab_haproxy_threads.json; docs/performance.md)."""
+    (benchmarks/results/front_end_ab_haproxy_threads.json; docs/performance.md). It applies to
+    the Ray this process starts (`haproxy_env`); a `serve deploy` or KubeRay cluster's nodes keep
+    Ray's default unless they set ``RAY_SERVE_HAPROXY_NBTHREAD``."""
     return max(1, min(4, cores // 2))
 
 
@@ -86,7 +88,8 @@ def haproxy_node_dirs(node_id: str) -> set[Path]:
     """The folders in which Ray Serve's HAProxy manager keeps its config, admin socket and server
     state for the Ray node ``node_id``: ``/tmp/haproxy-serve/<node id>`` with Ray's defaults (each
     ``RAY_SERVE_HAPROXY_*`` path of ``ray.serve._private.constants`` with the node's id inserted
-    before the file name, as the manager does). Ray leaves them when the node stops; about 40 KB
+    before the file name, as the manager's ``_per_node`` in ``ray/serve/_private/haproxy.py``
+    does: check it there on a Ray upgrade). Ray leaves them when the node stops; about 40 KB
     each."""
     from ray.serve._private import constants as c
 

@@ -204,7 +204,8 @@ def _stop_under_load(proc: subprocess.Popen, lines: list[str], info: dict, mark:
         assert not left, [(p.pid, p.name(), p.cmdline()[:3]) for p in left.values()]
         for u in (url, redis_url, info["metrics_url"]):
             assert not _listening(u), f"{u} still accepts connections"
-        assert not [d for d in haproxy_dirs if os.path.exists(d)], haproxy_dirs  # Ray leaves them; the stop does not
+        # Ray leaves its HAProxy folder behind; serve-rft up's stop removes it
+        assert not [d for d in haproxy_dirs if os.path.exists(d)], haproxy_dirs
         return pid
     finally:
         if proc.poll() is None:

@@ -89,8 +89,7 @@ def haproxy_node_dirs(node_id: str) -> set[Path]:
     state for the Ray node ``node_id``: ``/tmp/haproxy-serve/<node id>`` with Ray's defaults (each
     ``RAY_SERVE_HAPROXY_*`` path of ``ray.serve._private.constants`` with the node's id inserted
     before the file name, as the manager's ``_per_node`` in ``ray/serve/_private/haproxy.py``
-    does: check it there on a Ray upgrade). Ray leaves them when the node stops; about 40 KB
-    each."""
+    does: check it there on a Ray upgrade). Ray leaves them when the node stops."""
     from ray.serve._private import constants as c
 
     files = (c.RAY_SERVE_HAPROXY_CONFIG_FILE_LOC, c.RAY_SERVE_HAPROXY_SOCKET_PATH,

@@ -139,7 +139,7 @@ class ExplorerEngine:
             (the newest `ADAPTERS_KEPT`); version 0 has none (the base itself).
         adapter_dir: where adapters received in memory are written (removed at shutdown).
         ipc_dir: the folder of vLLM's IPC sockets (removed at shutdown), or None where the
-            operator set ``VLLM_RPC_BASE_PATH``.
+            operator set ``VLLM_RPC_BASE_PATH`` or a socket path in it would be too long.
         replica_id: the Serve replica this engine belongs to (names its NCCL group).
         world_size: vLLM workers of this engine (tensor x pipeline parallel; 1 here).
         nccl_update_info: names/dtypes/shapes the NCCL receive uses, once the group is joined.

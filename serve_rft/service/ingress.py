@@ -90,11 +90,92 @@ def haproxy_node_dirs(node_id: str) -> set[Path]:
     ``RAY_SERVE_HAPROXY_*`` path of ``ray.serve._private.constants`` with the node's id inserted
     before the file name, as the manager's ``_per_node`` in ``ray/serve/_private/haproxy.py``
     does: check it there on a Ray upgrade). Ray leaves them when the node stops."""
+    return {base / node_id for base in haproxy_base_dirs()}
+
+
+def haproxy_base_dirs() -> set[Path]:
+    """The folders under which Ray Serve's HAProxy manager makes one folder per node
+    (`haproxy_node_dirs`): ``/tmp/haproxy-serve`` with Ray's defaults."""
     from ray.serve._private import constants as c
 
     files = (c.RAY_SERVE_HAPROXY_CONFIG_FILE_LOC, c.RAY_SERVE_HAPROXY_SOCKET_PATH,
              c.RAY_SERVE_HAPROXY_SERVER_STATE_FILE, c.RAY_SERVE_HAPROXY_METRICS_SOCKET_PATH)
-    return {Path(os.path.dirname(f)) / node_id for f in files} | {Path(c.RAY_SERVE_HAPROXY_SERVER_STATE_BASE) / node_id}
+    return {Path(os.path.dirname(f)) for f in files} | {Path(c.RAY_SERVE_HAPROXY_SERVER_STATE_BASE)}
+
+
+def _admin_socket_refuses(sock_path: Path) -> bool:
+    """True when nothing listens on the Unix socket ``sock_path`` (connect refused: the HAProxy
+    that bound it is gone); False when one accepts, or the socket cannot be tried."""
+    import socket
+
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        s.settimeout(1.0)
+        s.connect(str(sock_path))
+        return False
+    except ConnectionRefusedError:
+        return True
+    except OSError:  # gone meanwhile, no permission, timed out (alive but busy), path too long
+        return False
+    finally:
+        s.close()
+
+
+def remove_dead_haproxy_dirs(socket_path: Path | None = None, bases: set[Path] | None = None,
+                             grace_s: float = 600.0, now: float | None = None) -> list[Path]:
+    """Remove the per-node folders (`haproxy_node_dirs`) of HAProxy instances that no longer run:
+    a Ray node stopped by SIGKILL, or one another launcher started (``ray start``, a test
+    cluster), leaves its folders behind (config, admin socket, server state: ~40 KiB on disk).
+
+    A node's folders are dead when its admin socket (``RAY_SERVE_HAPROXY_SOCKET_PATH``'s name in
+    the node's folder, HAProxy's ``stats socket``) refuses connections, or when there is none
+    and nothing in the folder changed for ``grace_s`` seconds (an HAProxy that never started: a
+    starting one writes its config first and binds the socket within Ray's start-up timeout,
+    ``RAY_SERVE_HAPROXY_STARTUP_TIMEOUT_S``). A node whose socket accepts is kept, whoever owns
+    it; a folder that cannot be removed is left.
+
+    Args:
+        socket_path: Ray's admin socket path without the node id (default: Ray's setting).
+        bases: the folders holding per-node folders (default: `haproxy_base_dirs`).
+        grace_s: seconds a folder without a socket is given (see above).
+        now: the current time (seconds since the epoch), for tests.
+
+    Returns:
+        The folders removed.
+    """
+    import shutil
+    import time
+
+    from ray.serve._private import constants as c
+
+    socket_path = Path(c.RAY_SERVE_HAPROXY_SOCKET_PATH) if socket_path is None else socket_path
+    bases = haproxy_base_dirs() if bases is None else bases
+    now = time.time() if now is None else now
+    try:
+        nodes = [d for d in socket_path.parent.iterdir() if d.is_dir() and not d.is_symlink()]
+    except OSError:
+        return []
+    removed = []
+    for node in nodes:
+        sock = node / socket_path.name
+        try:
+            if sock.exists():
+                dead = _admin_socket_refuses(sock)
+            else:
+                newest = max([node.stat().st_mtime, *(f.lstat().st_mtime for f in node.iterdir())])
+                dead = now - newest > grace_s
+        except OSError:
+            continue
+        if not dead:
+            continue
+        for folder in {b / node.name for b in bases} | {node}:
+            try:
+                if folder.is_dir() and not folder.is_symlink():
+                    shutil.rmtree(folder)
+                    removed.append(folder)
+            except OSError:
+                continue
+    return removed
 
 
 def haproxy_env() -> dict[str, str]:

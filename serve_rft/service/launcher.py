@@ -34,7 +34,8 @@ from serve_rft.buffer.redis_server import RedisSupervisor, free_port
 from serve_rft.config import Config
 from serve_rft.config.service import check_exposure
 from serve_rft.names import SYNCHRONIZER_NAME, TRAINER_NAME, find_actor, get_trainer
-from serve_rft.service.ingress import DRAIN_ENV, HAPROXY_FLAG, haproxy_env, haproxy_node_dirs
+from serve_rft.service.ingress import (DRAIN_ENV, HAPROXY_FLAG, haproxy_env, haproxy_node_dirs,
+                                      remove_dead_haproxy_dirs)
 from serve_rft.model.embedded import resolve_model_path
 
 log = logging.getLogger("serve_rft.service")
@@ -135,6 +136,8 @@ class ServiceStack:
                 if cfg.service.ingress == "haproxy":
                     for key, value in haproxy_env().items():
                         os.environ.setdefault(key, value)
+                    if gone := remove_dead_haproxy_dirs():
+                        log.info("removed %d folders of HAProxy instances that no longer run", len(gone))
                 else:
                     os.environ.pop(HAPROXY_FLAG, None)
                 ray.init(address="local", num_cpus=cfg.service.ray_num_cpus, include_dashboard=False,

@@ -306,7 +306,8 @@ def test_kill_9_of_the_leader_leaves_nothing_the_run_dir_starts_again_and_a_grou
        kill -- -PGID): the hardest stop, a Ray worker and its engine dead before it
        (`_stop_under_load`).
 
-    At the end no replica's files are left in shared memory (vLLM's IPC sockets among them),
+    The HAProxy folder run 2's kill leaves is gone once run 3 has started
+    (`serve_rft.service.ingress.remove_dead_haproxy_dirs`). At the end no replica's files are left in shared memory (vLLM's IPC sockets among them),
     but the one killed in run 3: a stopped replica removes its own, and the replicas of the next
     run remove those of the replicas killed before (`remove_dead_replicas_files`).
 
@@ -324,8 +325,11 @@ def test_kill_9_of_the_leader_leaves_nothing_the_run_dir_starts_again_and_a_grou
     kept = _kill_leader(up(1), proc, info, mark, "keeper")
     proc, _, info, mark = _start_again(up(1), tmp_path / "up2.log", kept)
     replicas |= _replica_pids(mark)
+    run2_haproxy = _haproxy_dirs({p.pid: p for p in [*_marked(mark), *psutil.Process(proc.pid).children(recursive=True)]})
     kept = _kill_leader(up(1), proc, info, mark, "keeper-and-service")
+    assert run2_haproxy and all(os.path.isdir(d) for d in run2_haproxy), run2_haproxy  # no stop ran
     proc, lines, info, mark = _start_again(up(2), tmp_path / "up3.log", kept)
+    assert not [d for d in run2_haproxy if os.path.exists(d)], run2_haproxy  # the next start removed them
     run3 = _replica_pids(mark)
     replicas |= run3
     from serve_rft.explorer.engine.vllm_engine import _shm_root

@@ -27,7 +27,7 @@ from pathlib import Path
 import psutil
 
 from serve_rft.buffer.redis_server import free_port
-from serve_rft.service.ingress import DRAIN_ENV, haproxy_env
+from serve_rft.service.ingress import DRAIN_ENV, haproxy_env, remove_dead_haproxy_dirs
 from serve_rft.service.launcher import TASK_EVENTS_ENV
 
 RAY = str(Path(sys.executable).parent / "ray")
@@ -165,7 +165,8 @@ class RayCluster:
     def stop(self, keep_logs: Path | None = None, timeout_s: float = 60) -> None:
         """Workers first (all asked at once, as machines going down together), the head last,
         each given ``timeout_s`` seconds before its processes are killed (`RayNode.stop`); then
-        the session folder goes (its Serve logs copied to ``keep_logs`` first, when given)."""
+        the session folder goes (its Serve logs copied to ``keep_logs`` first, when given), and
+        the folders of the nodes' HAProxy instances (`remove_dead_haproxy_dirs`)."""
         workers = self.nodes[1:]
         for node in workers:
             node.ask_to_stop()
@@ -177,3 +178,4 @@ class RayCluster:
             for serve_logs in Path(self.temp_dir).glob("session_*/logs/serve"):
                 shutil.copytree(serve_logs, keep_logs, dirs_exist_ok=True)
         shutil.rmtree(self.temp_dir, ignore_errors=True)
+        remove_dead_haproxy_dirs()

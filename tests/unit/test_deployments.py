@@ -219,6 +219,47 @@ def test_haproxy_gets_one_thread_per_two_cores_between_one_and_four(monkeypatch)
     assert ingress.haproxy_env()["RAY_SERVE_HAPROXY_NBTHREAD"] == "1"
 
 
+def test_folders_of_haproxy_instances_that_no_longer_run_are_removed(tmp_path):
+    """A node's HAProxy folders go when its admin socket refuses (HAProxy gone), or when it has
+    none and is older than the grace period; a listening one and a young one stay."""
+    import socket
+    import time
+
+    from serve_rft.service.ingress import remove_dead_haproxy_dirs
+
+    base, state = tmp_path / "h", tmp_path / "s"  # short: a Unix socket path has ~107 bytes
+    now = time.time()
+
+    def node(name: str, sock: str | None) -> socket.socket | None:
+        for b in (base, state):
+            (b / name).mkdir(parents=True)
+            (b / name / "haproxy.cfg").write_text("global\n")
+        if sock is None:
+            return None
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.bind(str(base / name / "admin.sock"))
+        if sock == "listening":
+            s.listen(1)
+            return s
+        s.close()  # the file stays, nothing listens: as a killed HAProxy leaves it
+        return None
+
+    live = node("live", "listening")
+    node("dead", "closed")
+    node("young", None)
+    node("old", None)
+    for f in [base / "old", *(base / "old").iterdir()]:
+        os.utime(f, (now - 3600, now - 3600))
+    try:
+        removed = remove_dead_haproxy_dirs(base / "admin.sock", {base, state}, grace_s=600, now=now)
+    finally:
+        live.close()
+    assert sorted(removed) == sorted(b / n for b in (base, state) for n in ("dead", "old"))
+    assert sorted(p.name for p in base.iterdir()) == ["live", "young"]
+    assert sorted(p.name for p in state.iterdir()) == ["live", "young"]
+    assert remove_dead_haproxy_dirs(tmp_path / "missing" / "admin.sock", set()) == []
+
+
 def test_every_pod_starts_ray_as_serve_rft_up_does():
     """HAProxy mode with the launcher's retry line, the task-events bound and the replicas'
     draining period on every pod (an HAProxy runs on each); the proxies' draining period is at

@@ -5,7 +5,8 @@ the same load, and the cost of the behaviour logprobs our replica asks vLLM for.
    `vs_vllm.run_load` load at ``--concurrency`` for ``--duration`` s and sum each process's CPU
    seconds (psutil, the server's whole process tree), grouped by role (vLLM engine core / worker,
    Ray Serve replica, Ray Serve proxy or HAProxy (``--ingress``), API server, Ray system processes, redis-server), per
-   1,000 output tokens.
+   1,000 output tokens; and the front-end process's (our replica's, vLLM's API server's) CPU by
+   thread, its busiest first.
 2. One `AsyncLLM` in this process, no HTTP: output tokens/s with ``logprobs=0`` (what every
    serve_rft request computes) and without.
 3. With ``--py-spy`` (needs ``.venv/bin/pip install py-spy``; not a project dependency): a
@@ -98,24 +99,60 @@ def pyspy_shares(raw_path: Path) -> dict:
     return {"samples": total, **{o: counts[o] / total if total else 0.0 for o in names}}
 
 
+def _front_end(root: psutil.Process) -> psutil.Process:
+    """The process that runs the HTTP server and vLLM's serving classes: our Serve replica or
+    vLLM's API server (the root itself)."""
+    return next((p for p in root.children(recursive=True) if _role(p).startswith("ray serve replica")), root)
+
+
+def thread_cpu(proc: psutil.Process) -> dict[int, tuple[str, float]]:
+    """CPU seconds (user + system) of each thread of ``proc`` so far: thread id -> (name, seconds).
+    The name is ``/proc/PID/task/TID/comm`` (``main`` for the main thread): Python threads inherit
+    the name of the thread that started them, native ones (Ray's core worker, gRPC, ZeroMQ) set
+    their own."""
+    out = {}
+    for t in proc.threads():
+        try:
+            name = "main" if t.id == proc.pid else Path(f"/proc/{proc.pid}/task/{t.id}/comm").read_text().strip()
+        except OSError:
+            continue
+        out[t.id] = (name, t.user_time + t.system_time)
+    return out
+
+
+def busiest_threads(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]],
+                    tokens: float, top: int = 6) -> list[dict]:
+    """The ``top`` threads by CPU seconds between two `thread_cpu` snapshots, per 1,000 of
+    ``tokens``, and the rest summed."""
+    used = sorted(((t - before.get(tid, (name, 0.0))[1], name) for tid, (name, t) in after.items()), reverse=True)
+    rows = [{"thread": name, "cpu_s_per_1k_tokens": 1000 * s / tokens} for s, name in used[:top]]
+    rows.append({"thread": f"the other {max(0, len(used) - top)}",
+                 "cpu_s_per_1k_tokens": 1000 * sum(s for s, _ in used[top:]) / tokens})
+    return rows
+
+
 def cpu_split(url: str, root_pid: int, concurrency: int, duration: float, max_tokens: int,
               py_spy_out: Path | None = None) -> dict:
-    """CPU seconds per role during one load run, and per 1,000 output tokens; with
-    ``py_spy_out`` also a py-spy profile of the Serve replica (`pyspy_shares`)."""
+    """CPU seconds per role during one load run, and per 1,000 output tokens; the front-end
+    process's busiest threads (`busiest_threads`); with ``py_spy_out`` also a py-spy profile of the
+    Serve replica (`pyspy_shares`)."""
     import shutil
     import subprocess
 
     root = psutil.Process(root_pid)
+    front = _front_end(root)
+    threads_before = thread_cpu(front)
     before = _cpu(root)
     spy = None
     if py_spy_out is not None:
-        replica = next(p for p in root.children(recursive=True) if _role(p).startswith("ray serve replica"))
+        replica = front
         exe = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
         spy = subprocess.Popen([exe, "record", "--gil", "-d", str(int(duration) - 2), "-r", "50", "-f", "raw",
                                 "-o", str(py_spy_out), "-p", str(replica.pid)],
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     load = asyncio.run(run_load(url, concurrency, duration, max_tokens))
     after = _cpu(root)
+    threads_after = thread_cpu(front)
     profile = None
     if spy is not None:
         spy.wait(timeout=60)
@@ -128,6 +165,7 @@ def cpu_split(url: str, root_pid: int, concurrency: int, duration: float, max_to
             "cpu_s_by_role": dict(sorted(by_role.items(), key=lambda kv: -kv[1])),
             "cpu_s_per_1k_tokens": {k: 1000 * v / tokens for k, v in by_role.items()},
             "cpu_s_per_1k_tokens_total": 1000 * sum(by_role.values()) / tokens,
+            "front_end_threads": busiest_threads(threads_before, threads_after, tokens),
             **({"replica_py_spy_shares": profile} if profile is not None else {})}
 
 

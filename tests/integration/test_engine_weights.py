@@ -27,15 +27,20 @@ def _hf_logprobs(model, ids):
     return lp[0, : len(ids)]
 
 
-async def _sample(engine, rid):
+async def _final(engine, rid, **params):
+    """The final output of one seeded sample of ``PROMPT`` with the sampled tokens' logprobs."""
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
     sp = SamplingParams(temperature=1.0, max_tokens=24, logprobs=0, seed=3,
-                        output_kind=RequestOutputKind.FINAL_ONLY)
+                        output_kind=RequestOutputKind.FINAL_ONLY, **params)
     async for ro in engine.generate(PROMPT, sp, rid):
         pass
-    out = ro.outputs[0]
+    return ro.outputs[0]
+
+
+async def _sample(engine, rid):
+    out = await _final(engine, rid)
     return list(out.token_ids), torch.tensor([out.logprobs[i][t].logprob for i, t in enumerate(out.token_ids)]), out.weight_versions
 
 
@@ -72,6 +77,15 @@ def test_checkpoint_and_memory_loads_give_exactly_the_new_policy(embedded_model,
             try:
                 results = {}
                 ids0, lp0, _ = await _sample(engine, "v0")
+                # logprobs only the engine tap reads (it marks them flat_logprobs): the same
+                # values, flat, their tokens not decoded; a client's are decoded as before
+                shown = await _final(engine, "v0-shown")
+                tap_only = await _final(engine, "v0-tap-only", flat_logprobs=True)
+                assert list(shown.token_ids) == list(tap_only.token_ids) == ids0
+                assert [shown.logprobs[i][t].logprob for i, t in enumerate(ids0)] == [
+                    tap_only.logprobs.logprobs[s] for s in tap_only.logprobs.start_indices]
+                assert all(shown.logprobs[i][t].decoded_token is not None for i, t in enumerate(ids0))
+                assert tap_only.logprobs.decoded_tokens and all(d is None for d in tap_only.logprobs.decoded_tokens)
                 base = AutoModelForCausalLM.from_pretrained(str(embedded_model), dtype=torch.float32)
                 results["v0"] = float((lp0 - _hf_logprobs(base, ids0)).abs().max())
                 ck_model = perturbed(embedded_model, 1)

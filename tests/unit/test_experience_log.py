@@ -69,3 +69,29 @@ def test_a_completion_the_full_log_queue_refuses_is_served_and_counted_store_una
         assert store.completions.batcher.held_bytes == 0
         await store.close()
     asyncio.run(go())
+
+
+def test_sampled_reads_the_sampled_tokens_logprobs_from_either_of_vllms_containers():
+    """vLLM returns per-position logprobs as dicts, or flat (``flat_logprobs``, what the tap asks
+    for when only it reads them) with the sampled token first at each position."""
+    import pytest
+    from types import SimpleNamespace
+
+    from vllm.logprobs import FlatLogprobs, Logprob
+
+    def out(logprobs, ids=(7, 9)):
+        return SimpleNamespace(token_ids=list(ids), logprobs=logprobs, finish_reason=None, weight_versions=None)
+
+    dicts = [{7: Logprob(-0.5, 1), 3: Logprob(-0.1, 1)}, {9: Logprob(-1.5, 4)}]
+    flat = FlatLogprobs()
+    flat.append_fast([7, 3], [-0.5, -0.1], iter([1, 1]), [None, None])  # sampled first, then the top-1
+    flat.append_fast([9], [-1.5], iter([4]), [None])
+    for logprobs in (dicts, flat, flat[0:2]):
+        s = Sampled(0)
+        s.add(out(logprobs))
+        assert s.token_ids == [7, 9] and s.logprobs == [-0.5, -1.5]
+    s.add(out(flat[1:2], ids=[9]))  # a delta appends
+    assert s.token_ids == [7, 9, 9] and s.logprobs == [-0.5, -1.5, -1.5]
+    for bad in (out(dicts, ids=[7, 8]), out(flat, ids=[7, 8]), out(flat, ids=[7]), out(None), out(flat[0:1])):
+        with pytest.raises(ValueError):
+            Sampled(0).add(bad)

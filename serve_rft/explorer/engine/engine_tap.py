@@ -17,7 +17,10 @@ server does. They call ``engine_client.generate(prompt, sampling_params, request
   backstop, since the request checks refuse them by name and the generation-config defaults
   that set them are dropped, so it fires only on a setting vLLM adds after those checks;
 - asks vLLM for the sampled tokens' logprobs (the behaviour logprobs the trainer needs) even
-  when the client did not (vLLM's serving layer shows logprobs only to clients that asked);
+  when the client did not (vLLM's serving layer shows logprobs only to clients that asked); those
+  only the tap reads come in vLLM's flat container (`SamplingParams.flat_logprobs`: no object per
+  token) and without their tokens decoded (the replica's engine skips them:
+  `serve_rft.explorer.engine.vllm_engine.decode_no_tap_only_logprob_tokens`);
 - accumulates what vLLM returns (token ids, logprobs, per-token weight-version spans) and, when
   the request finishes, logs one experience per choice through `ExperienceLog` *before* it
   yields the final output, so the client's last chunk (or the whole non-streamed answer) only
@@ -146,6 +149,8 @@ class EngineTap:
             ctx.version = version
             if sampling_params.logprobs is None:
                 sampling_params.logprobs = 0  # the sampled token's logprob, shown to nobody
+                if sampling_params.prompt_logprobs is None:  # the tap's alone: flat, not decoded
+                    sampling_params.flat_logprobs = True
         cumulative = sampling_params.output_kind == RequestOutputKind.CUMULATIVE
         streamed = sampling_params.output_kind == RequestOutputKind.DELTA
         stream = engine.llm.generate(prompt, sampling_params, request_id, lora_request=lora_request, **kwargs)

@@ -48,10 +48,7 @@ class Sampled:
             ValueError: vLLM returned no logprob for a sampled token.
         """
         ids = list(out.token_ids)
-        positions = list(out.logprobs) if out.logprobs is not None else []
-        if len(positions) != len(ids):
-            raise ValueError(f"{len(ids)} tokens but {len(positions)} logprob positions")
-        lps = [float(pos[tok].logprob) for tok, pos in zip(ids, positions)]
+        lps = _sampled_logprobs(ids, out.logprobs)
         if replace:
             self.token_ids, self.logprobs = ids, lps
         else:
@@ -67,6 +64,31 @@ class Sampled:
         if self.version_spans:
             return self.version_spans
         return [(fallback_version, 0, len(self.token_ids))]
+
+
+def _sampled_logprobs(ids: list[int], logprobs) -> list[float]:
+    """The logprob of each sampled token in ``ids`` from vLLM's per-position logprobs: a list of
+    ``{token id: Logprob}`` or a `vllm.logprobs.FlatLogprobs` (``flat_logprobs``), whose first
+    entry at each position is the sampled token (vLLM's sampler puts it first).
+
+    Raises:
+        ValueError: not one position per token, or no logprob for a sampled token.
+    """
+    starts = getattr(logprobs, "start_indices", None)
+    if starts is None:
+        positions = list(logprobs) if logprobs is not None else []
+        if len(positions) != len(ids):
+            raise ValueError(f"{len(ids)} tokens but {len(positions)} logprob positions")
+        try:
+            return [float(pos[tok].logprob) for tok, pos in zip(ids, positions)]
+        except (KeyError, TypeError) as e:
+            raise ValueError(f"vLLM returned no logprob for a sampled token: {e!r}") from e
+    if len(starts) != len(ids):
+        raise ValueError(f"{len(ids)} tokens but {len(starts)} logprob positions")
+    flat_ids, ends = logprobs.token_ids, logprobs.end_indices
+    if any(e <= s or flat_ids[s] != tok for tok, s, e in zip(ids, starts, ends)):
+        raise ValueError("vLLM returned no logprob for a sampled token")
+    return [float(logprobs.logprobs[s]) for s in starts]
 
 
 def build_experiences(cid: str, replica_id: str, prompt_ids: list[int], choices: list[Sampled],

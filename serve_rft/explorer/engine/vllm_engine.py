@@ -124,6 +124,39 @@ def remove_dead_replicas_files(root: str | None = None) -> list[str]:
     return removed
 
 
+def decode_no_tap_only_logprob_tokens(llm) -> None:
+    """Make ``llm``'s (a vLLM `AsyncLLM`) output processor leave undecoded the logprob tokens of
+    requests whose logprobs only the engine tap reads: those the tap
+    (`serve_rft.explorer.engine.engine_tap.EngineTap`) marks with ``SamplingParams.flat_logprobs``
+    (vLLM's serving layer never sets it: the OpenAI API does not expose it). vLLM decodes every
+    logprob token of a request on its own, one ``decode`` per token
+    (``LogprobsProcessor._update_sample_logprobs``), for a client that asked; with the tokenizer
+    of the request's ``LogprobsProcessor`` set to None it skips that, as it does for a request
+    with ``detokenize=False`` (``RequestState.from_new_request`` in
+    ``vllm/v1/engine/output_processor.py``: check it there on a vLLM upgrade). The answer's text
+    is decoded as before. Installs once per output processor.
+
+    Raises:
+        AttributeError: this vLLM's `AsyncLLM` has no ``output_processor`` with ``add_request``
+            and ``request_states``.
+    """
+    processor = llm.output_processor
+    if getattr(processor, "_serve_rft_tap_only_logprobs", False):
+        return
+    add, states = processor.add_request, processor.request_states
+
+    def add_request(request, *args, **kwargs):
+        add(request, *args, **kwargs)
+        params = request.sampling_params
+        if params is not None and params.flat_logprobs:
+            state = states.get(request.request_id)
+            if state is not None and state.logprobs_processor is not None:
+                state.logprobs_processor.tokenizer = None
+
+    processor.add_request = add_request
+    processor._serve_rft_tap_only_logprobs = True
+
+
 class ExplorerEngine:
     """A vLLM `AsyncLLM` serving one policy version at a time.
 
@@ -202,6 +235,7 @@ class ExplorerEngine:
         finally:
             if ipc_dir is not None:
                 os.environ.pop("VLLM_RPC_BASE_PATH", None)
+        decode_no_tap_only_logprob_tokens(llm)
         engine = cls(llm, 0, replica_id, adapter_sync=lora_rank is not None)
         engine.ipc_dir = ipc_dir
         engine.direct_weight_load = cfg.direct_weight_load

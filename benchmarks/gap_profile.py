@@ -132,27 +132,29 @@ def busiest_threads(before: dict[int, tuple[str, float]], after: dict[int, tuple
 
 
 def cpu_split(url: str, root_pid: int, concurrency: int, duration: float, max_tokens: int,
-              py_spy_out: Path | None = None) -> dict:
-    """CPU seconds per role during one load run, and per 1,000 output tokens; the front-end
-    process's busiest threads (`busiest_threads`); with ``py_spy_out`` also a py-spy profile of the
-    Serve replica (`pyspy_shares`)."""
+              py_spy_out: Path | None = None, logprobs: bool = False) -> dict:
+    """CPU seconds per role during one load run (``logprobs``: the load asks for the sampled
+    tokens' logprobs), and per 1,000 output tokens; the front-end process's (`_front_end`) CPU and
+    busiest threads (`busiest_threads`); with ``py_spy_out`` also a py-spy profile of the
+    front-end process (`pyspy_shares`) and its CPU per 1,000 tokens split by those shares."""
     import shutil
     import subprocess
 
     root = psutil.Process(root_pid)
     front = _front_end(root)
     threads_before = thread_cpu(front)
+    front_before = sum(front.cpu_times()[:2])
     before = _cpu(root)
     spy = None
     if py_spy_out is not None:
-        replica = front
         exe = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
         spy = subprocess.Popen([exe, "record", "--gil", "-d", str(int(duration) - 2), "-r", "50", "-f", "raw",
-                                "-o", str(py_spy_out), "-p", str(replica.pid)],
+                                "-o", str(py_spy_out), "-p", str(front.pid)],
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    load = asyncio.run(run_load(url, concurrency, duration, max_tokens))
+    load = asyncio.run(run_load(url, concurrency, duration, max_tokens, logprobs=logprobs))
     after = _cpu(root)
     threads_after = thread_cpu(front)
+    front_cpu = sum(front.cpu_times()[:2]) - front_before
     profile = None
     if spy is not None:
         spy.wait(timeout=60)
@@ -165,8 +167,12 @@ def cpu_split(url: str, root_pid: int, concurrency: int, duration: float, max_to
             "cpu_s_by_role": dict(sorted(by_role.items(), key=lambda kv: -kv[1])),
             "cpu_s_per_1k_tokens": {k: 1000 * v / tokens for k, v in by_role.items()},
             "cpu_s_per_1k_tokens_total": 1000 * sum(by_role.values()) / tokens,
+            "front_end_process_cpu_s_per_1k_tokens": 1000 * front_cpu / tokens,
             "front_end_threads": busiest_threads(threads_before, threads_after, tokens),
-            **({"replica_py_spy_shares": profile} if profile is not None else {})}
+            **({"front_end_py_spy_shares": profile,
+                "front_end_cpu_s_per_1k_tokens_by_owner": {
+                    o: 1000 * front_cpu / tokens * v for o, v in profile.items() if o != "samples"}}
+               if profile is not None else {})}
 
 
 async def engine_logprob_cost(model: str, seconds: float = 8.0) -> dict:
@@ -208,7 +214,9 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--duration", type=float, default=20.0)
     ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--py-spy", action="store_true", help="also profile the Serve replica (pip install py-spy)")
+    ap.add_argument("--py-spy", action="store_true",
+                    help="also profile each server's front-end process (pip install py-spy)")
+    ap.add_argument("--logprobs", action="store_true", help="the load asks for the sampled tokens' logprobs")
     ap.add_argument("--ingress", choices=["haproxy", "proxy"], default="haproxy",
                     help="our front door (service.ingress)")
     ap.add_argument("--out", default="benchmarks/results/gap_profile.json")
@@ -219,15 +227,16 @@ def main() -> None:
     res: dict = {}
     proc, url = start_ours(work / "run", work / "ours.log", a.ingress)
     try:
-        asyncio.run(run_load(url, a.concurrency, 5.0, a.max_tokens))
+        asyncio.run(run_load(url, a.concurrency, 5.0, a.max_tokens, logprobs=a.logprobs))
         res["serve_rft"] = cpu_split(url, proc.pid, a.concurrency, a.duration, a.max_tokens,
-                                     work / "replica.pyspy.txt" if a.py_spy else None)
+                                     work / "replica.pyspy.txt" if a.py_spy else None, a.logprobs)
     finally:
         stop(proc)
     proc, url = start_vllm(model, free_port(), work / "vllm.log")
     try:
-        asyncio.run(run_load(url, a.concurrency, 5.0, a.max_tokens))
-        res["vllm"] = cpu_split(url, proc.pid, a.concurrency, a.duration, a.max_tokens)
+        asyncio.run(run_load(url, a.concurrency, 5.0, a.max_tokens, logprobs=a.logprobs))
+        res["vllm"] = cpu_split(url, proc.pid, a.concurrency, a.duration, a.max_tokens,
+                                work / "vllm.pyspy.txt" if a.py_spy else None, a.logprobs)
     finally:
         stop(proc)
     import ray

@@ -24,6 +24,7 @@ the launcher sets.
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 from serve_rft.buffer.redis_server import free_port
@@ -121,23 +122,48 @@ def _admin_socket_refuses(sock_path: Path) -> bool:
         s.close()
 
 
+NODE_ID = re.compile(r"[0-9a-f]{56}")  # a Ray node id in hex (28 bytes): the folders' names
+
+
+def _manager_alive(node: Path, socket_name: str) -> bool | None:
+    """Whether a Ray HAProxy manager that spawned an HAProxy for ``node`` still runs: it names
+    each HAProxy's output files ``<socket name>.<its pid>.<n>.stdout.log`` (``_log_id`` in Ray's
+    ``serve/_private/haproxy.py``) and removes those of a previous manager when it starts. True
+    if one of those pids runs (or is another user's), False if none does, None without such files."""
+    pids = {int(m.group(1)) for f in node.iterdir()
+            if (m := re.fullmatch(re.escape(socket_name) + r"\.(\d{1,9})\.\d+\.std(?:out|err)\.log", f.name))}
+    if not pids:
+        return None
+    for pid in pids:
+        try:
+            os.kill(pid, 0)
+            return True
+        except ProcessLookupError:
+            continue
+        except OSError:  # alive, another user's
+            return True
+    return False
+
+
 def remove_dead_haproxy_dirs(socket_path: Path | None = None, bases: set[Path] | None = None,
                              grace_s: float = 600.0, now: float | None = None) -> list[Path]:
     """Remove the per-node folders (`haproxy_node_dirs`) of HAProxy instances that no longer run:
     a Ray node stopped by SIGKILL, or one another launcher started (``ray start``, a test
     cluster), leaves its folders behind (config, admin socket, server state: ~40 KiB on disk).
 
-    A node's folders are dead when its admin socket (``RAY_SERVE_HAPROXY_SOCKET_PATH``'s name in
-    the node's folder, HAProxy's ``stats socket``) refuses connections, or when there is none
-    and nothing in the folder changed for ``grace_s`` seconds (an HAProxy that never started: a
-    starting one writes its config first and binds the socket within Ray's start-up timeout,
+    Only folders named by a Ray node id are looked at. A node's folders are dead when its admin
+    socket (``RAY_SERVE_HAPROXY_SOCKET_PATH``'s name in the node's folder, HAProxy's ``stats
+    socket``) refuses connections and the Ray HAProxy manager that started its HAProxy runs no
+    more (`_manager_alive`: a running manager may be starting HAProxy again, after a kill). A
+    folder with neither a socket nor a manager's files is dead when nothing in it changed for
+    ``grace_s`` seconds (a starting HAProxy binds the socket within Ray's start-up timeout,
     ``RAY_SERVE_HAPROXY_STARTUP_TIMEOUT_S``). A node whose socket accepts is kept, whoever owns
     it; a folder that cannot be removed is left.
 
     Args:
         socket_path: Ray's admin socket path without the node id (default: Ray's setting).
         bases: the folders holding per-node folders (default: `haproxy_base_dirs`).
-        grace_s: seconds a folder without a socket is given (see above).
+        grace_s: seconds a folder without a socket or a manager's files is given (see above).
         now: the current time (seconds since the epoch), for tests.
 
     Returns:
@@ -152,18 +178,24 @@ def remove_dead_haproxy_dirs(socket_path: Path | None = None, bases: set[Path] |
     bases = haproxy_base_dirs() if bases is None else bases
     now = time.time() if now is None else now
     try:
-        nodes = [d for d in socket_path.parent.iterdir() if d.is_dir() and not d.is_symlink()]
+        nodes = [d for d in socket_path.parent.iterdir()
+                 if NODE_ID.fullmatch(d.name) and d.is_dir() and not d.is_symlink()]
     except OSError:
         return []
     removed = []
     for node in nodes:
         sock = node / socket_path.name
         try:
+            manager = _manager_alive(node, socket_path.name)
+            if manager:
+                continue
             if sock.exists():
                 dead = _admin_socket_refuses(sock)
-            else:
+            elif manager is None:
                 newest = max([node.stat().st_mtime, *(f.lstat().st_mtime for f in node.iterdir())])
                 dead = now - newest > grace_s
+            else:
+                dead = True  # its manager is gone and no HAProxy bound a socket
         except OSError:
             continue
         if not dead:

@@ -268,12 +268,15 @@ def _kill_leader(cmd: list[str], proc: subprocess.Popen, info: dict, mark: str, 
                 p.kill()
 
 
-def _start_again(cmd: list[str], log: Path, kept: Load) -> tuple[subprocess.Popen, list[str], dict, str]:
+def _start_again(cmd: list[str], log: Path, kept: Load, gone: set[str] = frozenset()
+                 ) -> tuple[subprocess.Popen, list[str], dict, str]:
     """`serve-rft up` on the same run dir again: it starts, every reward ``kept`` accepted before
-    is in its store, and it answers a chat. Returns (process, output lines, JSON line, mark)."""
+    is in its store, the folders ``gone`` are no more, and it answers a chat. Returns (process,
+    output lines, JSON line, mark)."""
     mark = uuid.uuid4().hex
     proc, lines, info = launch(cmd, log, env={"SERVE_RFT_TEST_RUN": mark})
     try:
+        assert not [d for d in gone if os.path.exists(d)], gone
         with httpx.Client(base_url=info["url"], timeout=30) as c:
             for cid in kept.rewarded:
                 r = c.get(f"/v1/experiences/{cid}")
@@ -307,9 +310,10 @@ def test_kill_9_of_the_leader_leaves_nothing_the_run_dir_starts_again_and_a_grou
        (`_stop_under_load`).
 
     The HAProxy folder run 2's kill leaves is gone once run 3 has started
-    (`serve_rft.service.ingress.remove_dead_haproxy_dirs`). At the end no replica's files are left in shared memory (vLLM's IPC sockets among them),
-    but the one killed in run 3: a stopped replica removes its own, and the replicas of the next
-    run remove those of the replicas killed before (`remove_dead_replicas_files`).
+    (`serve_rft.service.ingress.remove_dead_haproxy_dirs`). At the end no replica's files are
+    left in shared memory (vLLM's IPC sockets among them) but the one killed in run 3: a stopped
+    replica removes its own, and the replicas of the next run remove those of the replicas killed
+    before (`remove_dead_replicas_files`).
 
     SIGINT to the leader (Ctrl-C's signal) ends every stack module's run (tests/support/stack.py
     asserts its exit 0); the rest of the signal x target matrix: tests/unit/test_keeper.py."""
@@ -328,8 +332,7 @@ def test_kill_9_of_the_leader_leaves_nothing_the_run_dir_starts_again_and_a_grou
     run2_haproxy = _haproxy_dirs({p.pid: p for p in [*_marked(mark), *psutil.Process(proc.pid).children(recursive=True)]})
     kept = _kill_leader(up(1), proc, info, mark, "keeper-and-service")
     assert run2_haproxy and all(os.path.isdir(d) for d in run2_haproxy), run2_haproxy  # no stop ran
-    proc, lines, info, mark = _start_again(up(2), tmp_path / "up3.log", kept)
-    assert not [d for d in run2_haproxy if os.path.exists(d)], run2_haproxy  # the next start removed them
+    proc, lines, info, mark = _start_again(up(2), tmp_path / "up3.log", kept, gone=run2_haproxy)  # removed by the start
     run3 = _replica_pids(mark)
     replicas |= run3
     from serve_rft.explorer.engine.vllm_engine import _shm_root

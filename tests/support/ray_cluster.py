@@ -166,7 +166,8 @@ class RayCluster:
         """Workers first (all asked at once, as machines going down together), the head last,
         each given ``timeout_s`` seconds before its processes are killed (`RayNode.stop`); then
         the session folder goes (its Serve logs copied to ``keep_logs`` first, when given), and
-        the folders of the nodes' HAProxy instances (`remove_dead_haproxy_dirs`)."""
+        the folders of HAProxy instances on the machine that no longer run
+        (`remove_dead_haproxy_dirs`), this cluster's among them once their processes ended."""
         workers = self.nodes[1:]
         for node in workers:
             node.ask_to_stop()

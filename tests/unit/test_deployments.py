@@ -220,43 +220,63 @@ def test_haproxy_gets_one_thread_per_two_cores_between_one_and_four(monkeypatch)
 
 
 def test_folders_of_haproxy_instances_that_no_longer_run_are_removed(tmp_path):
-    """A node's HAProxy folders go when its admin socket refuses (HAProxy gone), or when it has
-    none and is older than the grace period; a listening one and a young one stay."""
+    """A node's HAProxy folders go when its admin socket refuses (HAProxy gone) and the manager
+    that started it is gone, when the manager is gone and no socket was bound, or when there is
+    neither and the folder is older than the grace period; a listening one, one whose manager
+    runs (it may be starting HAProxy again), a young one and a folder not named by a node id
+    stay."""
+    import shutil
     import socket
+    import subprocess
+    import tempfile
     import time
 
     from serve_rft.service.ingress import remove_dead_haproxy_dirs
 
-    base, state = tmp_path / "h", tmp_path / "s"  # short: a Unix socket path has ~107 bytes
+    # short: a Unix socket path has ~107 bytes, a node id 56 of them
+    base, state = Path(tempfile.mkdtemp(prefix="h", dir="/tmp")), tmp_path / "s"
     now = time.time()
+    gone_pid = subprocess.Popen(["true"])
+    gone_pid.wait()
+    names = ("live", "dead", "restarting", "manager gone", "young", "old")
+    ids = {name: f"{k:x}" * 56 for k, name in enumerate(names, 1)}
 
-    def node(name: str, sock: str | None) -> socket.socket | None:
+    def node(name: str, sock: str | None, manager_pid: int | None) -> socket.socket | None:
+        folder = base / ids[name]
         for b in (base, state):
-            (b / name).mkdir(parents=True)
-            (b / name / "haproxy.cfg").write_text("global\n")
+            (b / ids[name]).mkdir(parents=True)
+        (folder / "haproxy.cfg").write_text("global\n")
+        if manager_pid is not None:  # as Ray's manager names each HAProxy's output
+            (folder / f"admin.sock.{manager_pid}.1.stdout.log").touch()
         if sock is None:
             return None
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        s.bind(str(base / name / "admin.sock"))
+        s.bind(str(folder / "admin.sock"))
         if sock == "listening":
             s.listen(1)
             return s
         s.close()  # the file stays, nothing listens: as a killed HAProxy leaves it
         return None
 
-    live = node("live", "listening")
-    node("dead", "closed")
-    node("young", None)
-    node("old", None)
-    for f in [base / "old", *(base / "old").iterdir()]:
+    live = node("live", "listening", gone_pid.pid)
+    node("dead", "closed", gone_pid.pid)
+    node("restarting", "closed", os.getpid())
+    node("manager gone", None, gone_pid.pid)
+    node("young", None, None)
+    node("old", None, None)
+    for f in [base / ids["old"], *(base / ids["old"]).iterdir()]:
         os.utime(f, (now - 3600, now - 3600))
+    (base / "not-a-node").mkdir()
+    os.utime(base / "not-a-node", (now - 3600, now - 3600))
     try:
         removed = remove_dead_haproxy_dirs(base / "admin.sock", {base, state}, grace_s=600, now=now)
+        assert sorted(removed) == sorted(b / ids[n] for b in (base, state) for n in ("dead", "manager gone", "old"))
+        kept = sorted(ids[n] for n in ("live", "restarting", "young"))
+        assert sorted(p.name for p in base.iterdir()) == sorted([*kept, "not-a-node"])
+        assert sorted(p.name for p in state.iterdir()) == kept
     finally:
         live.close()
-    assert sorted(removed) == sorted(b / n for b in (base, state) for n in ("dead", "old"))
-    assert sorted(p.name for p in base.iterdir()) == ["live", "young"]
-    assert sorted(p.name for p in state.iterdir()) == ["live", "young"]
+        shutil.rmtree(base)
     assert remove_dead_haproxy_dirs(tmp_path / "missing" / "admin.sock", set()) == []
 
 

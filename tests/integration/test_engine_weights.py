@@ -78,7 +78,7 @@ def test_checkpoint_and_memory_loads_give_exactly_the_new_policy(embedded_model,
                 results = {}
                 ids0, lp0, _ = await _sample(engine, "v0")
                 # logprobs only the engine tap reads (it marks them flat_logprobs): the same
-                # values, flat, their tokens not decoded; a client's are decoded as before
+                # values, flat, their tokens not decoded; a client's are decoded
                 shown = await _final(engine, "v0-shown")
                 tap_only = await _final(engine, "v0-tap-only", flat_logprobs=True)
                 assert list(shown.token_ids) == list(tap_only.token_ids) == ids0

@@ -95,3 +95,30 @@ def test_sampled_reads_the_sampled_tokens_logprobs_from_either_of_vllms_containe
     for bad in (out(dicts, ids=[7, 8]), out(flat, ids=[7, 8]), out(flat, ids=[7]), out(None), out(flat[0:1])):
         with pytest.raises(ValueError):
             Sampled(0).add(bad)
+
+
+def test_the_engine_tap_asks_for_the_behaviour_logprobs_flat_only_where_no_client_reads_them():
+    """The sampled token's logprob is asked of vLLM for every logged request; flat (and left
+    undecoded by the replica's engine) only where the client asked for no logprobs of any kind."""
+    from types import SimpleNamespace
+
+    from vllm import SamplingParams
+
+    from serve_rft.explorer.engine.engine_tap import CURRENT, EngineTap
+
+    seen = []
+    llm = SimpleNamespace(generate=lambda prompt, params, *args, **kwargs: seen.append(params))
+    tap = EngineTap(SimpleNamespace(policy_version=0, adapter_sync=False, llm=llm), None)
+    cases = {"none": {}, "logprobs": {"logprobs": 2}, "token ids": {"logprob_token_ids": [5, 6]},
+             "prompt logprobs": {"prompt_logprobs": 1}}
+    token = CURRENT.set(RequestContext())
+    try:
+        for kwargs in cases.values():
+            tap.generate({"prompt_token_ids": [1, 2]}, SamplingParams(temperature=1.0, **kwargs), "chatcmpl-x")
+    finally:
+        CURRENT.reset(token)
+    got = {name: (p.logprobs, p.flat_logprobs) for name, p in zip(cases, seen)}
+    assert got == {"none": (0, True), "logprobs": (2, False), "token ids": (None, False),
+                   "prompt logprobs": (0, False)}
+    tap.generate({"prompt_token_ids": [1, 2]}, SamplingParams(temperature=1.0), "probe")  # no request context
+    assert (seen[-1].logprobs, seen[-1].flat_logprobs) == (None, False)

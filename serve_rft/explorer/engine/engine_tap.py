@@ -147,10 +147,10 @@ class EngineTap:
         if ctx is not None:
             reproducible.check(sampling_params)  # a 400 before anything is sampled
             ctx.version = version
-            if sampling_params.logprobs is None:
+            if sampling_params.num_logprobs is None:  # no logprobs, no logprob_token_ids asked
                 sampling_params.logprobs = 0  # the sampled token's logprob, shown to nobody
-                if sampling_params.prompt_logprobs is None:  # the tap's alone: flat, not decoded
-                    sampling_params.flat_logprobs = True
+                if sampling_params.prompt_logprobs is None and sampling_params.prompt_logprob_token_ids is None:
+                    sampling_params.flat_logprobs = True  # the tap's alone: flat, not decoded
         cumulative = sampling_params.output_kind == RequestOutputKind.CUMULATIVE
         streamed = sampling_params.output_kind == RequestOutputKind.DELTA
         stream = engine.llm.generate(prompt, sampling_params, request_id, lora_request=lora_request, **kwargs)

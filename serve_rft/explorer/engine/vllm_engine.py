@@ -134,7 +134,7 @@ def decode_no_tap_only_logprob_tokens(llm) -> None:
     of the request's ``LogprobsProcessor`` set to None it skips that, as it does for a request
     with ``detokenize=False`` (``RequestState.from_new_request`` in
     ``vllm/v1/engine/output_processor.py``: check it there on a vLLM upgrade). The answer's text
-    is decoded as before. Installs once per output processor.
+    is still decoded. Installs once per output processor.
 
     Raises:
         AttributeError: this vLLM's `AsyncLLM` has no ``output_processor`` with ``add_request``
@@ -235,13 +235,17 @@ class ExplorerEngine:
         finally:
             if ipc_dir is not None:
                 os.environ.pop("VLLM_RPC_BASE_PATH", None)
-        decode_no_tap_only_logprob_tokens(llm)
         engine = cls(llm, 0, replica_id, adapter_sync=lora_rank is not None)
         engine.ipc_dir = ipc_dir
         engine.direct_weight_load = cfg.direct_weight_load
-        await llm.update_weight_version("0")
-        # the engine's processes end when this process does, even by SIGKILL (no orphans)
-        engine.engine_pids = await llm.collective_rpc("watch_replica", kwargs={"pid": os.getpid()})
+        try:
+            decode_no_tap_only_logprob_tokens(llm)
+            await llm.update_weight_version("0")
+            # the engine's processes end when this process does, even by SIGKILL (no orphans)
+            engine.engine_pids = await llm.collective_rpc("watch_replica", kwargs={"pid": os.getpid()})
+        except BaseException:
+            engine.shutdown()  # the engine's processes and its IPC folder
+            raise
         return engine
 
     def generate(self, prompt_token_ids: list[int], sampling_params, request_id: str,

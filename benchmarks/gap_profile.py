@@ -10,11 +10,15 @@ the same load, and the cost of the behaviour logprobs our replica asks vLLM for.
 2. One `AsyncLLM` in this process, no HTTP: output tokens/s with ``logprobs=0`` (what every
    serve_rft request computes) and without.
 3. With ``--py-spy`` (needs ``.venv/bin/pip install py-spy``; not a project dependency): a
-   py-spy profile of the Serve replica during serve_rft's load run (``--gil``: only the thread
-   holding the GIL is sampled, so the shares are of its Python CPU, not of waits), each sample
-   owned by the innermost frame of a package that names its cost (`OWNERS`).
+   py-spy profile of each server's front-end process (our Serve replica, vLLM's API server)
+   during its load run (``--gil``: only the thread holding the GIL is sampled, so the shares are
+   of its Python CPU, not of waits), each sample owned by the innermost frame of a package that
+   names its cost (`OWNERS`), and the process's CPU per 1,000 tokens split by those shares.
+
+With ``--logprobs`` the load asks for the sampled tokens' logprobs (the same work on both sides).
 
     .venv/bin/python benchmarks/gap_profile.py [--concurrency 16] [--duration 20] [--py-spy]
+        [--logprobs] [--out FILE]
 """
 
 from __future__ import annotations
@@ -101,8 +105,17 @@ def pyspy_shares(raw_path: Path) -> dict:
 
 def _front_end(root: psutil.Process) -> psutil.Process:
     """The process that runs the HTTP server and vLLM's serving classes: our Serve replica or
-    vLLM's API server (the root itself)."""
-    return next((p for p in root.children(recursive=True) if _role(p).startswith("ray serve replica")), root)
+    vLLM's API server (the root itself).
+
+    Raises:
+        RuntimeError: neither is found under ``root``.
+    """
+    replica = next((p for p in root.children(recursive=True) if _role(p).startswith("ray serve replica")), None)
+    if replica is not None:
+        return replica
+    if _role(root).startswith("vllm api server"):
+        return root
+    raise RuntimeError(f"no Serve replica or vLLM API server under pid {root.pid}")
 
 
 def thread_cpu(proc: psutil.Process) -> dict[int, tuple[str, float]]:

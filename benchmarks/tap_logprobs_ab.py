@@ -5,11 +5,11 @@ One `ExplorerEngine` (the replica's: its EngineCore in a process of its own) in 
 ``--concurrency`` workers stream (``DELTA``) requests of ``--max-tokens`` tokens back to back,
 each output read as the engine tap reads it (`Sampled.add`). Three variants of the same request:
 
-- ``decoded``: ``logprobs=0`` in vLLM's per-position dicts, every logprob token decoded: what
-  the tap asked for when the client asked no logprobs, before it marked them
-  ``flat_logprobs``;
-- ``tap_only``: ``logprobs=0, flat_logprobs=True``: what the tap asks for now (vLLM's flat
-  container, tokens not decoded: `vllm_engine.decode_no_tap_only_logprob_tokens`);
+- ``decoded``: ``logprobs=0`` as vLLM returns it by default: per-position dicts, every logprob
+  token decoded (what a client that asks for logprobs gets);
+- ``tap_only``: ``logprobs=0, flat_logprobs=True``: what the tap asks for where the client asked
+  for no logprobs (vLLM's flat container, tokens not decoded:
+  `vllm_engine.decode_no_tap_only_logprob_tokens`);
 - ``none``: no logprobs, what vLLM's own server computes for such a client (no behaviour
   logprobs: the floor).
 

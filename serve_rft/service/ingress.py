@@ -151,14 +151,15 @@ def remove_dead_haproxy_dirs(socket_path: Path | None = None, bases: set[Path] |
     a Ray node stopped by SIGKILL, or one another launcher started (``ray start``, a test
     cluster), leaves its folders behind (config, admin socket, server state: ~40 KiB on disk).
 
-    Only folders named by a Ray node id are looked at. A node's folders are dead when its admin
-    socket (``RAY_SERVE_HAPROXY_SOCKET_PATH``'s name in the node's folder, HAProxy's ``stats
-    socket``) refuses connections and the Ray HAProxy manager that started its HAProxy runs no
-    more (`_manager_alive`: a running manager may be starting HAProxy again, after a kill). A
-    folder with neither a socket nor a manager's files is dead when nothing in it changed for
-    ``grace_s`` seconds (a starting HAProxy binds the socket within Ray's start-up timeout,
-    ``RAY_SERVE_HAPROXY_STARTUP_TIMEOUT_S``). A node whose socket accepts is kept, whoever owns
-    it; a folder that cannot be removed is left.
+    Only folders named by a Ray node id are looked at. A node's folders are dead when no HAProxy
+    listens on its admin socket (``RAY_SERVE_HAPROXY_SOCKET_PATH``'s name in the node's folder,
+    HAProxy's ``stats socket``: absent, or refusing connections) and the Ray HAProxy manager that
+    started its HAProxy runs no more (`_manager_alive`: a running manager may be starting HAProxy
+    again, after a kill). A folder without a manager's files (a manager writes them when it
+    starts an HAProxy, after it removed its predecessor's) is dead only when, besides, nothing in
+    it changed for ``grace_s`` seconds (a manager starts its HAProxy within Ray's start-up
+    timeout, ``RAY_SERVE_HAPROXY_STARTUP_TIMEOUT_S``). A node whose socket accepts is kept,
+    whoever owns it; a folder that cannot be removed is left.
 
     Args:
         socket_path: Ray's admin socket path without the node id (default: Ray's setting).
@@ -187,18 +188,13 @@ def remove_dead_haproxy_dirs(socket_path: Path | None = None, bases: set[Path] |
         sock = node / socket_path.name
         try:
             manager = _manager_alive(node, socket_path.name)
-            if manager:
-                continue
-            if sock.exists():
-                dead = _admin_socket_refuses(sock)
-            elif manager is None:
+            if manager or (sock.exists() and not _admin_socket_refuses(sock)):
+                continue  # a manager runs, or an HAProxy listens
+            if manager is None:  # no manager's files yet: one may be between its start and its HAProxy's
                 newest = max([node.stat().st_mtime, *(f.lstat().st_mtime for f in node.iterdir())])
-                dead = now - newest > grace_s
-            else:
-                dead = True  # its manager is gone and no HAProxy bound a socket
+                if now - newest <= grace_s:
+                    continue
         except OSError:
-            continue
-        if not dead:
             continue
         for folder in {b / node.name for b in bases} | {node}:
             try:

@@ -220,11 +220,10 @@ def test_haproxy_gets_one_thread_per_two_cores_between_one_and_four(monkeypatch)
 
 
 def test_folders_of_haproxy_instances_that_no_longer_run_are_removed(tmp_path):
-    """A node's HAProxy folders go when its admin socket refuses (HAProxy gone) and the manager
-    that started it is gone, when the manager is gone and no socket was bound, or when there is
-    neither and the folder is older than the grace period; a listening one, one whose manager
-    runs (it may be starting HAProxy again), a young one and a folder not named by a node id
-    stay."""
+    """A node's HAProxy folders go when no HAProxy listens on its admin socket and the manager
+    that started it is gone, or, without a manager's files, when the folder is also older than
+    the grace period; a listening one, one whose manager runs (it may be starting HAProxy
+    again), young ones and a folder not named by a node id stay."""
     import shutil
     import socket
     import subprocess
@@ -238,7 +237,7 @@ def test_folders_of_haproxy_instances_that_no_longer_run_are_removed(tmp_path):
     now = time.time()
     gone_pid = subprocess.Popen(["true"])
     gone_pid.wait()
-    names = ("live", "dead", "restarting", "manager gone", "young", "old")
+    names = ("live", "dead", "restarting", "manager gone", "starting", "young", "old")
     ids = {name: f"{k:x}" * 56 for k, name in enumerate(names, 1)}
 
     def node(name: str, sock: str | None, manager_pid: int | None) -> socket.socket | None:
@@ -262,6 +261,7 @@ def test_folders_of_haproxy_instances_that_no_longer_run_are_removed(tmp_path):
     node("dead", "closed", gone_pid.pid)
     node("restarting", "closed", os.getpid())
     node("manager gone", None, gone_pid.pid)
+    node("starting", "closed", None)  # a new manager swept its predecessor's files, not yet its own
     node("young", None, None)
     node("old", None, None)
     for f in [base / ids["old"], *(base / ids["old"]).iterdir()]:
@@ -271,7 +271,7 @@ def test_folders_of_haproxy_instances_that_no_longer_run_are_removed(tmp_path):
     try:
         removed = remove_dead_haproxy_dirs(base / "admin.sock", {base, state}, grace_s=600, now=now)
         assert sorted(removed) == sorted(b / ids[n] for b in (base, state) for n in ("dead", "manager gone", "old"))
-        kept = sorted(ids[n] for n in ("live", "restarting", "young"))
+        kept = sorted(ids[n] for n in ("live", "restarting", "starting", "young"))
         assert sorted(p.name for p in base.iterdir()) == sorted([*kept, "not-a-node"])
         assert sorted(p.name for p in state.iterdir()) == kept
     finally:

@@ -27,7 +27,7 @@ PROMPT = [1, 87, 306, 201, 343, 78, 316, 308, 275, 691, 2, 201, 1, 347, 829, 935
 
 
 def _adapter_model(base: str, rank: int, seed: int):
-    from serve_rft.trainer.lora import random_adapter
+    from serve_rft.trainer.policy.lora import random_adapter
 
     return random_adapter(base, rank, seed)
 
@@ -35,7 +35,7 @@ def _adapter_model(base: str, rank: int, seed: int):
 def _merged(base: str, peft_model):
     from transformers import AutoModelForCausalLM
 
-    from serve_rft.trainer import lora
+    from serve_rft.trainer.policy import lora
 
     out = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     lora.merge_into(peft_model, out)
@@ -69,7 +69,7 @@ async def run(base: str, rank: int, repeats: int, requests: int, max_tokens: int
     from serve_rft.config import ExplorerConfig
     from serve_rft.explorer.engine.vllm_engine import ExplorerEngine
     from serve_rft.weights import CheckpointMethod, MemoryMethod
-    from serve_rft.trainer.logprob_check import max_abs_diff
+    from serve_rft.trainer.policy.logprob_check import max_abs_diff
 
     work = Path(tempfile.mkdtemp(prefix="srft-adapter-"))
     out: dict = {}

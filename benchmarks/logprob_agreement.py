@@ -25,7 +25,7 @@ def main() -> None:
     from serve_rft.config import ExplorerConfig, ModelConfig
     from serve_rft.explorer.engine.vllm_engine import ExplorerEngine
     from serve_rft.model.embedded import resolve_model_path
-    from serve_rft.trainer.logprob_check import agreement, sample, trainer_logprobs
+    from serve_rft.trainer.policy.logprob_check import agreement, sample, trainer_logprobs
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None, help="HF model directory (default: the embedded model)")

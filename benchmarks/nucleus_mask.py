@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 def main(argv: list[str] | None = None) -> None:
     import torch
 
-    from serve_rft.trainer.nucleus import NUCLEUS_TOPK, nucleus_keep, top_p_keep
+    from serve_rft.trainer.policy.nucleus import NUCLEUS_TOPK, nucleus_keep, top_p_keep
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", type=int, default=256, help="tokens per call (NUCLEUS_ROWS in the trainer)")

@@ -105,7 +105,7 @@ def _perturb(model, seed: int) -> None:
 
 
 async def _logprob_check(engine, model) -> float:
-    from serve_rft.trainer.logprob_check import max_abs_diff
+    from serve_rft.trainer.policy.logprob_check import max_abs_diff
 
     prompt = [1, 87, 306, 201, 343, 78, 316, 308, 275, 691, 2, 201, 1, 347, 829, 935, 201]
     return await max_abs_diff(engine, model, prompt, max_tokens=8)
@@ -121,7 +121,7 @@ async def bench_model(name: str, model_dir: Path, work: Path, bucket_bytes: int,
 
     from serve_rft.config import ExplorerConfig
     from serve_rft.explorer.engine.vllm_engine import ExplorerEngine
-    from serve_rft.trainer.token_logprobs import trainer_probe
+    from serve_rft.trainer.policy.token_logprobs import trainer_probe
     from serve_rft.weights import CheckpointMethod, MemoryMethod
     from serve_rft.weights.verify import check_probe, probe_ids
 

@@ -25,7 +25,7 @@ async def main() -> dict:
     from serve_rft.config import ExplorerConfig, ModelConfig
     from serve_rft.explorer.engine.vllm_engine import ExplorerEngine
     from serve_rft.model.embedded import ensure_embedded_model
-    from serve_rft.trainer.logprob_check import max_abs_diff
+    from serve_rft.trainer.policy.logprob_check import max_abs_diff
 
     base = ensure_embedded_model(ModelConfig().cache_dir)
     work = Path(tempfile.mkdtemp(prefix="srft-tied-"))

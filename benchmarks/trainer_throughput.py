@@ -10,7 +10,7 @@ rewards 0/1, sampled at ``--temperature`` / ``--top-p``; their behaviour logprob
 model's own (one no-grad pass before the steps), so PPO ratios start at 1 as on-policy data's
 do. ``--warmup`` steps, then ``--steps`` timed steps (each ended by a device sync).
 ``--impl`` picks ``trainer.logprob_impl``: ``chunked`` (LM head on response tokens in chunks,
-serve_rft/trainer/token_logprobs.py) or ``full`` (``[B, L, V]`` fp32 logits, the old path).
+serve_rft/trainer/policy/token_logprobs.py) or ``full`` (``[B, L, V]`` fp32 logits, the old path).
 
 Reported (JSON, ``--out``): seconds per step (median and each), response and total (prompt +
 response) tokens per second at the median, peak memory over the timed steps and what was held
@@ -39,7 +39,7 @@ SXM dense bf16 (for fp32 runs pass the fp32 peak).
 fp32 adapter); its FLOPs count 4 per frozen weight per token (forward + input gradients).
 
 Needs torch, transformers, pydantic (and pyyaml, a transformers dependency); importing
-`serve_rft.trainer.policy` imports neither Ray nor vLLM (the JSON records that), so no stub.
+`serve_rft.trainer.policy.policy` imports neither Ray nor vLLM (the JSON records that), so no stub.
 
     python benchmarks/trainer_throughput.py --shape embedded --steps 2 --out /tmp/tt.json
     python benchmarks/trainer_throughput.py --shape qwen2.5-0.5b --impl chunked \\
@@ -164,8 +164,8 @@ def main(argv: list[str] | None = None) -> dict:
     import transformers
 
     from serve_rft.config import load_config
-    from serve_rft.trainer.token_logprobs import response_logprobs
-    from serve_rft.trainer.policy import PolicyTrainer
+    from serve_rft.trainer.policy.token_logprobs import response_logprobs
+    from serve_rft.trainer.policy.policy import PolicyTrainer
 
     device = ("cuda" if torch.cuda.is_available() else "cpu") if a.device == "auto" else a.device
     sets = [f"trainer.device={device}", f"trainer.precision={a.precision}", f"trainer.logprob_impl={a.impl}",

@@ -18,8 +18,18 @@ def preflight(cfg: Config) -> None:
 
     Raises:
         ValueError: ``trainer.device=cuda`` or ``sync_method=nccl`` without CUDA (the message
-            says what to use instead); ``explorer.engine_args`` names no vLLM engine argument.
+            says what to use instead); ``explorer.engine_args`` names no vLLM engine argument;
+            ``trainer.algorithm`` names no algorithm or ``trainer.algorithm_args`` are not its
+            settings.
     """
+    import pydantic
+
+    from serve_rft.trainer.algorithms import get_algorithm
+
+    try:
+        get_algorithm(cfg.trainer)
+    except pydantic.ValidationError as e:
+        raise ValueError(f"trainer.algorithm_args of {cfg.trainer.algorithm}: {e}") from None
     if cfg.explorer.engine_args:
         from serve_rft.config.explorer import check_known
 

@@ -25,6 +25,14 @@ class SyncStyle(str, enum.Enum):
     EXPLORER_DRIVEN = "explorer_driven"
     TRAINER_DRIVEN = "trainer_driven"
 
+    def trainer_publishes(self, trainer_step: int, interval: int, requested: bool) -> bool:
+        """Whether the trainer publishes after its step ``trainer_step`` (>= 1): EXPLORER_DRIVEN
+        when a replica ``requested`` a version; FIXED and TRAINER_DRIVEN every ``interval`` steps
+        (``synchronizer.sync_interval``)."""
+        if self is SyncStyle.EXPLORER_DRIVEN:
+            return requested
+        return trainer_step % interval == 0
+
 
 class CanaryConfig(StrictSection):
     """Canary promotion (``synchronizer.rollout=canary``; serve_rft/synchronizer/canary.py).

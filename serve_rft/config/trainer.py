@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
@@ -43,17 +43,21 @@ class LoraSettings(StrictSection):
 
 class TrainerConfig(StrictSection):
     enabled: bool = Field(True, description="Run the background trainer.")
-    algorithm: Literal["grpo", "opmd", "opmd_kimi", "reinforce"] = Field(
-        "grpo",
-        description="grpo: group-normalised advantages (singletons: reward - running baseline), "
-        "PPO clipped ratio vs behaviour logprobs. opmd: Trinity-RFT technical report appendix A.3, "
-        "-1/(1+tau) (r - group mean) log pi. opmd_kimi: the report's appendix A.1, squared loss vs the "
-        "behaviour policy. reinforce: reward - running baseline for every experience, PPO clipped ratio (serve_rft/trainer/losses.py).",
-    )
+    algorithm: str = Field(
+        "grpo", pattern=r"^[a-z][a-z0-9_]*$",
+        description="The RL algorithm, one module of serve_rft/trainer/algorithms/ each: grpo "
+        "(group-normalised advantages, singletons reward - running baseline; PPO clipped ratio vs "
+        "the behaviour logprobs), opmd (Trinity-RFT technical report appendix A.3: -1/(1+tau) "
+        "(r - group mean) log pi), opmd_kimi (the report's appendix A.1: squared loss vs the "
+        "behaviour policy), reinforce (reward - running baseline for every experience, PPO clipped "
+        "ratio). Checked against the algorithms found before anything starts.")
+    algorithm_args: dict[str, Any] = Field(
+        default_factory=dict, description="The algorithm's own settings, validated by it: opmd and "
+        "opmd_kimi take tau (default 1.0; opmd >= 0, opmd_kimi > 0); grpo and reinforce take none.")
     loss_agg: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"] | None = Field(
-        None, description="Token aggregation of the loss; None: token_mean for grpo/reinforce "
-        "(every token weighs the same, DAPO), seq_mean_token_sum for opmd (log pi(y|x) of the answer).")
-    opmd_tau: float = Field(1.0, ge=0, description="OPMD's tau (opmd: >= 0, opmd_kimi: > 0).")
+        None, description="Token aggregation of the loss; None: the algorithm's default, token_mean "
+        "for grpo/reinforce (every token weighs the same, DAPO), seq_mean_token_sum for opmd and "
+        "opmd_kimi (log pi(y|x) of the answer).")
     kl_coef: float = Field(
         0.0, ge=0, description="Weight of a k3 KL penalty to the initial weights (a frozen copy is "
         "kept in memory when > 0); 0: none.")
@@ -69,7 +73,7 @@ class TrainerConfig(StrictSection):
         "(less padding) and packed greedily; one longer than the budget is a micro-batch of its own "
         "(never dropped). With micro_batch_size > 0 both limits apply. None: off (micro_batch_size "
         "alone, in batch order). The gradient and the step's statistics equal the unsplit batch's "
-        "(serve_rft/trainer/micro_batches.py).")
+        "(serve_rft/trainer/policy/micro_batches.py).")
     batch_size: int = Field(32, ge=1, description="Experiences per training step (upper bound).")
     min_batch_size: int = Field(8, ge=1, description="Wait for at least this many ready experiences.")
     batch_wait_s: float = Field(
@@ -96,13 +100,13 @@ class TrainerConfig(StrictSection):
     grad_clip: float = Field(1.0, gt=0, description="Max global gradient norm.")
     grad_norm_spike: float | None = Field(
         None, gt=1, description="Skip (and dead-letter) a step whose gradient norm is more than this many "
-        "times the median norm of the last grad_norm_window steps (serve_rft.trainer.finite.GradNormGuard); "
+        "times the median norm of the last grad_norm_window steps (serve_rft.trainer.policy.finite.GradNormGuard); "
         "None: off. Every finite norm joins the window, so a lasting shift is accepted after about half a window.")
     grad_norm_window: int = Field(32, ge=4, description="Steps whose gradient norms the spike guard's median "
                                   "is taken over; the guard acts once it holds this many.")
     max_abs_reward: float = Field(
         1e6, gt=0, le=1e30, description="Rewards with a larger magnitude are dead-lettered by the trainer "
-        "(serve_rft.trainer.intake), whatever range the API accepts: in float32 advantages (max ~3.4e38) one "
+        "(serve_rft.trainer.intake.admission), whatever range the API accepts: in float32 advantages (max ~3.4e38) one "
         "such reward would overflow a step, and the running baseline would carry it for hundreds of rewards.")
     baseline_momentum: float = Field(
         0.9, ge=0, lt=1, description="EMA momentum of the running reward baseline."
@@ -116,7 +120,7 @@ class TrainerConfig(StrictSection):
     max_entry_attempts: int = Field(
         3, ge=1, description="Training steps begun with one ready entry before it is moved to the "
         "dead-letter stream: a trainer process that died in a step restarts and meets the same "
-        "entries again; past this bound they stop being retried (serve_rft.trainer.intake).")
+        "entries again; past this bound they stop being retried (serve_rft.trainer.intake.admission).")
     num_threads: int = Field(1, ge=1, description="torch threads of the trainer process.")
     device: Literal["cpu", "cuda"] = Field(
         "cpu", description="Where the trainer's policy model lives (cuda: the actor takes one Ray GPU).")
@@ -129,7 +133,7 @@ class TrainerConfig(StrictSection):
         "train data-parallel with the "
         "parameters, gradients and AdamW state sharded by FSDP2 (gloo on cpu, NCCL on cuda), and the "
         "trainer actor coordinates them: published versions are gathered bucket by bucket, trainer "
-        "states saved with torch.distributed.checkpoint (serve_rft/trainer/sharded_policy.py). "
+        "states saved with torch.distributed.checkpoint (serve_rft/trainer/sharding/sharded_policy.py). "
         "Full fine-tuning or LoRA (the adapter sharded with its layers), CHECKPOINT or MEMORY sync, so far.")
     label_selector: dict[str, str] | None = Field(
         None, description="Ray node labels the trainer actor must run on (Ray's label_selector, "
@@ -142,7 +146,7 @@ class TrainerConfig(StrictSection):
     logprob_impl: Literal["chunked", "full"] = Field(
         "chunked", description="How a step computes the logprobs of sampled tokens. chunked: the "
         "decoder, then the LM head on the response positions only, logprob_chunk_tokens at a time, "
-        "with a backward that recomputes each chunk (serve_rft/trainer/token_logprobs.py). full: "
+        "with a backward that recomputes each chunk (serve_rft/trainer/policy/token_logprobs.py). full: "
         "[batch, length, vocab] fp32 logits of the whole model (the reference; more memory and time).")
     logprob_chunk_tokens: int = Field(
         1024, ge=1, description="chunked: response tokens per LM-head chunk; the largest buffer is "
@@ -152,19 +156,7 @@ class TrainerConfig(StrictSection):
         1, ge=1, description="Save the trainer state (weights, optimizer, RNG, version, the ready "
         "entries trained) every this many published versions. Ready entries are acknowledged only "
         "once a saved state covers them, so a killed trainer resumes from its last state and "
-        "trains what came after it again (serve_rft.trainer.state).")
+        "trains what came after it again (serve_rft.trainer.publishing.state).")
     keep_states: int = Field(2, ge=1, description="Trainer states kept on disk.")
 
-    @model_validator(mode="after")
-    def _kimi_needs_tau(self) -> "TrainerConfig":
-        if self.algorithm == "opmd_kimi" and self.opmd_tau <= 0:
-            raise ValueError("trainer.algorithm=opmd_kimi needs trainer.opmd_tau > 0 (it divides by tau)")
-        return self
-
-    @property
-    def aggregation(self) -> str:
-        """``loss_agg``, or the algorithm's default when it is None."""
-        if self.loss_agg is not None:
-            return self.loss_agg
-        return "seq_mean_token_sum" if self.algorithm.startswith("opmd") else "token_mean"
     seed: int = 0

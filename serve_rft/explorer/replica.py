@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, Callable
 
 import ray
 from fastapi import Request
@@ -52,11 +52,19 @@ METERED = {"/v1/chat/completions": "chat", "/v1/completions": "completions", "/v
 class ExplorerReplica(OpenAIRoutes, AdminRoutes):
     """The Serve deployment class (decorated in `serve_rft.service.app`)."""
 
-    async def __init__(self, config_json: str, model_path: str | None):
+    async def __init__(self, config_json: str, model_path: str | None, ensure_control: Callable[[Config, str], Any]):
+        """Start the replica: its vLLM engine, its store client, and (through ``ensure_control``,
+        which the service passes in: `serve_rft.control.ensure_control`) the synchronizer and
+        trainer actors, found or created, so `serve deploy` needs nothing else.
+
+        Args:
+            config_json: the run's `Config` as JSON.
+            model_path: the model directory, or None for the embedded model.
+            ensure_control: ``(cfg, model_path) -> the synchronizer's handle``.
+        """
         from ray import serve
 
         from serve_rft.explorer.engine.vllm_engine import ExplorerEngine
-        from serve_rft.control import ensure_control
 
         self.cfg = Config.model_validate_json(config_json)
         if model_path is None:

@@ -58,7 +58,7 @@ class TrainerMetrics:
                 self.stat.set(float(stats[name]), tags={"stat": name})
 
     def skipped(self) -> None:
-        """One step skipped: a non-finite update or a gradient-norm spike (`serve_rft.trainer.finite`)."""
+        """One step skipped: a non-finite update or a gradient-norm spike (`serve_rft.trainer.policy.finite`)."""
         self.skipped_steps.inc()
 
     def observe(self, staleness: list[int], dropped: int, ages_s: list[float] | None = None) -> None:

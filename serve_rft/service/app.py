@@ -103,4 +103,7 @@ def build_app(cfg: Config, model_path: str | Path | None = None):
     warning = check_exposure(cfg.service, serve_http_host(cfg))
     if warning:
         log.warning(warning)
-    return explorer_deployment(cfg).bind(cfg.model_dump_json(), None if model_path is None else str(model_path))
+    from serve_rft.control import ensure_control
+
+    return explorer_deployment(cfg).bind(cfg.model_dump_json(), None if model_path is None else str(model_path),
+                                         ensure_control)

@@ -45,13 +45,6 @@ def fixed_scheduled_step(explorer_step: int, interval: int, offset: int) -> int 
     return offset + ((explorer_step - offset) // interval) * interval
 
 
-def trainer_publishes(style: SyncStyle, trainer_step: int, interval: int, requested: bool) -> bool:
-    """Whether the trainer publishes after ``trainer_step`` (>= 1)."""
-    if style is SyncStyle.EXPLORER_DRIVEN:
-        return requested
-    return trainer_step % interval == 0
-
-
 @dataclass
 class ReplicaSchedule:
     """One replica's sync schedule: its explorer step, whether it is due, its open request."""

@@ -3,24 +3,24 @@
 Loop (the Trinity-RFT Synchronizer documentation, "Inside the Trainer"): sample a batch of rewarded experiences from the store's
 ready stream, compute advantages and the PPO-clip loss against the logged behaviour logprobs,
 step AdamW, and publish a new policy version when the sync style says so
-(`serve_rft.synchronizer.styles.trainer_publishes`) through the configured sync method.
+(`serve_rft.config.SyncStyle.trainer_publishes`) through the configured sync method.
 
 Exactly-once: ready-stream entries are acknowledged only after the version that trained on them
-is published *and* a saved trainer state (`serve_rft.trainer.state`) covers them. The actor is
+is published *and* a saved trainer state (`serve_rft.trainer.publishing.state`) covers them. The actor is
 restarted by Ray when its process dies; it resumes from its newest state, acknowledges what
 that state covers, and trains again what was delivered after it. An acknowledgement that Redis
-lost is repaired, never trained twice (`serve_rft.trainer.intake.TrainedLedger`).
+lost is repaired, never trained twice (`serve_rft.trainer.intake.admission.TrainedLedger`).
 
 Never halts: an exception in the loop ends the process (Ray restarts the actor, which resumes
 from its state); entries that cannot be trained, or that were in the steps of too many crashed
-processes, go to the store's dead-letter stream, counted (`serve_rft.trainer.intake`). Never
+processes, go to the store's dead-letter stream, counted (`serve_rft.trainer.intake.admission`). Never
 poisoned: a step whose update is not finite (or, with ``trainer.grad_norm_spike``, a gradient-norm
 spike) is skipped and its batch dead-lettered, counted (``skipped_steps``), and nothing non-finite
-is published or saved (`serve_rft.trainer.finite`).
+is published or saved (`serve_rft.trainer.policy.finite`).
 
-This module is the loop; what goes into a step is `serve_rft.trainer.feed`, publishing and
-resuming `serve_rft.trainer.publishing` (a `Publishing` the actor owns, which also holds the step
-count, the published version and the phase), the model and optimizer `serve_rft.trainer.policy`.
+This module is the loop; what goes into a step is `serve_rft.trainer.intake.feed`, publishing and
+resuming `serve_rft.trainer.publishing.publishing` (a `Publishing` the actor owns, which also holds the step
+count, the published version and the phase), the model and optimizer `serve_rft.trainer.policy.policy`.
 """
 
 from __future__ import annotations
@@ -38,9 +38,9 @@ from serve_rft.buffer.ready import ReadyStream
 from serve_rft.buffer.store import ExperienceStore
 from serve_rft.config import Config
 from serve_rft.names import NAMESPACE, TRAINER_NAME, get_synchronizer
-from serve_rft.trainer.feed import ExperienceFeed
-from serve_rft.trainer.policy import PolicyTrainer
-from serve_rft.trainer.publishing import Publishing
+from serve_rft.trainer.intake.feed import ExperienceFeed
+from serve_rft.trainer.policy.policy import PolicyTrainer
+from serve_rft.trainer.publishing.publishing import Publishing
 from serve_rft.types import ComponentState, PublishedVersion, RewardedExperience
 
 log = logging.getLogger("serve_rft.trainer")
@@ -117,8 +117,7 @@ class Trainer:
 
     async def _loop(self, sync) -> None:
         from serve_rft.weights import make_method
-        from serve_rft.synchronizer.styles import trainer_publishes
-        from serve_rft.trainer.state import latest_state
+        from serve_rft.trainer.publishing.state import latest_state
 
         cfg, pub = self.cfg, self.publishing
         store, feed = self.feed.store, self.feed
@@ -180,7 +179,7 @@ class Trainer:
             stats["step"] = pub.step_num
             stats["t"] = time.time()
             requested = await sync.sync_requested.remote()
-            if trainer_publishes(scfg.sync_style, pub.step_num, scfg.sync_interval, requested):
+            if scfg.sync_style.trainer_publishes(pub.step_num, scfg.sync_interval, requested):
                 stats["publish_seconds"] = await pub._publish(policy, method, sync, store)
                 stats["window_seconds"] = await pub._handshake(method, sync)
             stats["policy_version"] = pub.version
@@ -190,7 +189,7 @@ class Trainer:
 
     async def _skipped(self, batch: list[RewardedExperience], stats: dict) -> None:
         """``batch``'s step was skipped, its update not finite or a gradient-norm spike
-        (`serve_rft.trainer.finite`): dead-letter the batch with why, count it (``skipped_steps``,
+        (`serve_rft.trainer.policy.finite`): dead-letter the batch with why, count it (``skipped_steps``,
         metrics)."""
         reason = f"step skipped: {stats['skipped']}"
         await self.feed.dead_letter(batch, reason)
@@ -284,9 +283,9 @@ class Trainer:
 
 def make_policy(cfg: Config, model_path: str, resume: Path | None):
     """The trainer's policy: `PolicyTrainer` in this process, or with ``trainer.num_workers > 1``
-    a `serve_rft.trainer.sharded_policy.ShardedPolicy` over that many rank actors."""
+    a `serve_rft.trainer.sharding.sharded_policy.ShardedPolicy` over that many rank actors."""
     if cfg.trainer.num_workers > 1:
-        from serve_rft.trainer.sharded_policy import ShardedPolicy
+        from serve_rft.trainer.sharding.sharded_policy import ShardedPolicy
 
         return ShardedPolicy(cfg, model_path, resume)
     return PolicyTrainer(cfg, model_path, resume)
@@ -294,7 +293,7 @@ def make_policy(cfg: Config, model_path: str, resume: Path | None):
 
 def trainer_options(cfg: Config) -> dict:
     """Ray actor options of the trainer: its name, one Ray GPU share with ``device=cuda`` (none
-    with ``num_workers > 1``: its ranks take one GPU each, `serve_rft.trainer.worker_group`), the
+    with ``num_workers > 1``: its ranks take one GPU each, `serve_rft.trainer.sharding.worker_group`), the
     ``trainer.label_selector`` placement if set, detached, restarted without bound (a restarted
     trainer resumes from its saved state)."""
     # N ranks: the actor only coordinates (the ranks hold the weights, one GPU each)

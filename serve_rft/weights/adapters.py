@@ -1,6 +1,6 @@
 """LoRA adapters as the sync methods move them (adapter-only sync, Twinkle's CheckpointEngine
 documentation ``merge_and_sync=False``): the tensors and config of a `peft.PeftModel`'s adapter,
-and the folder vLLM's LoRA loader reads. Training adapters is `serve_rft.trainer.lora`.
+and the folder vLLM's LoRA loader reads. Training adapters is `serve_rft.trainer.policy.lora`.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ Two checks, both carried in the version's handle by the trainer:
   before it drains (CHECKPOINT) or as each bucket arrives (MEMORY), so a corrupted or truncated
   version is refused;
 - a **probe**: the trainer's logprobs of a fixed token sequence under the weights it published
-  (temperature 1, `serve_rft.trainer.token_logprobs.trainer_probe`: the same logprobs the loss uses). After
+  (temperature 1, `serve_rft.trainer.policy.token_logprobs.trainer_probe`: the same logprobs the loss uses). After
   loading, the replica computes the same with vLLM (`ExplorerEngine.probe_logprobs`) and serves
   only if every logprob agrees within ``synchronizer.verify_tolerance``; else it restores the
   previous version. This catches what checksums cannot: weights loaded but not in effect (the

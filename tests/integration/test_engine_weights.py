@@ -20,7 +20,7 @@ PROMPT = [1, 87, 306, 201, 343, 78, 316, 308, 275, 691, 2, 201, 1, 347, 829, 935
 
 
 def _hf_logprobs(model, ids):
-    from serve_rft.trainer.token_logprobs import response_logprobs
+    from serve_rft.trainer.policy.token_logprobs import response_logprobs
 
     with torch.no_grad():
         lp, _ = response_logprobs(model, [PROMPT], [ids], [1.0])
@@ -218,7 +218,7 @@ def _fused_layers_split(buckets) -> bool:
 
 def _trained_adapter(embedded_model, seed, rank=8):
     """A peft model whose LoRA B matrices are random (so the adapter changes the policy)."""
-    from serve_rft.trainer.lora import random_adapter
+    from serve_rft.trainer.policy.lora import random_adapter
 
     return random_adapter(embedded_model, rank, seed)
 
@@ -232,7 +232,7 @@ def test_adapter_only_sync_serves_each_version_as_its_adapter(embedded_model, tm
     from serve_rft.config import ExplorerConfig
     from serve_rft.explorer.engine.vllm_engine import ExplorerEngine
     from serve_rft.weights import CheckpointMethod, LoadFailed, MemoryMethod, load_or_restore
-    from serve_rft.trainer import lora
+    from serve_rft.trainer.policy import lora
 
     from transformers import AutoModelForCausalLM
 

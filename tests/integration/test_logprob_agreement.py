@@ -24,7 +24,7 @@ def test_trainer_logprobs_match_vllm_behaviour_logprobs(embedded_model):
 
     from serve_rft.config import ExplorerConfig
     from serve_rft.explorer.engine.vllm_engine import ExplorerEngine
-    from serve_rft.trainer.logprob_check import agreement, sample, trainer_logprobs
+    from serve_rft.trainer.policy.logprob_check import agreement, sample, trainer_logprobs
 
     rnd = random.Random(0)
     prompts = [[rnd.randrange(3, 900) for _ in range(rnd.randrange(4, 40))] for _ in range(6)]

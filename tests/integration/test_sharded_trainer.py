@@ -1,4 +1,4 @@
-"""The sharded trainer (`serve_rft.trainer.worker_group`, FSDP2 over gloo on CPU) against the
+"""The sharded trainer (`serve_rft.trainer.sharding.worker_group`, FSDP2 over gloo on CPU) against the
 single-process `PolicyTrainer` on the same batch: two Ray actors, each a rank holding half of
 every parameter, gradient and AdamW moment. The summed gradient (rtol 1e-4) and every figure of
 the step (loss, statistics, grad norm; rtol 1e-5) equal the single process's, and the next
@@ -28,8 +28,8 @@ def ray_local():
                                   ["trainer.algorithm=opmd", "trainer.kl_coef=0.1", "trainer.micro_batch_size=2"]])
 def test_two_ranks_take_the_single_process_step(ray_local, embedded_model, sets):
     from serve_rft.config import load_config
-    from serve_rft.trainer.policy import PolicyTrainer
-    from serve_rft.trainer.worker_group import WorkerGroup
+    from serve_rft.trainer.policy.policy import PolicyTrainer
+    from serve_rft.trainer.sharding.worker_group import WorkerGroup
 
     cfg = load_config(None, sets + ["trainer.lr=1e-3", "trainer.num_threads=1"])
     single = PolicyTrainer(cfg, str(embedded_model))
@@ -59,7 +59,7 @@ def test_two_ranks_skip_a_non_finite_update_together(ray_local, embedded_model):
     (neither waits in a collective the other left), the weights are unchanged and finite, and the
     next step trains. A micro-batch per rank, so each rank runs its own part."""
     from serve_rft.config import load_config
-    from serve_rft.trainer.worker_group import WorkerGroup
+    from serve_rft.trainer.sharding.worker_group import WorkerGroup
 
     cfg = load_config(None, ["trainer.algorithm=grpo", "trainer.micro_batch_size=1", "trainer.lr=1e-3",
                              "trainer.num_threads=1"])
@@ -99,9 +99,9 @@ def test_two_ranks_publish_save_and_resume(ray_local, embedded_model, tmp_path):
     from transformers import AutoModelForCausalLM
 
     from serve_rft.config import load_config
-    from serve_rft.trainer.token_logprobs import trainer_probe
-    from serve_rft.trainer.sharded_policy import ShardedPolicy
-    from serve_rft.trainer.state import latest_state
+    from serve_rft.trainer.policy.token_logprobs import trainer_probe
+    from serve_rft.trainer.sharding.sharded_policy import ShardedPolicy
+    from serve_rft.trainer.publishing.state import latest_state
     from serve_rft.weights import make_method
     from serve_rft.weights.memory import checkpoint_tensors, unpack_bucket
 
@@ -160,7 +160,7 @@ def test_two_ranks_reset_to_a_published_version(ray_local, embedded_model, tmp_p
     from transformers import AutoModelForCausalLM
 
     from serve_rft.config import load_config
-    from serve_rft.trainer.sharded_policy import ShardedPolicy
+    from serve_rft.trainer.sharding.sharded_policy import ShardedPolicy
     from serve_rft.weights import make_method
 
     sets = _two_rank_sets(tmp_path, "synchronizer.rollout=canary", "synchronizer.canary.on_reject=reset")
@@ -209,10 +209,10 @@ def test_two_ranks_train_lora_publish_merged_and_resume(ray_local, embedded_mode
     from transformers import AutoModelForCausalLM
 
     from serve_rft.config import load_config
-    from serve_rft.trainer.token_logprobs import trainer_probe
-    from serve_rft.trainer.policy import PolicyTrainer
-    from serve_rft.trainer.sharded_policy import ShardedPolicy
-    from serve_rft.trainer.state import latest_state
+    from serve_rft.trainer.policy.token_logprobs import trainer_probe
+    from serve_rft.trainer.policy.policy import PolicyTrainer
+    from serve_rft.trainer.sharding.sharded_policy import ShardedPolicy
+    from serve_rft.trainer.publishing.state import latest_state
     from serve_rft.weights import make_method
 
     sets = LORA + ["trainer.precision=bf16", "trainer.kl_coef=0.1", "synchronizer.sync_method=checkpoint",
@@ -262,8 +262,8 @@ def test_two_ranks_publish_the_lora_adapter_alone_and_reset_to_it(ray_local, emb
     import ray
 
     from serve_rft.config import load_config
-    from serve_rft.trainer.policy import PolicyTrainer
-    from serve_rft.trainer.sharded_policy import ShardedPolicy
+    from serve_rft.trainer.policy.policy import PolicyTrainer
+    from serve_rft.trainer.sharding.sharded_policy import ShardedPolicy
     from serve_rft.weights import make_method
     from serve_rft.weights.adapters import adapter_tensors
 

@@ -23,7 +23,7 @@ def _logprob_gap(stack, exp) -> float:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from serve_rft.trainer.token_logprobs import response_logprobs
+    from serve_rft.trainer.policy.token_logprobs import response_logprobs
     from serve_rft.weights.folders import version_dir
 
     (version,) = {v for v, _, _ in exp.token_versions}

@@ -51,7 +51,7 @@ def test_swap_verifies_before_serving_and_never_reuses_another_versions_cache(em
     from serve_rft.explorer.engine.vllm_engine import ExplorerEngine
     from serve_rft.explorer.weight_swap import WeightSwap
     from serve_rft.weights import CheckpointMethod
-    from serve_rft.trainer.token_logprobs import trainer_probe
+    from serve_rft.trainer.policy.token_logprobs import trainer_probe
     from serve_rft.types import SyncOrder
 
     cfg = Config(synchronizer=SynchronizerConfig(verify_tolerance=0.01))

@@ -128,7 +128,7 @@ def check_served_logprobs(stack, folder: str):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from serve_rft.trainer.token_logprobs import response_logprobs
+    from serve_rft.trainer.policy.token_logprobs import response_logprobs
     from serve_rft.weights.folders import version_dir
 
     client = openai.OpenAI(base_url=f"{stack.url}/v1", api_key="x")

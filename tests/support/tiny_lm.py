@@ -1,5 +1,5 @@
 """A tiny random causal LM and a fixed set of rollouts for the tests of the chunked logprob path
-(`serve_rft/trainer/token_logprobs.py`) against the full-logits path, unsharded
+(`serve_rft/trainer/policy/token_logprobs.py`) against the full-logits path, unsharded
 (tests/unit/test_algorithm.py) and sharded (tests/unit/test_sharding.py)."""
 
 from __future__ import annotations

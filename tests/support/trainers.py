@@ -9,9 +9,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from serve_rft.config import Config
-from serve_rft.trainer.feed import ExperienceFeed
-from serve_rft.trainer.publishing import Publishing
-from serve_rft.trainer.state import save_state
+from serve_rft.trainer.intake.feed import ExperienceFeed
+from serve_rft.trainer.publishing.publishing import Publishing
+from serve_rft.trainer.publishing.state import save_state
 
 
 class TinyModel:
@@ -26,7 +26,7 @@ class TinyModel:
 
 class StandInPolicy:
     """A policy trainer whose weights are always finite, that publishes a `TinyModel` and saves
-    a real trainer state with `serve_rft.trainer.state.save_state` (no optimizer, no tokenizer)."""
+    a real trainer state with `serve_rft.trainer.publishing.state.save_state` (no optimizer, no tokenizer)."""
 
     def publish_model(self):
         """Returns a new `TinyModel`."""

@@ -3,8 +3,8 @@ import math
 import pytest
 import torch
 
-from serve_rft.trainer.algorithm import RunningBaseline, compute_advantages
-from serve_rft.trainer.losses import ppo_clip_loss
+from serve_rft.trainer.algorithms.advantages import RunningBaseline, compute_advantages
+from serve_rft.trainer.algorithms.losses import ppo_clip_loss
 from tests.support.tiny_lm import PROMPTS, RESPONSES, TEMPS, TOP_PS, tiny_causal_lm
 
 
@@ -55,11 +55,11 @@ def test_ppo_clip_stops_gradient_outside_the_trust_region():
     assert stats["clip_fraction"] == 1.0
 
 
-# --- the chunked logprobs (serve_rft/trainer/token_logprobs.py) against the full-logits path ---
+# --- the chunked logprobs (serve_rft/trainer/policy/token_logprobs.py) against the full-logits path ---
 
 def _run(model, impl: str, chunk: int = 3, top_ps=TOP_PS):
     """Logprobs, mask, entropy, and the gradients of ``sum(logp * adv * mask)`` by parameter name."""
-    from serve_rft.trainer.token_logprobs import response_logprobs
+    from serve_rft.trainer.policy.token_logprobs import response_logprobs
 
     model.zero_grad(set_to_none=True)
     lp, mask, ent = response_logprobs(model, PROMPTS, RESPONSES, TEMPS, with_entropy=True, top_ps=top_ps,
@@ -73,7 +73,7 @@ def _run(model, impl: str, chunk: int = 3, top_ps=TOP_PS):
 @pytest.mark.parametrize("kind", ["qwen2", "llama_tied", "lora"])
 @pytest.mark.parametrize("chunk", [3, 1024])
 def test_chunked_logprobs_and_gradients_equal_the_full_logits_path(kind, chunk):
-    from serve_rft.trainer.token_logprobs import lm_parts
+    from serve_rft.trainer.policy.token_logprobs import lm_parts
 
     model = tiny_causal_lm(kind)
     assert lm_parts(model) is not None  # the chunked path is really taken
@@ -94,7 +94,7 @@ def test_chunked_logprobs_and_gradients_equal_the_full_logits_path(kind, chunk):
 
 
 def test_lora_reference_with_the_adapter_disabled_is_the_base():
-    from serve_rft.trainer.token_logprobs import response_logprobs
+    from serve_rft.trainer.policy.token_logprobs import response_logprobs
 
     model = tiny_causal_lm("lora")
     with torch.no_grad():
@@ -122,7 +122,7 @@ def test_chunked_under_bf16_autocast_matches_the_full_path(kind):
 
 
 def test_all_empty_responses_and_an_empty_prompt():
-    from serve_rft.trainer.token_logprobs import response_logprobs
+    from serve_rft.trainer.policy.token_logprobs import response_logprobs
 
     model = tiny_causal_lm("qwen2")
     lp, mask, ent = response_logprobs(model, [[1, 2], [3]], [[], []], [1.0, 1.0], with_entropy=True)
@@ -132,8 +132,8 @@ def test_all_empty_responses_and_an_empty_prompt():
 
 
 def test_models_without_the_plain_structure_take_the_full_path():
-    from serve_rft.trainer.token_logprobs import response_logprobs
-    from serve_rft.trainer.token_logprobs import lm_parts
+    from serve_rft.trainer.policy.token_logprobs import response_logprobs
+    from serve_rft.trainer.policy.token_logprobs import lm_parts
 
     model = tiny_causal_lm("qwen2")
     model.lm_head = torch.nn.Linear(32, 97, bias=True)  # a head with a bias: not lm_head(h) = h @ W.T
@@ -145,7 +145,7 @@ def test_models_without_the_plain_structure_take_the_full_path():
 
 
 def test_per_row_top_p_is_the_single_value_rule():
-    from serve_rft.trainer.nucleus import top_p_keep
+    from serve_rft.trainer.policy.nucleus import top_p_keep
 
     g = torch.Generator().manual_seed(1)
     logits = torch.randn(6, 300, generator=g) * 3
@@ -159,7 +159,7 @@ def test_a_trainer_step_is_the_same_with_either_logprob_impl(embedded_model):
     """`PolicyTrainer` (trainer.logprob_impl): loss, statistics and every gradient agree, with
     the KL reference pass, mixed temperatures and top_p, and chunks smaller than the batch."""
     from serve_rft.config import load_config
-    from serve_rft.trainer.policy import PolicyTrainer
+    from serve_rft.trainer.policy.policy import PolicyTrainer
     from serve_rft.types import Experience, RewardedExperience, SamplingInfo
 
     batch = [RewardedExperience(
@@ -181,7 +181,7 @@ def test_a_trainer_step_is_the_same_with_either_logprob_impl(embedded_model):
 
 @pytest.mark.parametrize("vocab", [8, 97, 1024])
 def test_nucleus_masks_survive_bit_packing(vocab):
-    from serve_rft.trainer.token_logprobs import _pack, _unpack
+    from serve_rft.trainer.policy.token_logprobs import _pack, _unpack
 
     keep = torch.rand(5, vocab, generator=torch.Generator().manual_seed(vocab)) < 0.3
     packed = _pack(keep)

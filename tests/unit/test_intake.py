@@ -9,7 +9,7 @@ from hypothesis import given, strategies as st
 
 from serve_rft.buffer.records import DeadLetter
 from serve_rft.buffer.store import ExperienceStore
-from serve_rft.trainer.intake import TrainedLedger, batch_complete, stale_threshold, sync_cycles, untrainable
+from serve_rft.trainer.intake.admission import TrainedLedger, batch_complete, stale_threshold, sync_cycles, untrainable
 from serve_rft.types import RewardedExperience
 from tests.support.experiences import experience
 
@@ -97,7 +97,7 @@ def test_the_feed_leaves_grammar_sampled_experiences_out_of_the_loss_counted(red
     schema) has behaviour logprobs of the masked distribution: acknowledged as ``constrained``,
     counted by the feed and the store, never trained."""
     from serve_rft.config import TrainerConfig
-    from serve_rft.trainer.feed import ExperienceFeed
+    from serve_rft.trainer.intake.feed import ExperienceFeed
 
     async def go():
         store = ExperienceStore(redis_server.url, prefix=f"t{uuid.uuid4().hex[:8]}")
@@ -125,7 +125,7 @@ def test_restarts_after_successful_steps_dead_letter_nothing(redis_server):
     same redelivered entries successfully and die: nothing is dead-lettered. An entry whose step
     never finishes is dead-lettered after the bound, as before."""
     from serve_rft.config import TrainerConfig
-    from serve_rft.trainer.feed import ExperienceFeed
+    from serve_rft.trainer.intake.feed import ExperienceFeed
 
     async def go():
         store = ExperienceStore(redis_server.url, prefix=f"t{uuid.uuid4().hex[:8]}")

@@ -1,7 +1,9 @@
-"""The package's import order: each runtime role imports only from the floors below it (no import
-circle, no import running back up, function-local imports included); inside the explorer, its
-engine part never imports its HTTP part and neither imports the deployment that composes them.
-docs/architecture.md (Floors) draws the same floors."""
+"""The package's import order: each part imports only from its own floor or the floors below it
+(no import circle, no import running back up, function-local imports included); the three runtime
+roles (explorer, trainer, synchronizer) stand side by side on one floor and none imports another:
+the control plane and the service wire them. Inside the explorer, its engine part never imports
+its HTTP part and neither imports the deployment that composes them. docs/architecture.md (Floors)
+draws the same floors."""
 
 from __future__ import annotations
 
@@ -13,13 +15,15 @@ PACKAGE = Path(__file__).resolve().parents[2] / "serve_rft"
 FLOORS = [
     {"config", "types", "names", "proc", "model", "demo"},  # ground: settings, records, names, prctl
     {"buffer", "observability", "weights"},         # the experience store, metrics, weight sync
-    {"synchronizer"},                               # rollout state machine and its actor
-    {"trainer"},                                    # the policy-gradient loop
+    {"explorer", "trainer", "synchronizer"},        # the runtime roles, side by side (ROLES)
     {"control"},                                    # creates the synchronizer and trainer actors
-    {"explorer"},                                   # the replicas: OpenAI HTTP over vLLM
     {"service"},                                    # wiring: Ray, Serve, Redis, shutdown
     {"cli"},                                        # the command line
 ]
+
+
+ROLES = {"explorer", "trainer", "synchronizer"}
+"""The replicas (OpenAI HTTP over vLLM), the policy-gradient loop, the rollout state machine."""
 
 
 def _room(module: str) -> str:
@@ -59,6 +63,13 @@ def test_every_import_goes_to_the_same_or_a_lower_floor():
             if floor[there] > floor[here]:
                 upward.append(f"{path.relative_to(PACKAGE)} ({here}) imports {target} ({there})")
     assert not upward, "imports running back up:\n" + "\n".join(upward)
+
+
+def test_no_runtime_role_imports_another():
+    across = [f"{path.relative_to(PACKAGE)} ({here}) imports {target}"
+              for path, here in _files().items() if here in ROLES
+              for target in _imports(path) if _room(target) in ROLES - {here}]
+    assert not across, "a runtime role imports another (wire them in control/service):\n" + "\n".join(across)
 
 
 # Inside the explorer: the engine part under the HTTP part under the deployment that composes them.

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from serve_rft.config import load_config
-from serve_rft.trainer.policy import PolicyTrainer
-from serve_rft.trainer.state import save_state
+from serve_rft.trainer.policy.policy import PolicyTrainer
+from serve_rft.trainer.publishing.state import save_state
 from tests.support.batches import small_batch
 
 LORA = ["trainer.lora={rank: 4, alpha: 8}", "trainer.lr=0.01"]
@@ -23,7 +23,7 @@ def test_the_published_model_is_base_plus_adapter_and_only_the_adapter_trains(em
     the model is kept); the folder they write loads as a plain transformers model."""
     from transformers import AutoModelForCausalLM
 
-    from serve_rft.trainer.gathered import GatheredModel
+    from serve_rft.trainer.policy.gathered import GatheredModel
 
     p = PolicyTrainer(load_config(None, LORA), str(embedded_model))
     base_before = {n: t.detach().clone() for n, t in p.model.named_parameters() if ".lora_" not in n}

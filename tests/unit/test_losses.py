@@ -1,5 +1,5 @@
-"""The policy losses and their aggregation (serve_rft/trainer/losses.py), and the trainer's
-micro-batching, LR schedule and dummy mode."""
+"""The policy losses and their aggregation (serve_rft/trainer/algorithms/), the algorithm registry,
+and the trainer's micro-batching, LR schedule and dummy mode."""
 
 import math
 
@@ -7,9 +7,10 @@ import pytest
 import torch
 
 from serve_rft.config import Config
-from serve_rft.trainer.algorithm import RunningBaseline, compute_advantages
-from serve_rft.trainer.losses import (aggregate, group_tau_log_z, kl_k3, opmd_kimi_loss, opmd_loss,
-                                      ppo_clip_loss)
+from serve_rft.trainer.algorithms.advantages import RunningBaseline, compute_advantages
+from serve_rft.trainer.algorithms.losses import aggregate, kl_k3, ppo_clip_loss
+from serve_rft.trainer.algorithms.opmd import opmd_loss
+from serve_rft.trainer.algorithms.opmd_kimi import group_tau_log_z, opmd_kimi_loss
 from tests.support.batches import small_batch
 
 MASK = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])
@@ -84,7 +85,7 @@ def _params(p):
 
 @pytest.mark.parametrize("algorithm", ["grpo", "opmd", "opmd_kimi", "reinforce"])
 def test_micro_batches_give_the_whole_batch_gradient(embedded_model, algorithm):
-    from serve_rft.trainer.policy import PolicyTrainer
+    from serve_rft.trainer.policy.policy import PolicyTrainer
 
     sets = [f"trainer.algorithm={algorithm}", "trainer.kl_coef=0.1", "trainer.lr=0"]  # compare grads
     from serve_rft.config import load_config
@@ -102,7 +103,7 @@ def test_micro_batches_give_the_whole_batch_gradient(embedded_model, algorithm):
 
 def test_lr_schedule_and_dummy_mode(embedded_model):
     from serve_rft.config import load_config
-    from serve_rft.trainer.policy import PolicyTrainer
+    from serve_rft.trainer.policy.policy import PolicyTrainer
 
     p = PolicyTrainer(load_config(None, ["trainer.lr_warmup_steps=4", "trainer.lr_schedule=cosine",
                                          "trainer.lr_decay_steps=10", "trainer.lr_min_ratio=0.1"]),
@@ -120,20 +121,35 @@ def test_lr_schedule_and_dummy_mode(embedded_model):
     assert all(torch.equal(x, y) for x, y in zip(before, _params(dummy)))  # with fixed weights
 
 
-def test_config_defaults_per_algorithm():
-    from serve_rft.config import load_config
+def test_registry_finds_every_algorithm_with_its_defaults_and_settings():
+    import pydantic
 
-    assert Config().trainer.aggregation == "token_mean"
-    assert load_config(None, ["trainer.algorithm=opmd"]).trainer.aggregation == "seq_mean_token_sum"
-    with pytest.raises(Exception, match="opmd_tau"):
-        load_config(None, ["trainer.algorithm=opmd_kimi", "trainer.opmd_tau=0"])
+    from serve_rft.config import load_config
+    from serve_rft.control import preflight
+    from serve_rft.trainer.algorithms import algorithm_names, get_algorithm
+
+    assert algorithm_names() == ["grpo", "opmd", "opmd_kimi", "reinforce"]
+    assert get_algorithm(Config().trainer).aggregation == "token_mean"
+    opmd = get_algorithm(load_config(None, ["trainer.algorithm=opmd", "trainer.algorithm_args.tau=0.5"]).trainer)
+    assert opmd.aggregation == "seq_mean_token_sum" and opmd.settings.tau == 0.5
+    assert get_algorithm(load_config(None, ["trainer.algorithm=opmd", "trainer.loss_agg=token_mean"]).trainer
+                         ).aggregation == "token_mean"
+    kimi_tau_0 = load_config(None, ["trainer.algorithm=opmd_kimi", "trainer.algorithm_args.tau=0"])
+    with pytest.raises(pydantic.ValidationError, match="tau"):
+        get_algorithm(kimi_tau_0.trainer)
+    with pytest.raises(ValueError, match="algorithm_args of opmd_kimi"):
+        preflight(kimi_tau_0)
+    with pytest.raises(ValueError, match="choose one of grpo, opmd, opmd_kimi, reinforce"):
+        preflight(load_config(None, ["trainer.algorithm=ppo2"]))
+    with pytest.raises(pydantic.ValidationError):  # grpo has no settings: a typo is an error
+        get_algorithm(load_config(None, ["trainer.algorithm_args.tua=1"]).trainer)
 
 
 @pytest.mark.parametrize("top_p", [0.3, 0.7, 0.9, 0.99])
 def test_top_p_keeps_exactly_what_vllms_sampler_keeps(top_p):
     from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p_pytorch
 
-    from serve_rft.trainer.nucleus import top_p_keep
+    from serve_rft.trainer.policy.nucleus import top_p_keep
 
     g = torch.Generator().manual_seed(int(top_p * 100))
     logits = torch.randn(16, 500, generator=g) * 3
@@ -149,7 +165,7 @@ def test_nucleus_without_a_full_sort_keeps_what_vllms_sampler_keeps(top_p, k):
     differently; on these 3 x 64 rows x 5,000 words no word falls on the other side)."""
     from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p_pytorch
 
-    from serve_rft.trainer.nucleus import nucleus_keep
+    from serve_rft.trainer.policy.nucleus import nucleus_keep
 
     g = torch.Generator().manual_seed(int(top_p * 100) + k)
     logits = torch.randn(64, 5000, generator=g) * torch.tensor([1.0, 3.0, 8.0, 12.0]).repeat(16).unsqueeze(1)
@@ -164,7 +180,7 @@ def test_only_response_tokens_are_in_the_mask(embedded_model):
     assistant) is context only; the mask covers exactly its own response tokens."""
     from transformers import AutoModelForCausalLM
 
-    from serve_rft.trainer.token_logprobs import response_logprobs
+    from serve_rft.trainer.policy.token_logprobs import response_logprobs
 
     model = AutoModelForCausalLM.from_pretrained(str(embedded_model), dtype=torch.float32)
     prompts = [[1, 2, 3, 4, 5, 6, 7], [1, 2]]
@@ -181,7 +197,7 @@ def test_bf16_autocast_trains_with_fp32_weights(embedded_model):
     """trainer.precision=bf16 (auto picks it on CUDA; exercised here on CPU autocast): forward
     passes in bf16, weights and optimizer in fp32, statistics close to the fp32 run's."""
     from serve_rft.config import load_config
-    from serve_rft.trainer.policy import PolicyTrainer
+    from serve_rft.trainer.policy.policy import PolicyTrainer
 
     fp32 = PolicyTrainer(load_config(None, ["trainer.lr=0.001"]), str(embedded_model))
     bf16 = PolicyTrainer(load_config(None, ["trainer.lr=0.001", "trainer.precision=bf16"]), str(embedded_model))

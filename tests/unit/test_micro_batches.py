@@ -1,11 +1,11 @@
-"""Token-budget micro-batching: `serve_rft.trainer.micro_batches.partition` (pure) and a
+"""Token-budget micro-batching: `serve_rft.trainer.policy.micro_batches.partition` (pure) and a
 `PolicyTrainer` step whose gradient and statistics do not depend on the partition."""
 
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from serve_rft.trainer.micro_batches import accumulate, padded_tokens, partition
+from serve_rft.trainer.policy.micro_batches import accumulate, padded_tokens, partition
 from tests.support.batches import PROMPT_LENS, RESPONSE_LENS, uneven_batch
 
 
@@ -76,7 +76,7 @@ BUDGET = 30  # five parts: [6] (36 tokens, over the budget), [5], [4], [1, 0], [
                                            ("opmd_kimi", None)])
 def test_token_budget_micro_batches_give_the_whole_batch_step(embedded_model, algorithm, agg):
     from serve_rft.config import load_config
-    from serve_rft.trainer.policy import PolicyTrainer
+    from serve_rft.trainer.policy.policy import PolicyTrainer
 
     sets = [f"trainer.algorithm={algorithm}", "trainer.kl_coef=0.1", "trainer.lr=0",
             "trainer.logprob_chunk_tokens=5"] + ([f"trainer.loss_agg={agg}"] if agg else [])
@@ -103,7 +103,7 @@ def test_token_budget_micro_batches_give_the_whole_batch_step(embedded_model, al
 
 def test_both_limits_apply_in_a_step(embedded_model):
     from serve_rft.config import load_config
-    from serve_rft.trainer.policy import PolicyTrainer
+    from serve_rft.trainer.policy.policy import PolicyTrainer
 
     lengths = [p + r for p, r in zip(PROMPT_LENS, RESPONSE_LENS)]
     sets = ["trainer.lr=0", "trainer.micro_batch_size=2", "trainer.micro_batch_tokens=100"]
@@ -117,7 +117,7 @@ def test_a_micro_batch_of_empty_responses_steps(embedded_model, impl):
     token. It still runs the forward and backward (a sharded rank must make its peers'
     collectives; one process needs a loss with a graph) and adds nothing to the gradient."""
     from serve_rft.config import load_config
-    from serve_rft.trainer.policy import PolicyTrainer
+    from serve_rft.trainer.policy.policy import PolicyTrainer
 
     assert 0 in RESPONSE_LENS
     sets = ["trainer.lr=0", f"trainer.logprob_impl={impl}"]

@@ -1,5 +1,5 @@
 """bf16 autocast whose saved weight copies are recast in the backward
-(`serve_rft.trainer.precision`): the same gradients as plain autocast, without holding a bf16
+(`serve_rft.trainer.policy.precision`): the same gradients as plain autocast, without holding a bf16
 copy of every weight from the forward to the backward."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from serve_rft.trainer import precision
+from serve_rft.trainer.policy import precision
 from tests.support.batches import small_batch
 
 
@@ -70,7 +70,7 @@ def test_a_bf16_step_gives_plain_autocasts_gradients(embedded_model, impl):
     """`PolicyTrainer` under trainer.precision=bf16 (recast) and the same step under plain
     autocast: equal gradients, bit for bit."""
     from serve_rft.config import load_config
-    from serve_rft.trainer.policy import PolicyTrainer
+    from serve_rft.trainer.policy.policy import PolicyTrainer
 
     sets = ["trainer.lr=0.001", "trainer.precision=bf16", f"trainer.logprob_impl={impl}"]
     ours = PolicyTrainer(load_config(None, sets), str(embedded_model))

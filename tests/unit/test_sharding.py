@@ -1,13 +1,13 @@
 """How the sharded step deals micro-batches to ranks and merges their figures
-(`serve_rft.trainer.sharding`); the step itself against the single process is
+(`serve_rft.trainer.sharding.fsdp`); the step itself against the single process is
 tests/integration/test_sharded_trainer.py."""
 
 from __future__ import annotations
 
 import pytest
 
-from serve_rft.trainer.micro_batches import accumulate
-from serve_rft.trainer.sharding import merge_ranks, my_parts
+from serve_rft.trainer.policy.micro_batches import accumulate
+from serve_rft.trainer.sharding.fsdp import merge_ranks, my_parts
 
 
 def test_parts_are_dealt_round_robin_and_padded_with_zero_loss_fillers():
@@ -36,7 +36,7 @@ def test_merging_ranks_gives_the_single_process_figures():
 
 
 def test_buckets_hold_at_most_bucket_bytes_of_full_tensors_in_order():
-    from serve_rft.trainer.gathered import plan_buckets
+    from serve_rft.trainer.policy.gathered import plan_buckets
 
     specs = [("a", [10, 10], "torch.float32"), ("b", [50], "torch.float32"), ("c", [300], "torch.float32"),
              ("d", [20], "torch.bfloat16"), ("e", [10], "torch.float32")]
@@ -68,9 +68,9 @@ def test_a_sharded_model_takes_the_chunked_path_with_the_full_paths_values_and_g
     import torch.distributed as dist
 
     from serve_rft.buffer.redis_server import free_port
-    from serve_rft.trainer.token_logprobs import response_logprobs
-    from serve_rft.trainer.sharding import init_process_group, shard
-    from serve_rft.trainer.token_logprobs import SHARDED_HEAD
+    from serve_rft.trainer.policy.token_logprobs import response_logprobs
+    from serve_rft.trainer.sharding.fsdp import init_process_group, shard
+    from serve_rft.trainer.policy.token_logprobs import SHARDED_HEAD
     from tests.support.tiny_lm import PROMPTS, RESPONSES, TEMPS, TOP_PS, tiny_causal_lm
 
     plain = tiny_causal_lm(kind)

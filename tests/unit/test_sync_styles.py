@@ -4,7 +4,7 @@ import pytest
 
 from serve_rft.config import SynchronizerConfig, SyncStyle
 from serve_rft.synchronizer.state import SyncState
-from serve_rft.synchronizer.styles import ReplicaSchedule, fixed_scheduled_step, trainer_publishes
+from serve_rft.synchronizer.styles import ReplicaSchedule, fixed_scheduled_step
 from serve_rft.types import PublishedVersion
 
 
@@ -29,10 +29,10 @@ def test_fixed_interval_10_offset_5_syncs_at_5_15_25():
 
 
 def test_trainer_publish_schedules():
-    assert [s for s in range(1, 13) if trainer_publishes(SyncStyle.FIXED, s, 4, False)] == [4, 8, 12]
-    assert [s for s in range(1, 7) if trainer_publishes(SyncStyle.TRAINER_DRIVEN, s, 2, False)] == [2, 4, 6]
-    assert not trainer_publishes(SyncStyle.EXPLORER_DRIVEN, 4, 4, False)
-    assert trainer_publishes(SyncStyle.EXPLORER_DRIVEN, 3, 4, True)
+    assert [s for s in range(1, 13) if SyncStyle.FIXED.trainer_publishes(s, 4, False)] == [4, 8, 12]
+    assert [s for s in range(1, 7) if SyncStyle.TRAINER_DRIVEN.trainer_publishes(s, 2, False)] == [2, 4, 6]
+    assert not SyncStyle.EXPLORER_DRIVEN.trainer_publishes(4, 4, False)
+    assert SyncStyle.EXPLORER_DRIVEN.trainer_publishes(3, 4, True)
 
 
 def test_explorer_driven_request_timeout_and_retry():

@@ -7,7 +7,7 @@ is durable only once its folder is fsynced). Order observed with a spy on ``os.f
 import asyncio
 import os
 
-from serve_rft.trainer.state import PUBLISHED_FILE
+from serve_rft.trainer.publishing.state import PUBLISHED_FILE
 from serve_rft.weights import CheckpointMethod
 from serve_rft.weights.folders import MARKER, version_dir
 from tests.support.trainers import PublishingTrainer, StandInPolicy, StandInSynchronizer

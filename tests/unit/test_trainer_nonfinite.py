@@ -1,4 +1,4 @@
-"""The trainer never applies, publishes or saves a non-finite update (`serve_rft.trainer.finite`).
+"""The trainer never applies, publishes or saves a non-finite update (`serve_rft.trainer.policy.finite`).
 
 A finite reward beyond float32's range (1e39) on a singleton: its advantage ``r - b`` is cast to
 float32 (inf), and one applied step turns every parameter and AdamW moment into NaN, the running
@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from serve_rft.config import Config, load_config
-from serve_rft.trainer.algorithm import RunningBaseline
-from serve_rft.trainer.finite import NonFiniteState
-from serve_rft.trainer.policy import PolicyTrainer
-from serve_rft.trainer.state import latest_state, published_floor, save_state
+from serve_rft.trainer.algorithms.advantages import RunningBaseline
+from serve_rft.trainer.policy.finite import NonFiniteState
+from serve_rft.trainer.policy.policy import PolicyTrainer
+from serve_rft.trainer.publishing.state import latest_state, published_floor, save_state
 from serve_rft.types import Experience, RewardedExperience, SamplingInfo
 
 
@@ -150,7 +150,7 @@ def test_the_running_baseline_never_absorbs_a_non_finite_or_overflowing_reward()
 
 
 def test_the_trainer_refuses_rewards_beyond_its_bound():
-    from serve_rft.trainer.intake import untrainable
+    from serve_rft.trainer.intake.admission import untrainable
 
     cfg = Config().trainer
     assert untrainable(_single("ok", cfg.max_abs_reward), 1024, cfg.max_abs_reward) is None
@@ -166,7 +166,7 @@ def test_a_skipped_step_dead_letters_its_batch_with_why_counted(redis_server):
 
     from serve_rft.buffer.store import ExperienceStore
     from serve_rft.trainer.actor import Trainer
-    from serve_rft.trainer.feed import ExperienceFeed
+    from serve_rft.trainer.intake.feed import ExperienceFeed
 
     class _Metrics:
         skips = 0
@@ -212,7 +212,7 @@ def test_a_state_with_a_non_finite_baseline_is_not_written(trainer, tmp_path):
 
 
 def test_the_spike_guard_skips_a_norm_far_above_the_recent_median_and_accepts_a_lasting_shift():
-    from serve_rft.trainer.finite import GradNormGuard
+    from serve_rft.trainer.policy.finite import GradNormGuard
 
     off = GradNormGuard(None, 4)
     assert all(off.reason(n) is None for n in [1.0, 1.0, 1.0, 1.0, 1e6])

@@ -4,8 +4,8 @@ running baseline, so the next step from the resumed trainer equals the next step
 import torch
 
 from serve_rft.config import Config
-from serve_rft.trainer.policy import PolicyTrainer
-from serve_rft.trainer.state import latest_state, save_state
+from serve_rft.trainer.policy.policy import PolicyTrainer
+from serve_rft.trainer.publishing.state import latest_state, save_state
 from serve_rft.types import Experience, RewardedExperience, SamplingInfo
 
 
@@ -68,7 +68,7 @@ def test_only_the_newest_states_are_kept(tmp_path, embedded_model):
 
 
 def test_published_floor_and_trained_lists_survive_in_the_state_root(tmp_path, embedded_model):
-    from serve_rft.trainer.state import published_floor, record_published, trained_lists
+    from serve_rft.trainer.publishing.state import published_floor, record_published, trained_lists
 
     assert published_floor(tmp_path) == 0
     record_published(tmp_path, 12)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from serve_rft.trainer.token_logprobs import trainer_probe
+from serve_rft.trainer.policy.token_logprobs import trainer_probe
 from serve_rft.weights.verify import (ProbeMismatch, VersionCorrupt, check_folder, check_probe, folder_checksums,
                                       probe_ids, tensors_checksum)
 
@@ -69,7 +69,7 @@ def test_probe_is_fixed_per_version_and_checked_within_tolerance(embedded_model)
 def test_trainer_reset_takes_the_incumbents_weights_and_clears_adam(embedded_model, tmp_path):
     from serve_rft.config import load_config
     from serve_rft.weights import CheckpointMethod
-    from serve_rft.trainer.policy import PolicyTrainer
+    from serve_rft.trainer.policy.policy import PolicyTrainer
     from tests.support.batches import small_batch
 
     cfg = load_config(None, ["trainer.lr=0.01"])
@@ -93,7 +93,7 @@ def test_trainer_reset_refuses_weights_that_are_not_the_versions(embedded_model,
     fails the reset loudly instead of training on from unknown weights."""
     from serve_rft.config import load_config
     from serve_rft.weights import CheckpointMethod
-    from serve_rft.trainer.policy import PolicyTrainer
+    from serve_rft.trainer.policy.policy import PolicyTrainer
     from tests.support.batches import small_batch
 
     cfg = load_config(None, ["trainer.lr=0.01"])

@@ -1,7 +1,7 @@
 """What of vLLM's sampling the trainer reproduces, checked on the sampling parameters vLLM uses.
 
 The trainer recomputes a behaviour logprob as ``log_softmax(logits / temperature)`` of the
-sampled token, renormalised over the top-p nucleus (`serve_rft.trainer.token_logprobs.response_logprobs`); vLLM's
+sampled token, renormalised over the top-p nucleus (`serve_rft.trainer.policy.token_logprobs.response_logprobs`); vLLM's
 sampler does exactly that when nothing else touches the logits. vLLM's serving layer builds a
 request's ``SamplingParams`` from the request's fields *and* the model's
 ``generation_config.json`` (``ModelConfig.get_diff_sampling_param``: ``top_k``, ``min_p``,
@@ -17,7 +17,7 @@ So two checks keep a ratio from being silently wrong:
   ``VLLMValidationError``), never an experience with the wrong behaviour logprobs.
 
 Grammar masks (``structured_outputs``) are not here: those answers are served and their
-experiences left out of the loss, counted (`serve_rft.trainer.feed`).
+experiences left out of the loss, counted (`serve_rft.trainer.intake.feed`).
 """
 
 from __future__ import annotations

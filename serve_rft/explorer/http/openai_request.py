@@ -7,7 +7,7 @@ reproduce: their behaviour logprobs would not be the policy's, and a PPO ratio a
 would be wrong without anybody noticing. Those are refused (`REFUSED`), each with its reason.
 Structured outputs (``response_format``, ``structured_outputs``, a forced tool call with
 ``tool_choice`` ``required`` or a named function) are served; their experiences carry the
-constraint and the trainer leaves them out of the loss, counted (`serve_rft.trainer.feed`).
+constraint and the trainer leaves them out of the loss, counted (`serve_rft.trainer.intake.feed`).
 
 serve_rft's own request fields (`Extensions`) and OpenAI's ``store`` and ``metadata`` are taken
 out before vLLM validates the rest; a field vLLM does not know is refused (vLLM would ignore it).

@@ -1,5 +1,5 @@
 """The tensors behind a published version's handle, for a trainer that takes a version back
-(``synchronizer.canary.on_reject=reset``, `serve_rft.trainer.policy.PolicyTrainer.reset_to`),
+(``synchronizer.canary.on_reject=reset``, `serve_rft.trainer.policy.policy.PolicyTrainer.reset_to`),
 and the check that a full state dict fits the model it is loaded into."""
 
 from __future__ import annotations

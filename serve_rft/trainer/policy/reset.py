@@ -1,18 +1,18 @@
 """A published version's weights back into the trainer's model, for a trainer that takes a
 version back (``synchronizer.canary.on_reject=reset``,
-`serve_rft.trainer.policy.PolicyTrainer.reset_to`); the tensors come from
-`serve_rft.trainer.handles`."""
+`serve_rft.trainer.policy.policy.PolicyTrainer.reset_to`); the tensors come from
+`serve_rft.trainer.policy.handles`."""
 
 from __future__ import annotations
 
-from serve_rft.trainer.handles import check_fits, handle_tensors
+from serve_rft.trainer.policy.handles import check_fits, handle_tensors
 
 
 def load_handle(model, handle: dict, lora_cfg, rank: int = 0, world: int = 1) -> None:
     """Load the tensors behind ``handle`` into ``model`` (`handle_tensors`): full fine-tuning its
     whole state dict, adapter-only LoRA its adapter (a handle without one, the initial weights:
     every ``lora_B`` zeroed). On ``world > 1`` ranks a collective: rank 0 reads the tensors and
-    each rank keeps its shards (`serve_rft.trainer.sharding.load_full`).
+    each rank keeps its shards (`serve_rft.trainer.sharding.fsdp.load_full`).
 
     Args:
         model: the policy (transformers or peft, possibly FSDP2-sharded).
@@ -35,8 +35,8 @@ def load_handle(model, handle: dict, lora_cfg, rank: int = 0, world: int = 1) ->
                     p.zero_()
         return
     if world > 1:
-        from serve_rft.trainer.lora import root_adapter_names
-        from serve_rft.trainer.sharding import load_full
+        from serve_rft.trainer.policy.lora import root_adapter_names
+        from serve_rft.trainer.sharding.fsdp import load_full
 
         def read() -> dict:  # rank 0; an adapter's peft checkpoint names -> the sharded root's
             tensors = handle_tensors(handle)

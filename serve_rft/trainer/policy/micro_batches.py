@@ -1,7 +1,7 @@
 """How a training step splits its batch into micro-batches (gradient accumulation), pure Python.
 
 A micro-batch of experiences runs through the model as one ``[b, L]`` right-padded tensor,
-``L`` = its longest prompt + response (`serve_rft.trainer.token_logprobs.response_logprobs`), so
+``L`` = its longest prompt + response (`serve_rft.trainer.policy.token_logprobs.response_logprobs`), so
 its activation memory grows with its *padded* size ``b * L`` tokens, not with ``b`` alone.
 `partition` bounds both ``b`` (``trainer.micro_batch_size``) and ``b * L``
 (``trainer.micro_batch_tokens``). The trainer normalises every micro-batch's loss by the

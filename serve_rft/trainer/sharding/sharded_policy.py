@@ -1,17 +1,17 @@
 """The trainer actor's policy when it trains on N ranks (``trainer.num_workers > 1``).
 
 `ShardedPolicy` gives the trainer actor (`serve_rft.trainer.actor.Trainer`) what
-`serve_rft.trainer.policy.PolicyTrainer` gives it: ``step``, ``check_finite``, ``publish_model``,
-``probe``, ``save``, ``resumed``, ``vocab_size``. Behind it a `serve_rft.trainer.worker_group.WorkerGroup`
-of FSDP2 ranks trains (`serve_rft.trainer.sharding`); the actor itself holds no weights:
+`serve_rft.trainer.policy.policy.PolicyTrainer` gives it: ``step``, ``check_finite``, ``publish_model``,
+``probe``, ``save``, ``resumed``, ``vocab_size``. Behind it a `serve_rft.trainer.sharding.worker_group.WorkerGroup`
+of FSDP2 ranks trains (`serve_rft.trainer.sharding.fsdp`); the actor itself holds no weights:
 
-- a publish is a `serve_rft.trainer.gathered.GatheredModel`: the sync method (CHECKPOINT
+- a publish is a `serve_rft.trainer.policy.gathered.GatheredModel`: the sync method (CHECKPOINT
   writes a folder, MEMORY puts buckets) pulls the full weights one bucket at a time;
 - the probe replicas verify against is a collective forward of the sharded model;
 - a canary reset (``canary.on_reject=reset``) loads the version's weights into the ranks;
 - a trainer state is the gathered weights (a Hugging Face directory, as one process saves it),
   the AdamW shards of every rank (torch.distributed.checkpoint), the ranks' RNG and the LR
-  schedule, committed atomically with the bookkeeping (`serve_rft.trainer.state`).
+  schedule, committed atomically with the bookkeeping (`serve_rft.trainer.publishing.state`).
 
 Faults: if a rank dies, the group's next call raises; the trainer process exits, its ranks
 (actors it owns) end with it, and Ray restarts the trainer, which builds a new group from the
@@ -39,8 +39,8 @@ class ShardedPolicy:
     """
 
     def __init__(self, cfg: Config, model_path: str, resume: Path | None = None):
-        from serve_rft.trainer.state import read_state
-        from serve_rft.trainer.worker_group import WorkerGroup
+        from serve_rft.trainer.publishing.state import read_state
+        from serve_rft.trainer.sharding.worker_group import WorkerGroup
 
         self.cfg = cfg
         self.model_path = model_path
@@ -66,14 +66,14 @@ class ShardedPolicy:
         """`PolicyTrainer.check_finite` on every rank's shards.
 
         Raises:
-            ray.exceptions.RayTaskError: wrapping `serve_rft.trainer.finite.NonFiniteState`.
+            ray.exceptions.RayTaskError: wrapping `serve_rft.trainer.policy.finite.NonFiniteState`.
         """
         self.group.call("check_finite")
 
     def full_model(self):
         """The full weights as a `GatheredModel` (gathered bucket by bucket when read; with LoRA
-        the merged weights, `serve_rft.trainer.lora.MergedWeights`)."""
-        from serve_rft.trainer.gathered import GatheredModel
+        the merged weights, `serve_rft.trainer.policy.lora.MergedWeights`)."""
+        from serve_rft.trainer.policy.gathered import GatheredModel
 
         return GatheredModel(lambda names: self.group.call("gather", names), self.specs, self.config,
                              self.cfg.synchronizer.bucket_bytes, self.model_path)
@@ -96,7 +96,7 @@ class ShardedPolicy:
         """Save the trainer state of ``version`` (module docstring); ``model``: what was just
         published (a `GatheredModel` gathers again as it writes; after an adapter-only publish the
         state holds the merged weights, and the adapter the ranks write)."""
-        from serve_rft.trainer.state import save_state
+        from serve_rft.trainer.publishing.state import save_state
         from serve_rft.weights.adapters import is_adapter_model
 
         full = self.full_model() if is_adapter_model(model) else model
@@ -112,14 +112,14 @@ class ShardedPolicy:
             RuntimeError: a rank's files are not in ``folder`` as this process sees it (ranks on
                 another node need ``service.run_dir`` on a filesystem every trainer node mounts).
         """
-        from serve_rft.trainer.state import OPTIMIZER_DCP
+        from serve_rft.trainer.publishing.state import OPTIMIZER_DCP
 
         folder = Path(folder).resolve()
         self.group.call("save_shards", str(folder))
         want = [f"{OPTIMIZER_DCP}/.metadata", "scheduler.pt",
                 *(f"rng-rank{r}.pt" for r in range(self.cfg.trainer.num_workers))]
         if self.cfg.trainer.lora is not None:
-            from serve_rft.trainer.lora import ADAPTER_DIR
+            from serve_rft.trainer.policy.lora import ADAPTER_DIR
 
             want.append(f"{ADAPTER_DIR}/adapter_model.safetensors")
         missing = [f for f in want if not (folder / f).is_file()]

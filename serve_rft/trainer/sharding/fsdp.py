@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from datetime import timedelta
 
-from serve_rft.trainer.micro_batches import is_max_stat
+from serve_rft.trainer.policy.micro_batches import is_max_stat
 
 
 def init_process_group(rank: int, world: int, address: str, port: int, backend: str,
@@ -41,7 +41,7 @@ def fsdp_root(model):
 def shard(model) -> None:
     """``fully_shard`` each decoder layer, then the whole model (embeddings, final norm, LM head:
     a tied head stays with its embedding), and install the chunked logprob path on it
-    (`serve_rft.trainer.token_logprobs.install_sharded_head`). A peft model is sharded through
+    (`serve_rft.trainer.policy.token_logprobs.install_sharded_head`). A peft model is sharded through
     the transformers model it wraps (`fsdp_root`): its LoRA weights sit in the layers, sharded
     with them (FSDP2 needs one dtype among a layer's *trainable* parameters only, so a bf16 frozen
     base with fp32 adapters shards).
@@ -58,7 +58,7 @@ def shard(model) -> None:
     layers = getattr(getattr(root, "model", None), "layers", None)
     if layers is None:
         raise ValueError(f"cannot shard {type(root).__name__}: no model.layers")
-    from serve_rft.trainer.token_logprobs import install_sharded_head
+    from serve_rft.trainer.policy.token_logprobs import install_sharded_head
 
     for layer in layers:
         fully_shard(layer)
@@ -191,7 +191,7 @@ def load_full(model, read, rank: int, partial: bool = False) -> None:
     """
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-    from serve_rft.trainer.handles import check_fits
+    from serve_rft.trainer.policy.handles import check_fits
 
     root = fsdp_root(model)
 
@@ -217,7 +217,7 @@ def my_parts(parts: list[list[int]], rank: int, world: int) -> list[tuple[list[i
 
 def merge_ranks(partials: list[dict[str, float]]) -> dict[str, float]:
     """One step's statistics from each rank's partial sums over its micro-batches
-    (`serve_rft.trainer.micro_batches.accumulate`): maxima (``*_max``, ``max_*``) by max,
+    (`serve_rft.trainer.policy.micro_batches.accumulate`): maxima (``*_max``, ``max_*``) by max,
     everything else (weighted means, the loss) by sum, as `accumulate` merges parts."""
     out: dict[str, float] = {}
     for t in partials:

@@ -1,7 +1,7 @@
-"""The loss of one micro-batch of a policy-gradient step (`serve_rft.trainer.policy.PolicyTrainer.step`
+"""The loss of one micro-batch of a policy-gradient step (`serve_rft.trainer.policy.policy.PolicyTrainer.step`
 sums its gradients over the micro-batches): the trainer's logprobs of the sampled tokens
-(`serve_rft.trainer.token_logprobs.response_logprobs`), the configured algorithm's loss against
-the behaviour logprobs (`serve_rft.trainer.losses`), the KL penalty to a reference, and the
+(`serve_rft.trainer.policy.token_logprobs.response_logprobs`), the configured algorithm's loss against
+the behaviour logprobs (`serve_rft.trainer.algorithms.losses`), the KL penalty to a reference, and the
 step's statistics.
 
 Shapes: ``B`` experiences in the micro-batch, ``T`` response tokens (right-padded).
@@ -15,32 +15,34 @@ from typing import Callable
 from serve_rft.config.trainer import TrainerConfig
 
 
-def micro_batch_loss(cfg: TrainerConfig, model, ref_model, pad_id: int,
-                     autocast: Callable[[], AbstractContextManager], exps, adv, rewards, tlz,
+def micro_batch_loss(cfg: TrainerConfig, algorithm, model, ref_model, pad_id: int,
+                     autocast: Callable[[], AbstractContextManager], exps, adv, rewards, extras,
                      n_tokens: float, n_seqs: float):
     """Loss of one micro-batch, normalised by the whole batch's ``n_tokens`` / ``n_seqs``.
 
     Args:
-        cfg: the trainer settings (algorithm, clip range, aggregation, KL coefficient, logprob path).
+        cfg: the trainer settings (KL coefficient, logprob path).
+        algorithm: the configured `serve_rft.trainer.algorithms.Algorithm` (its loss and aggregation).
         model: the policy (a transformers or peft causal LM, possibly FSDP2-sharded).
         ref_model: the frozen KL reference, or None (LoRA: the policy with its adapter disabled).
         pad_id: the token id right-padding uses.
         autocast: a new context manager for each forward (`PolicyTrainer._autocast`).
         exps: the micro-batch's ``B`` `serve_rft.types.Experience`.
-        adv: ``[B]`` fp32 advantages; rewards: ``B`` floats; tlz: ``[B]`` OPMD-Kimi's
-            ``tau log Z`` of each experience's group, or None.
+        adv: ``[B]`` fp32 advantages; rewards: ``B`` floats; extras: ``[B]`` the algorithm's
+            values of the whole batch (`Algorithm.batch_values`), or None.
         n_tokens, n_seqs: response tokens and experiences of the whole batch.
     Returns:
         (scalar loss with grad, statistics of this micro-batch, its response token count).
     """
     import torch
 
-    from serve_rft.trainer.losses import aggregate, kl_k3, opmd_kimi_loss, opmd_loss, ppo_clip_loss
-    from serve_rft.trainer.sharding import reshard
-    from serve_rft.trainer.token_logprobs import response_logprobs
+    from serve_rft.trainer.algorithms import LossInputs
+    from serve_rft.trainer.algorithms.losses import aggregate, kl_k3
+    from serve_rft.trainer.sharding.fsdp import reshard
+    from serve_rft.trainer.policy.token_logprobs import response_logprobs
 
     c = cfg
-    agg = c.aggregation
+    agg = algorithm.aggregation
     prompts = [e.prompt_token_ids for e in exps]
     responses = [e.response_token_ids for e in exps]
     temps = [e.sampling.temperature for e in exps]
@@ -52,13 +54,8 @@ def micro_batch_loss(cfg: TrainerConfig, model, ref_model, pad_id: int,
     behaviour = torch.zeros_like(logp)
     for i, e in enumerate(exps):
         behaviour[i, : len(e.behaviour_logprobs)] = torch.tensor(e.behaviour_logprobs)
-    if c.algorithm in ("grpo", "reinforce"):
-        loss, stats = ppo_clip_loss(logp, behaviour, adv, mask, c.clip_low, c.clip_high, agg, n_tokens, n_seqs)
-    elif c.algorithm == "opmd":
-        loss, stats = opmd_loss(logp, adv, mask, c.opmd_tau, agg, n_tokens, n_seqs)
-    else:
-        loss, stats = opmd_kimi_loss((logp * mask).sum(1), (behaviour * mask).sum(1),
-                                     torch.tensor(rewards, device=logp.device), tlz, c.opmd_tau, n_seqs)
+    loss, stats = algorithm.loss(LossInputs(logp, behaviour, mask, adv, torch.tensor(rewards, device=logp.device),
+                                            extras, n_tokens, n_seqs))
     tokens = float(mask.sum())
     here = max(tokens, 1.0)
     if c.kl_coef > 0:

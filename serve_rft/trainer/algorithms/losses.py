@@ -86,69 +86,10 @@ def ppo_clip_loss(logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, adva
     return loss, stats
 
 
-def opmd_loss(logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, tau: float,
-              agg: Aggregation = "seq_mean_token_sum", n_tokens: float | None = None,
-              n_seqs: float | None = None) -> tuple[torch.Tensor, dict[str, float]]:
-    """OPMD, the "embarrassingly simple" variant (the Trinity-RFT technical report (Pan et al., 2025), appendix A.3):
-
-    ``J = -1/(1+tau) * sum_i (r_i - mean_g(r)) * log pi(y_i|x)``
-
-    i.e. the policy gradient with the group-mean baseline, derived as one step of online policy
-    mirror descent with ``pi_ref = pi_theta_t``, which is why it tolerates off-policy samples
-    without an importance ratio. ``advantages`` must be ``r_i - mean`` of the answer's group
-    (`serve_rft.trainer.algorithm.compute_advantages` with ``"group_mean"``). The paper sums
-    over answers; here the sum is divided by the batch's answer count (``seq_mean_token_sum``,
-    ``log pi(y|x) = sum_t log pi(y_t|...)``), a constant factor absorbed by the learning rate.
-
-    Args:
-        logprobs: ``[B, T]`` (with grad). advantages: ``[B]``. mask: ``[B, T]``.
-        tau: ``tau >= 0``; larger is a smaller step.
-    """
-    mask = mask.to(logprobs.dtype)
-    n_tokens = float(mask.sum()) if n_tokens is None else n_tokens
-    n_seqs = float(mask.shape[0]) if n_seqs is None else n_seqs
-    per_token = -advantages.unsqueeze(1) * logprobs / (1.0 + tau)
-    return aggregate(per_token, mask, agg, n_tokens, n_seqs), {}
 
 
-def opmd_kimi_loss(seq_logprobs: torch.Tensor, seq_ref_logprobs: torch.Tensor, rewards: torch.Tensor,
-                   tau_log_z: torch.Tensor, tau: float, n_seqs: float | None = None
-                   ) -> tuple[torch.Tensor, dict[str, float]]:
-    """OPMD as in Kimi k1.5 (the Trinity-RFT technical report (Pan et al., 2025), appendix A.1): a squared consistency loss per answer,
-
-    ``l_i = (r_i - tau * log Z_hat - tau * (log pi_theta(y_i|x) - log pi_ref(y_i|x)))^2``,
-    ``tau * log Z_hat = tau * log(1/K * sum_j exp(r_j / tau))`` over the answer's group
-    (`group_tau_log_z`), averaged over the batch's answers. ``pi_ref`` is the behaviour policy
-    that sampled the group (its logged logprobs); the estimate of ``Z`` needs the group to
-    come from that one policy, which in a serving system holds only for groups sampled within
-    one policy version.
-
-    Args:
-        seq_logprobs: ``[B]`` ``log pi_theta(y_i|x)`` (sum over the answer's tokens, with grad).
-        seq_ref_logprobs: ``[B]`` the same under the behaviour policy.
-        rewards: ``[B]``. tau_log_z: ``[B]`` the group's ``tau * log Z_hat`` per answer.
-        tau: ``tau > 0``.
-    """
-    n_seqs = float(seq_logprobs.shape[0]) if n_seqs is None else n_seqs
-    resid = rewards - tau_log_z - tau * (seq_logprobs - seq_ref_logprobs)
-    return (resid ** 2).sum() / max(n_seqs, 1.0), {"opmd_residual_abs": float(resid.detach().abs().mean())}
 
 
-def group_tau_log_z(rewards: list[float], group_ids: list[str], tau: float) -> torch.Tensor:
-    """``[B]``: for each answer, ``tau * log(mean_j exp(r_j / tau))`` over its group in the
-    batch (the report's appendix A.1), computed stably with logsumexp."""
-    import math
-    from collections import defaultdict
-
-    groups: dict[str, list[int]] = defaultdict(list)
-    for i, g in enumerate(group_ids):
-        groups[g].append(i)
-    out = torch.zeros(len(rewards), dtype=torch.float32)
-    for members in groups.values():
-        r = torch.tensor([rewards[i] for i in members], dtype=torch.float64) / tau
-        value = tau * float(torch.logsumexp(r, 0) - math.log(len(members)))
-        out[members] = value
-    return out
 
 
 def kl_k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:

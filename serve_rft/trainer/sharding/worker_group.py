@@ -1,5 +1,5 @@
 """A data-parallel group of trainer ranks on Ray: N `TrainRank` actors, each one `PolicyTrainer`
-rank with its FSDP2 shard of the policy (`serve_rft.trainer.sharding`).
+rank with its FSDP2 shard of the policy (`serve_rft.trainer.sharding.fsdp`).
 
 This is what Ray Train's worker group does for a ``TorchTrainer`` (placement, a
 ``torch.distributed`` rendezvous, one process per rank), kept as long-lived actors that a caller
@@ -40,7 +40,7 @@ class TrainRank:
     def start(self, address: str, port: int, resume: str | None = None) -> int:
         """Join the group (blocks until every rank joined) and load this rank's shard: from
         the model directory, or from the trainer state folder ``resume`` (weights, then this
-        rank's AdamW shards, LR schedule and RNG; `serve_rft.trainer.state.load_state`).
+        rank's AdamW shards, LR schedule and RNG; `serve_rft.trainer.publishing.state.load_state`).
 
         Returns:
             This process's id.
@@ -49,8 +49,8 @@ class TrainRank:
 
         import torch
 
-        from serve_rft.trainer.policy import PolicyTrainer
-        from serve_rft.trainer.sharding import init_process_group
+        from serve_rft.trainer.policy.policy import PolicyTrainer
+        from serve_rft.trainer.sharding.fsdp import init_process_group
 
         backend = "nccl" if self.cfg.trainer.device == "cuda" else "gloo"
         if backend == "nccl":

@@ -6,7 +6,7 @@ The trainer trains a `peft.PeftModel` whose frozen base is held in the compute d
 with ``trainer.precision`` bf16, fp32 otherwise) and whose adapter is fp32 (peft's
 ``autocast_adapter_dtype``). A publish streams the effective weights ``W + delta_W`` (delta from
 peft's own ``get_delta_weight``: ``B @ A * alpha / r``) in fp32, one bucket of parameters at a
-time (`MergedWeights` behind a `serve_rft.trainer.gathered.GatheredModel`): no second full copy
+time (`MergedWeights` behind a `serve_rft.trainer.policy.gathered.GatheredModel`): no second full copy
 of the model is ever made, and the adapted model is never merged in place, so repeated
 publishes add no rounding drift.
 """
@@ -41,7 +41,7 @@ def _plain_name(peft_name: str) -> str:
 
 class MergedWeights:
     """The effective weights of a `peft.PeftModel` under the base model's parameter names,
-    computed on demand (a `serve_rft.trainer.gathered.GatheredModel`'s ``gather``).
+    computed on demand (a `serve_rft.trainer.policy.gathered.GatheredModel`'s ``gather``).
 
     Args:
         peft_model: the trained LoRA model (its active adapters count).
@@ -88,7 +88,7 @@ def root_adapter_names(tensors: dict[str, torch.Tensor], adapter: str = "default
     """An adapter's tensors under peft's checkpoint names
     (``base_model.model.model.layers.0.q_proj.lora_A.weight``) renamed to the state-dict names
     of the transformers model it is injected into (``model.layers.0.q_proj.lora_A.default.weight``),
-    what a sharded trainer loads them by (`serve_rft.trainer.sharding.load_full`)."""
+    what a sharded trainer loads them by (`serve_rft.trainer.sharding.fsdp.load_full`)."""
     out = {}
     for name, t in tensors.items():
         name = name.removeprefix("base_model.model.")

@@ -1,5 +1,5 @@
 """vLLM's nucleus (top-p) rule: which words a sampler with ``top_p < 1`` keeps, so the trainer's
-logprobs of sampled tokens are taken over the same words (`serve_rft.trainer.token_logprobs`).
+logprobs of sampled tokens are taken over the same words (`serve_rft.trainer.policy.token_logprobs`).
 
 Shapes: ``T`` rows (tokens), ``V`` vocabulary.
 """

@@ -24,31 +24,33 @@ class PolicyTrainer:
 
     def __init__(self, cfg: Config, model_path: str, resume: Path | None = None, rank: int = 0, world: int = 1):
         """Load the policy from ``model_path``, or from the trainer state folder ``resume``
-        (weights, optimizer, LR schedule, RNG, running baseline; `serve_rft.trainer.state`).
+        (weights, optimizer, LR schedule, RNG, running baseline; `serve_rft.trainer.publishing.state`).
 
         ``world > 1``: this is rank ``rank`` of a data-parallel group already joined
-        (`serve_rft.trainer.sharding.init_process_group`); the policy (and the KL reference) are
-        built sharded with FSDP2 (`serve_rft.trainer.sharding.load_sharded`: only rank 0 reads the
+        (`serve_rft.trainer.sharding.fsdp.init_process_group`); the policy (and the KL reference) are
+        built sharded with FSDP2 (`serve_rft.trainer.sharding.fsdp.load_sharded`: only rank 0 reads the
         whole model, on the CPU) before the optimizer is built, so AdamW's state is sharded too.
 
-        With LoRA the adapter is sharded with the layers it sits in (`serve_rft.trainer.sharding.shard`).
+        With LoRA the adapter is sharded with the layers it sits in (`serve_rft.trainer.sharding.fsdp.shard`).
 
         Raises:
             NonFiniteState: the weights or AdamW state resumed from hold NaN or infinity.
         """
         import torch
 
-        from serve_rft.trainer.algorithm import RunningBaseline
-        from serve_rft.trainer.finite import GradNormGuard
-        from serve_rft.trainer.state import load_state
+        from serve_rft.trainer.algorithms import get_algorithm
+        from serve_rft.trainer.algorithms.advantages import RunningBaseline
+        from serve_rft.trainer.policy.finite import GradNormGuard
+        from serve_rft.trainer.publishing.state import load_state
 
         torch.set_num_threads(cfg.trainer.num_threads)
         torch.manual_seed(cfg.trainer.seed)
         self.cfg = cfg.trainer
+        self.algorithm = get_algorithm(cfg.trainer)
         self.rank, self.world = rank, world
         self.device = torch.device(cfg.trainer.device)
         self.bf16 = cfg.trainer.precision == "bf16" or (cfg.trainer.precision == "auto" and self.device.type == "cuda")
-        from serve_rft.trainer.sharding import load_sharded, pretrained
+        from serve_rft.trainer.sharding.fsdp import load_sharded, pretrained
 
         def load(build):
             """``build``'s model on this process's device, or its shard of it on N ranks (built
@@ -60,7 +62,7 @@ class PolicyTrainer:
         self.merged = None  # LoRA: the effective weights (base + adapter), streamed when published
         self.ref_model = None
         if self.cfg.lora is not None:
-            from serve_rft.trainer import lora
+            from serve_rft.trainer.policy import lora
 
             # the base never changes: held in the compute dtype (bf16 under bf16 precision); the
             # adapter is fp32 (peft casts adapter weights up), so is its AdamW state
@@ -104,11 +106,11 @@ class PolicyTrainer:
 
     def full_model(self):
         """The policy as the full model the sync methods and trainer states take: the model
-        itself, or with LoRA a `serve_rft.trainer.gathered.GatheredModel` streaming base +
-        adapter (fp32, `serve_rft.trainer.lora.MergedWeights`) a bucket at a time."""
+        itself, or with LoRA a `serve_rft.trainer.policy.gathered.GatheredModel` streaming base +
+        adapter (fp32, `serve_rft.trainer.policy.lora.MergedWeights`) a bucket at a time."""
         if self.merged is None:
             return self.model
-        from serve_rft.trainer.gathered import GatheredModel
+        from serve_rft.trainer.policy.gathered import GatheredModel
 
         return GatheredModel(self.merged.gather, self.merged.specs(), self.export_config(), LORA_MERGE_BUCKET_BYTES,
                              self.model_path)
@@ -139,7 +141,7 @@ class PolicyTrainer:
         only rank 0 copies them to the CPU and returns them (the others return ``{}``)."""
         import torch
 
-        from serve_rft.trainer.sharding import reshard
+        from serve_rft.trainer.sharding.fsdp import reshard
 
         reshard(self.model)  # the registered parameters must be the sharded ones
         keep = self.rank == 0
@@ -162,8 +164,8 @@ class PolicyTrainer:
         snapshot, the others return None."""
         from peft import get_peft_model_state_dict
 
-        from serve_rft.trainer.lora import _whole
-        from serve_rft.trainer.sharding import reshard
+        from serve_rft.trainer.policy.lora import _whole
+        from serve_rft.trainer.sharding.fsdp import reshard
         from serve_rft.weights.adapters import AdapterSnapshot, adapter_config_text
 
         reshard(self.model)
@@ -189,7 +191,7 @@ class PolicyTrainer:
             ValueError: a handle this trainer cannot take (merged LoRA publishes full weights).
             ProbeMismatch: the weights now held are not the version's (beyond 1e-5).
         """
-        from serve_rft.trainer.reset import load_handle
+        from serve_rft.trainer.policy.reset import load_handle
 
         load_handle(self.model, handle, self.cfg.lora, self.rank, self.world)
         self.optimizer.state.clear()
@@ -210,11 +212,11 @@ class PolicyTrainer:
         return self.full_model()
 
     def probe(self, model, version: int) -> dict[str, list]:
-        """The probe a published handle carries (`serve_rft.trainer.token_logprobs.trainer_probe`) of
+        """The probe a published handle carries (`serve_rft.trainer.policy.token_logprobs.trainer_probe`) of
         ``model``, what `publish_model` returned for this publish."""
-        from serve_rft.trainer.token_logprobs import trainer_probe
-        from serve_rft.trainer.gathered import GatheredModel
-        from serve_rft.trainer.sharding import reshard
+        from serve_rft.trainer.policy.token_logprobs import trainer_probe
+        from serve_rft.trainer.policy.gathered import GatheredModel
+        from serve_rft.trainer.sharding.fsdp import reshard
 
         if isinstance(model, GatheredModel):  # streamed LoRA merge: the adapted model computes the same policy
             model = self.model
@@ -225,10 +227,10 @@ class PolicyTrainer:
 
     def save(self, root: Path, model, version: int, step: int, trained: list[tuple[str, str, int]],
              tokenizer_dir: str, keep: int, published: list[int]) -> Path:
-        """Save the trainer state of ``version`` under ``root`` (`serve_rft.trainer.state.save_state`):
+        """Save the trainer state of ``version`` under ``root`` (`serve_rft.trainer.publishing.state.save_state`):
         ``model`` is what was just published (adapter-only LoRA published the adapter: the state
         holds the merged weights and the adapter)."""
-        from serve_rft.trainer.state import save_state
+        from serve_rft.trainer.publishing.state import save_state
         from serve_rft.weights.adapters import is_adapter_model
 
         full = self.full_model() if is_adapter_model(model) else model
@@ -240,11 +242,11 @@ class PolicyTrainer:
         rank 0 also the LR schedule (the same on every rank) and, with LoRA, the adapter."""
         import torch
 
-        from serve_rft.trainer.state import save_optimizer_shards
+        from serve_rft.trainer.publishing.state import save_optimizer_shards
 
         save_optimizer_shards(folder, self.model, self.optimizer)
         if self.cfg.lora is not None:  # resume loads the adapter over the base
-            from serve_rft.trainer.lora import ADAPTER_DIR
+            from serve_rft.trainer.policy.lora import ADAPTER_DIR
 
             snapshot = self.adapter_snapshot()
             if snapshot is not None:
@@ -266,18 +268,18 @@ class PolicyTrainer:
     def step(self, batch: list[RewardedExperience]) -> dict[str, float]:
         """One optimizer step on ``batch`` (``trainer.algorithm``), in micro-batches whose summed
         gradient equals the whole batch's: at most ``micro_batch_size`` experiences and (when
-        set) ``micro_batch_tokens`` padded tokens each (`serve_rft.trainer.micro_batches.partition`;
+        set) ``micro_batch_tokens`` padded tokens each (`serve_rft.trainer.policy.micro_batches.partition`;
         with a token budget the experiences are regrouped longest first). Advantages and OPMD's
         ``tau log Z`` are computed on the whole batch first, in batch order, and follow their
         experiences into the micro-batches.
 
         Returns:
             loss, reward / advantage / ratio / clip / entropy / KL statistics (the unsplit
-            batch's, `serve_rft.trainer.micro_batches.accumulate`), the learning rate,
+            batch's, `serve_rft.trainer.policy.micro_batches.accumulate`), the learning rate,
             ``max_abs_logprob_diff`` (trainer vs behaviour logprobs), ``micro_batches`` (the
             number of parts), seconds. A step that would apply a non-finite update is skipped
-            (`serve_rft.trainer.finite.skip_reason`; with ``grad_norm_spike`` also a gradient-norm
-            spike, `serve_rft.trainer.finite.GradNormGuard`: weights, AdamW state, LR schedule
+            (`serve_rft.trainer.policy.finite.skip_reason`; with ``grad_norm_spike`` also a gradient-norm
+            spike, `serve_rft.trainer.policy.finite.GradNormGuard`: weights, AdamW state, LR schedule
             and running baseline unchanged): then only ``skipped`` (why), ``loss``, ``grad_norm``,
             ``batch_size`` and seconds.
         Raises:
@@ -286,21 +288,19 @@ class PolicyTrainer:
         """
         import torch
 
-        from serve_rft.trainer.algorithm import compute_advantages
-        from serve_rft.trainer.finite import skip_reason
-        from serve_rft.trainer.losses import group_tau_log_z
-        from serve_rft.trainer.micro_batches import accumulate, partition
-        from serve_rft.trainer.sharding import all_ranks_partials, merge_ranks, my_parts
+        from serve_rft.trainer.policy.finite import skip_reason
+        from serve_rft.trainer.policy.micro_batches import accumulate, partition
+        from serve_rft.trainer.sharding.fsdp import all_ranks_partials, merge_ranks, my_parts
 
         t0 = time.perf_counter()
         c = self.cfg
         exps = [b.experience for b in batch]
         rewards = [b.reward for b in batch]
         groups = [e.group_id for e in exps]
-        estimator = {"grpo": "grpo", "reinforce": "baseline"}.get(c.algorithm, "group_mean")
         baseline_before = self.baseline.value  # a skipped step leaves the baseline as it was
-        adv = compute_advantages(rewards, groups, self.baseline, estimator=estimator).to(self.device)
-        tlz = group_tau_log_z(rewards, groups, c.opmd_tau).to(self.device) if c.algorithm == "opmd_kimi" else None
+        adv = self.algorithm.advantages(rewards, groups, self.baseline).to(self.device)
+        tlz = self.algorithm.batch_values(rewards, groups)
+        tlz = tlz.to(self.device) if tlz is not None else None
         n_tokens = float(sum(len(e.response_token_ids) for e in exps))
         n_seqs = float(len(exps))
         parts = partition([len(e.prompt_token_ids) + len(e.response_token_ids) for e in exps],
@@ -339,12 +339,12 @@ class PolicyTrainer:
 
     def check_finite(self) -> None:
         """Raise unless every weight and AdamW state tensor is finite (on N ranks a collective);
-        after each update and before a publish or a save (`serve_rft.trainer.finite`).
+        after each update and before a publish or a save (`serve_rft.trainer.policy.finite`).
 
         Raises:
             NonFiniteState: some are not.
         """
-        from serve_rft.trainer.finite import check_finite
+        from serve_rft.trainer.policy.finite import check_finite
 
         check_finite(self.model, self.optimizer, self.world)
 
@@ -352,14 +352,14 @@ class PolicyTrainer:
         """bf16 autocast for forward passes (``trainer.precision``: bf16, or auto on CUDA); the
         weights, the optimizer and the logits' log-softmax stay fp32. In one process the bf16
         weight copies a backward needs are cast again then, not held from the forward
-        (`serve_rft.trainer.precision.bf16_autocast`); FSDP2 ranks use plain autocast."""
-        from serve_rft.trainer.precision import bf16_autocast
+        (`serve_rft.trainer.policy.precision.bf16_autocast`); FSDP2 ranks use plain autocast."""
+        from serve_rft.trainer.policy.precision import bf16_autocast
 
         return bf16_autocast(self.device.type, enabled=self.bf16, recast=self.world == 1)
 
     def _micro_step(self, exps, adv, rewards, tlz, n_tokens: float, n_seqs: float):
-        """Loss of one micro-batch of this policy (`serve_rft.trainer.objective.micro_batch_loss`)."""
-        from serve_rft.trainer.objective import micro_batch_loss
+        """Loss of one micro-batch of this policy (`serve_rft.trainer.policy.objective.micro_batch_loss`)."""
+        from serve_rft.trainer.policy.objective import micro_batch_loss
 
-        return micro_batch_loss(self.cfg, self.model, self.ref_model, self.pad_id, self._autocast, exps, adv,
+        return micro_batch_loss(self.cfg, self.algorithm, self.model, self.ref_model, self.pad_id, self._autocast, exps, adv,
                                 rewards, tlz, n_tokens, n_seqs)

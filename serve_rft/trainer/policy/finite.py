@@ -65,7 +65,7 @@ def nonfinite_tensors(model, optimizer) -> list[str]:
     that hold NaN or infinity; one device sync when none does."""
     import torch
 
-    from serve_rft.trainer.sharding import reshard
+    from serve_rft.trainer.sharding.fsdp import reshard
 
     reshard(model)  # sharded: the registered parameters must be the shards AdamW holds
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
@@ -93,7 +93,7 @@ def check_finite(model, optimizer, world: int = 1) -> None:
     Raises:
         NonFiniteState: names (up to 5) of the tensors that are not.
     """
-    from serve_rft.trainer.sharding import all_ranks_partials
+    from serve_rft.trainer.sharding.fsdp import all_ranks_partials
 
     bad = nonfinite_tensors(model, optimizer)
     total = sum(p["bad"] for p in all_ranks_partials({"bad": float(len(bad))}, world))

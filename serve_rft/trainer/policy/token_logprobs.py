@@ -9,7 +9,7 @@ two paths under it, which give the same values and gradients (tests/unit/test_al
   any causal LM, and the reference the chunked path is tested against.
 
 Both apply vLLM's sampler processing: logits / T, then the nucleus mask of
-`serve_rft.trainer.nucleus` renormalised.
+`serve_rft.trainer.policy.nucleus` renormalised.
 
 Shapes: ``B`` experiences, ``T`` response tokens (right-padded), ``L`` prompt + response tokens,
 ``N`` response tokens of a batch (packed), ``H`` hidden size, ``V`` vocabulary, ``c`` tokens per
@@ -34,7 +34,7 @@ from typing import Literal
 
 import torch
 
-from serve_rft.trainer.nucleus import nucleus_keep
+from serve_rft.trainer.policy.nucleus import nucleus_keep
 from serve_rft.weights.verify import probe_ids
 
 PLAIN_HEAD_MODEL_TYPES = frozenset({"qwen2", "qwen3", "llama", "mistral"})
@@ -57,7 +57,7 @@ def lm_parts(model) -> tuple[torch.nn.Module, torch.Tensor] | None:
     peft prompt-learning model whose forward adds virtual tokens): the caller takes the full
     path then. Tied embeddings need nothing special: the head's weight is the embedding
     parameter itself, and autograd adds both gradients into it. An FSDP2-sharded model
-    (`serve_rft.trainer.sharding`) gives None too: its root parameters are gathered only inside
+    (`serve_rft.trainer.sharding.fsdp`) gives None too: its root parameters are gathered only inside
     one of its forwards; it runs the chunked path through its `SHARDED_HEAD` method."""
     from torch.distributed.fsdp import FSDPModule
 
@@ -98,7 +98,7 @@ def _tempered(h: torch.Tensor, w: torch.Tensor, temp: torch.Tensor) -> torch.Ten
 
 
 def _nucleus(z: torch.Tensor, rows: torch.Tensor, top_p: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """``[len(rows), V]`` bool: `serve_rft.trainer.nucleus.top_p_keep` of ``z``'s ``rows``, the sampled token kept;
+    """``[len(rows), V]`` bool: `serve_rft.trainer.policy.nucleus.top_p_keep` of ``z``'s ``rows``, the sampled token kept;
     sorted `NUCLEUS_ROWS` rows at a time."""
     keeps = []
     for k in range(0, len(rows), NUCLEUS_ROWS):
@@ -204,7 +204,7 @@ def chunked_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, tokens: t
                            temperatures: torch.Tensor, top_ps: torch.Tensor, chunk_tokens: int = 1024,
                            with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Logprobs of ``tokens`` under the head ``weight`` applied to ``hidden``, after vLLM's
-    sampler processing (logits / T, then the nucleus mask of `serve_rft.trainer.nucleus.top_p_keep` renormalised).
+    sampler processing (logits / T, then the nucleus mask of `serve_rft.trainer.policy.nucleus.top_p_keep` renormalised).
 
     Args:
         hidden: ``[N, H]`` final hidden states of the positions that predict ``tokens``.
@@ -286,7 +286,7 @@ def response_logprobs(model, prompts: list[list[int]], responses: list[list[int]
     Runs ``[B, L]`` right-padded prompt+response ids through the model, and per response token
     takes ``log_softmax`` of the position before it after vLLM's sampler processing, in vLLM's
     order: logits / T (T = the request's temperature; greedy requests use 1), then the top-p
-    mask (`serve_rft.trainer.nucleus.top_p_keep`, computed by `nucleus_keep`) renormalised. The
+    mask (`serve_rft.trainer.policy.nucleus.top_p_keep`, computed by `nucleus_keep`) renormalised. The
     sampled token is always kept: at the weights that
     sampled it, it was in the nucleus, so this changes nothing there, and on later weights it
     keeps its logprob finite (its exact truncated value would be -inf).
@@ -344,7 +344,7 @@ def _response_logprobs_full(model, prompts, responses, temperatures, pad_id=0, w
                             top_ps=None):
     """`response_logprobs` from the full ``[B, L, V]`` fp32 logits of ``model(...)``: any
     causal LM; the reference the chunked path is tested against."""
-    from serve_rft.trainer.losses import token_entropy
+    from serve_rft.trainer.algorithms.losses import token_entropy
 
     device = next(model.parameters()).device
     ids, attn, T = _padded_batch(prompts, responses, pad_id, device)

@@ -1,5 +1,5 @@
 """Advantages, as pure functions (the trainer's logprobs of sampled tokens are in
-`serve_rft.trainer.token_logprobs`, the losses in `serve_rft.trainer.losses`).
+`serve_rft.trainer.policy.token_logprobs`, the losses in `serve_rft.trainer.algorithms.losses`).
 
 Shapes: ``B`` experiences in a batch.
 """

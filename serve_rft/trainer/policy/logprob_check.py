@@ -3,7 +3,7 @@ vLLM logged for them (this is what makes the PPO ratio mean something).
 
 `sample` draws responses from an `ExplorerEngine` with the replica's own sampling settings
 (``processed_logprobs``: after temperature and top-p, as the replica logs them);
-`trainer_logprobs` recomputes them with `serve_rft.trainer.token_logprobs.response_logprobs`;
+`trainer_logprobs` recomputes them with `serve_rft.trainer.policy.token_logprobs.response_logprobs`;
 `agreement` compares. Used by tests/integration/test_logprob_agreement.py and
 benchmarks/logprob_agreement.py.
 """
@@ -52,7 +52,7 @@ def trainer_logprobs(model, samples: list[Sampled], batch: int = 16, apply_top_p
                      ) -> list[torch.Tensor]:
     """The trainer's logprob of every sampled token (``[len(response)]`` per sample);
     ``apply_top_p=False`` ignores the nucleus truncation (to show what it is worth)."""
-    from serve_rft.trainer.token_logprobs import response_logprobs
+    from serve_rft.trainer.policy.token_logprobs import response_logprobs
 
     out: list[torch.Tensor] = []
     with torch.no_grad():

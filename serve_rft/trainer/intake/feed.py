@@ -1,10 +1,10 @@
 """The trainer's feed: ready experiences from the store into its steps.
 
 `ExperienceFeed` reads batches from the store's ready stream (`collect`, closing a batch by
-`serve_rft.trainer.intake.batch_complete`), and lets into a step only what may be trained, once:
+`serve_rft.trainer.intake.admission.batch_complete`), and lets into a step only what may be trained, once:
 entries a saved state already covers are acknowledged again, those sampled under a structured-
 output grammar (which the trainer does not apply) are left out of the loss, counted, the untrainable and those in the
-steps of too many crashed processes are dead-lettered (`serve_rft.trainer.intake`), and those
+steps of too many crashed processes are dead-lettered (`serve_rft.trainer.intake.admission`), and those
 past ``trainer.max_staleness`` sync cycles are dropped, counted (XTuner v1's RL trainer
 documentation, ``max_staleness``). It counts staleness over the versions the trainer published.
 """
@@ -20,7 +20,7 @@ from serve_rft.buffer.ready import ReadyStream
 from serve_rft.config import TrainerConfig
 from serve_rft.names import TRAINER_NAME
 from serve_rft.observability.trainer_metrics import TrainerMetrics
-from serve_rft.trainer.intake import (TrainedLedger, batch_complete, stale_threshold, sync_cycles,
+from serve_rft.trainer.intake.admission import (TrainedLedger, batch_complete, stale_threshold, sync_cycles,
                                       untrainable)
 from serve_rft.types import RewardedExperience
 
@@ -86,7 +86,7 @@ class ExperienceFeed:
         """Acknowledge again what saved states already cover (a lost ack), leave out of the loss
         what was sampled under a grammar (state ``constrained``, counted; ``version``: the
         trainer's published version), dead-letter what cannot be trained
-        (`serve_rft.trainer.intake.untrainable`); return the rest."""
+        (`serve_rft.trainer.intake.admission.untrainable`); return the rest."""
         batch, again = self.ledger.split(batch)
         if again:
             await self.store.ack_entries(again)
@@ -161,7 +161,7 @@ class ExperienceFeed:
 
     def staleness(self, version: int) -> int:
         """Sync cycles since ``version`` over what the trainer (or the state it resumed from)
-        published (`serve_rft.trainer.intake.sync_cycles`)."""
+        published (`serve_rft.trainer.intake.admission.sync_cycles`)."""
         return sync_cycles(self.published_versions, version)
 
     def published(self, version: int) -> None:

@@ -18,7 +18,7 @@ import logging
 import time
 
 from serve_rft.buffer.ready import ReadyStream
-from serve_rft.trainer.feed import PUBLISHED_KEPT
+from serve_rft.trainer.intake.feed import PUBLISHED_KEPT
 from serve_rft.types import ComponentState, PublishedVersion, RewardedExperience
 
 log = logging.getLogger("serve_rft.trainer")
@@ -30,9 +30,9 @@ class Publishing:
     Args:
         cfg: the service configuration (``trainer.save_interval``, ``trainer.keep_states``,
             ``synchronizer.verify``, ``synchronizer.sync_timeout_s``).
-        state_root: the folder of the trainer states (`serve_rft.trainer.state`).
+        state_root: the folder of the trainer states (`serve_rft.trainer.publishing.state`).
         model_path: the model folder (its tokenizer is saved with each state).
-        feed: the trainer's `serve_rft.trainer.feed.ExperienceFeed` (its ledger of trained
+        feed: the trainer's `serve_rft.trainer.intake.feed.ExperienceFeed` (its ledger of trained
             entries and the published versions it measures staleness against).
     """
 
@@ -67,7 +67,7 @@ class Publishing:
         after every version that may exist (the durable `published_floor`, the synchronizer's
         latest, committed checkpoint folders), and publish the resumed weights if nobody can
         load them: no version yet, or the latest one died with a non-durable method's process."""
-        from serve_rft.trainer.state import published_floor, trained_lists
+        from serve_rft.trainer.publishing.state import published_floor, trained_lists
 
         st = policy.resumed
         if st is not None:
@@ -94,12 +94,12 @@ class Publishing:
         """Publish the current weights as ``version`` (default: ``step_num``), then save the
         trainer state when ``save_interval`` publishes have passed and acknowledge what it covers.
         The weights and AdamW state are checked finite first (`PolicyTrainer.check_finite`:
-        raises `serve_rft.trainer.finite.NonFiniteState`, which ends the process).
+        raises `serve_rft.trainer.policy.finite.NonFiniteState`, which ends the process).
 
         Returns:
             Seconds the method's ``send`` took.
         """
-        from serve_rft.trainer.state import record_published
+        from serve_rft.trainer.publishing.state import record_published
 
         version = self.step_num if version is None else version
         self.step_num = version

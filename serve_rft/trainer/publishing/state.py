@@ -72,7 +72,7 @@ def save_state(root: str | Path, model, optimizer, version: int, step: int, base
 
     Args:
         model: what ``save_pretrained`` writes (a transformers model, or a sharded trainer's
-            `serve_rft.trainer.gathered.GatheredModel`).
+            `serve_rft.trainer.policy.gathered.GatheredModel`).
         optimizer: the ``torch.optim`` optimizer, or None when ``shards`` writes it.
         trained: ``(stream id, member, version)`` of the entries trained since the last state.
         published: version numbers published so far, ascending (staleness counts cycles over them).
@@ -99,7 +99,7 @@ def save_state(root: str | Path, model, optimizer, version: int, step: int, base
         if scheduler is not None:
             torch.save(scheduler.state_dict(), folder / "scheduler.pt")
         if adapter_model is not None:  # LoRA: model is the merged copy; resume needs the adapter
-            from serve_rft.trainer.lora import save_adapter
+            from serve_rft.trainer.policy.lora import save_adapter
 
             save_adapter(adapter_model, folder)
         if shards is not None:

@@ -1,0 +1,1 @@
+"""Publishing: new policy versions handed to the synchronizer, and the trainer states saved."""

@@ -1,0 +1,1 @@
+"""Sharding: FSDP2 ranks as Ray actors, the sharded policy they train."""

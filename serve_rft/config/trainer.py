@@ -97,6 +97,22 @@ class TrainerConfig(StrictSection):
     weight_decay: float = Field(0.0, ge=0)
     clip_low: float = Field(0.2, ge=0, description="PPO ratio clip: 1 - clip_low.")
     clip_high: float = Field(0.28, ge=0, description="PPO ratio clip: 1 + clip_high.")
+    clip_ratio_c: float | None = Field(
+        3.0, gt=1, description="Dual-clip PPO's c (Ye et al. 2020, arXiv 1912.09729): a token with a "
+        "negative advantage adds at most -A c to the loss and, past it, no gradient, whatever its ratio "
+        "to the behaviour logprobs (a stale sample). None: no dual clip.")
+    off_policy: Literal["ppo", "tis", "mis_token", "mis_sequence"] = Field(
+        "ppo", description="Off-policy correction of grpo / reinforce for stale and multi-version "
+        "samples (serve_rft/trainer/algorithms/off_policy.py): ppo (dual-clip PPO against the "
+        "behaviour logprobs), tis (AReaL's decoupled loss, -min(pi/mu, is_cap) A log pi), mis_token / "
+        "mis_sequence (tokens, or whole answers by the geometric mean ratio, outside [1/is_cap, is_cap] "
+        "left out of the loss).")
+    is_cap: float = Field(2.0, gt=1, description="C of off_policy: tis truncates pi/mu at C; mis_* keep "
+                          "ratios in [1/C, C].")
+    off_policy_seq_mask_kl: float | None = Field(
+        None, gt=0, description="Off-policy sequence masking (DeepSeek-V3.2 report, arXiv 2512.02556): "
+        "answers with a negative advantage whose mean log(mu/pi) exceeds this are left out of the loss. "
+        "None: off.")
     grad_clip: float = Field(1.0, gt=0, description="Max global gradient norm.")
     grad_norm_spike: float | None = Field(
         None, gt=1, description="Skip (and dead-letter) a step whose gradient norm is more than this many "

@@ -13,7 +13,9 @@ STEP_SECONDS_BUCKETS = [0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 3
 SAMPLE_AGE_BUCKETS = [1.0, 5.0, 15.0, 30.0, 60.0, 120.0, 300.0, 900.0, 3600.0, 14400.0, 86400.0]
 STEP_STATS = ("sample_age_s_mean", "sample_age_s_max", "loss", "reward_mean", "adv_abs_mean", "ratio_mean", "ratio_max", "clip_fraction",
               "approx_kl", "kl_ref", "entropy", "grad_norm", "lr", "max_abs_logprob_diff", "batch_size",
-              "tokens")
+              "tokens", "pg_clipfrac_lower", "is_weight_mean", "is_weight_max", "is_truncated_fraction",
+              "is_masked_fraction", "mismatch_k3", "max_abs_mismatch", "drift_k3", "max_abs_drift",
+              "clip_fraction_lag0", "clip_fraction_lag1", "clip_fraction_lag2_3", "clip_fraction_lag4p")
 """`PolicyTrainer.step` statistics exported as ``serve_rft_trainer_stat{stat=...}`` (last step)."""
 
 

@@ -162,7 +162,10 @@ class Trainer:
             if not batch:
                 continue
             pub.phase = "training"
-            stats = await asyncio.to_thread(policy.step, batch)
+            # the version whose weights the trainer holds, if it published after its last step:
+            # tokens of that version measure trainer-vs-inference mismatch, older ones drift
+            held = pub.version if pub.step_num == pub.version else None
+            stats = await asyncio.to_thread(policy.step, batch, held)
             if stats.get("skipped"):  # nothing applied (a non-finite update, a spike): dead-lettered
                 await self._skipped(batch, stats)
                 continue

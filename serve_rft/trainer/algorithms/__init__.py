@@ -2,8 +2,9 @@
 found by name: ``trainer.algorithm`` names one, ``trainer.algorithm_args`` holds its settings.
 
 Adding an algorithm is adding a module here with one `Algorithm` subclass (and its test): every
-module of this package is searched (`get_algorithm`); `serve_rft.trainer.algorithms.losses` and
-`serve_rft.trainer.algorithms.advantages` hold the pieces several of them share.
+module of this package is searched (`get_algorithm`); `serve_rft.trainer.algorithms.losses`,
+`serve_rft.trainer.algorithms.off_policy` and `serve_rft.trainer.algorithms.advantages` hold the
+pieces several of them share.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from serve_rft.trainer.algorithms.base import Algorithm, LossInputs
 
 __all__ = ["Algorithm", "LossInputs", "algorithm_names", "get_algorithm"]
 
-_SHARED = {"base", "losses", "advantages"}
+_SHARED = {"base", "losses", "advantages", "off_policy"}
 
 
 def _registry() -> dict[str, type[Algorithm]]:

@@ -1,5 +1,6 @@
 """GRPO (Shao et al. 2024, DeepSeekMath, §4.1): group-normalised advantages and the PPO clipped
-surrogate against the behaviour logprobs vLLM logged."""
+surrogate against the behaviour logprobs vLLM logged, under the configured off-policy correction
+(`serve_rft.trainer.algorithms.off_policy`)."""
 
 from __future__ import annotations
 
@@ -7,12 +8,13 @@ import torch
 
 from serve_rft.trainer.algorithms.advantages import RunningBaseline, compute_advantages
 from serve_rft.trainer.algorithms.base import Algorithm, LossInputs
-from serve_rft.trainer.algorithms.losses import ppo_clip_loss
+from serve_rft.trainer.algorithms.off_policy import policy_gradient_loss
 
 
 class Grpo(Algorithm):
     """``A_i = (r_i - mean_g) / (std_g + eps)`` over the answer's group (singletons: ``r_i - b``,
-    the running baseline), PPO-clip loss (`serve_rft.trainer.algorithms.losses.ppo_clip_loss`)."""
+    the running baseline), the ratio loss of ``trainer.off_policy``
+    (`serve_rft.trainer.algorithms.off_policy.policy_gradient_loss`)."""
 
     name = "grpo"
     estimator = "grpo"
@@ -22,5 +24,7 @@ class Grpo(Algorithm):
 
     def loss(self, x: LossInputs) -> tuple[torch.Tensor, dict[str, float]]:
         c = self.cfg
-        return ppo_clip_loss(x.logprobs, x.behaviour, x.advantages, x.mask, c.clip_low, c.clip_high,
-                             self.aggregation, x.n_tokens, x.n_seqs)
+        return policy_gradient_loss(c.off_policy, x.logprobs, x.behaviour, x.advantages, x.mask,
+                                    clip_low=c.clip_low, clip_high=c.clip_high, clip_ratio_c=c.clip_ratio_c,
+                                    is_cap=c.is_cap, agg=self.aggregation, n_tokens=x.n_tokens, n_seqs=x.n_seqs,
+                                    seq_mask_kl=c.off_policy_seq_mask_kl)

@@ -45,15 +45,33 @@ def aggregate(per_token: torch.Tensor, mask: torch.Tensor, mode: Aggregation, n_
     raise ValueError(f"unknown loss aggregation {mode!r}")
 
 
+LOG_RATIO_BOUND = 20.0
+"""``|log pi - log mu|`` is clamped to this before ``exp`` (verl clamps the log-ratio so in its
+rollout correction and ``low_var_kl``): ``exp(20)`` is about 4.9e8, finite in fp32, so a token
+whose logprob moved far since it was sampled never turns into ``inf`` (and ``inf * 0 = NaN``)."""
+
+
+def clamped_log_ratio(logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``[B, T]`` ``clamp(logp - logp_behaviour, -LOG_RATIO_BOUND, LOG_RATIO_BOUND)``, 0 on padding
+    (``mask`` 0). The clamp has no gradient beyond the bound: such a token's ratio is held at
+    ``exp(+-20)``."""
+    return torch.clamp(logprobs - behaviour_logprobs, -LOG_RATIO_BOUND, LOG_RATIO_BOUND) * mask
+
+
 def ppo_clip_loss(logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, advantages: torch.Tensor,
                   mask: torch.Tensor, clip_low: float = 0.2, clip_high: float = 0.28,
                   agg: Aggregation = "token_mean", n_tokens: float | None = None,
-                  n_seqs: float | None = None) -> tuple[torch.Tensor, dict[str, float]]:
-    """PPO clipped surrogate with the logged behaviour logprobs as the old policy (GRPO's loss).
+                  n_seqs: float | None = None, *, clip_ratio_c: float | None = 3.0,
+                  keep: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+    """Dual-clip PPO surrogate with the logged behaviour logprobs as the old policy (GRPO's loss).
 
-    ``ratio = exp(logp - logp_behaviour)``; per token
-    ``l = -min(ratio * A, clip(ratio, 1 - clip_low, 1 + clip_high) * A)`` (Schulman et al. 2017,
-    eq. 7; asymmetric "clip-higher" bounds from DAPO), aggregated by `aggregate`.
+    ``r = exp(clamp(logp - logp_behaviour, -20, 20))`` (`clamped_log_ratio`); per token
+    ``l = max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high))`` (Schulman et al. 2017, eq. 7;
+    asymmetric "clip-higher" bounds from DAPO, Yu et al. 2025, §3.1), and for ``A < 0``
+    ``l = min(l, -A c)`` with ``c = clip_ratio_c`` (dual-clip PPO, Ye et al. 2020, arXiv
+    1912.09729, §3.1; as verl's ``compute_policy_loss_vanilla``): a token whose ratio ran past
+    ``c`` (a stale sample the policy has since moved away from) adds at most ``-A c`` to the loss
+    and no gradient, instead of a loss and gradient linear in its ratio. Aggregated by `aggregate`.
 
     Args:
         logprobs: ``[B, T]`` current-policy logprobs of the sampled tokens (with grad).
@@ -61,24 +79,39 @@ def ppo_clip_loss(logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, adva
         advantages: ``[B]``.
         mask: ``[B, T]`` 1 for response tokens, 0 for padding.
         n_tokens, n_seqs: the whole batch's normalisers (default: this call's).
+        clip_ratio_c: the dual clip's ``c`` (> 1), or None for none.
+        keep: ``[B, T]`` 1 for tokens the loss counts, 0 for tokens masked out (masked importance
+            sampling, `serve_rft.trainer.algorithms.off_policy`), or None (all). Masked tokens
+            stay in the normalisers: they are trained with weight 0.
     Returns:
-        (scalar loss, stats: clip fraction, mean ratio, approx KL to behaviour (k3)).
+        (scalar loss, stats: ``clip_fraction`` (either bound), ``pg_clipfrac_lower`` (the dual
+        clip active: ``A < 0`` and ``r > c``), mean and max ratio, ``approx_kl`` (k3 to the
+        behaviour policy) over this call's tokens).
+    Raises:
+        ValueError: ``clip_ratio_c <= 1``.
     """
+    if clip_ratio_c is not None and clip_ratio_c <= 1.0:
+        raise ValueError(f"clip_ratio_c must be > 1, got {clip_ratio_c}")
     mask = mask.to(logprobs.dtype)
     n_tokens = float(mask.sum()) if n_tokens is None else n_tokens
     n_seqs = float(mask.shape[0]) if n_seqs is None else n_seqs
-    log_ratio = (logprobs - behaviour_logprobs) * mask
+    log_ratio = clamped_log_ratio(logprobs, behaviour_logprobs, mask)
     ratio = torch.exp(log_ratio)
-    adv = advantages.unsqueeze(1)
-    unclipped = ratio * adv
-    clipped = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high) * adv
-    per_token = -torch.minimum(unclipped, clipped)
-    loss = aggregate(per_token, mask, agg, n_tokens, n_seqs)
+    adv = advantages.unsqueeze(1).to(ratio.dtype).expand_as(ratio)
+    per_token = torch.maximum(-adv * ratio, -adv * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high))
+    lower = torch.zeros_like(mask, dtype=torch.bool)
+    if clip_ratio_c is not None:
+        dual = torch.minimum(per_token, -adv * clip_ratio_c)
+        lower = (adv < 0) & (per_token > -adv * clip_ratio_c)
+        per_token = torch.where(adv < 0, dual, per_token)
+    counted = mask if keep is None else mask * keep.to(mask.dtype)
+    loss = aggregate(per_token, counted, agg, n_tokens, n_seqs)
     with torch.no_grad():
         here = mask.sum().clamp(min=1.0)
-        clip_frac = (((ratio < 1 - clip_low) | (ratio > 1 + clip_high)).to(mask.dtype) * mask).sum() / here
+        clipped = (ratio < 1 - clip_low) | (ratio > 1 + clip_high)
         stats = {
-            "clip_fraction": float(clip_frac),
+            "clip_fraction": float((clipped.to(mask.dtype) * mask).sum() / here),
+            "pg_clipfrac_lower": float((lower.to(mask.dtype) * mask).sum() / here),
             "ratio_mean": float((ratio * mask).sum() / here),
             "ratio_max": float((ratio * mask).max()),
             "approx_kl": float(((ratio - 1 - log_ratio) * mask).sum() / here),
@@ -86,18 +119,20 @@ def ppo_clip_loss(logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, adva
     return loss, stats
 
 
-
-
-
-
+KL_LOG_BOUND = 20.0
+"""``|ref - logp|`` is clamped to this in `kl_k3` (verl's ``low_var_kl``)."""
+KL_K3_BOUND = 10.0
+"""`kl_k3`'s per-token value is clamped to ``[-KL_K3_BOUND, KL_K3_BOUND]`` (verl's ``low_var_kl``)."""
 
 
 def kl_k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
     """Per-token ``KL(pi_theta || pi_ref)`` estimate on the sampled tokens, Schulman's k3:
-    ``exp(ref - logp) - (ref - logp) - 1`` (>= 0, unbiased; GRPO, Shao et al. 2024 eq. 4).
-    Shapes ``[B, T]``."""
-    d = ref_logprobs - logprobs
-    return torch.exp(d) - d - 1.0
+    ``exp(d) - d - 1`` with ``d = clamp(ref - logp, -20, 20)``, the result clamped to ``[-10, 10]``
+    (>= 0, unbiased before the clamps; GRPO, Shao et al. 2024 eq. 4; the clamps as verl's
+    ``low_var_kl``): one token far from the reference adds at most 10 and, past the clamp, no
+    gradient, instead of ``exp(d)`` (``d = 15``: 3.3e6). Shapes ``[B, T]``."""
+    d = torch.clamp(ref_logprobs - logprobs, -KL_LOG_BOUND, KL_LOG_BOUND)
+    return torch.clamp(torch.exp(d) - d - 1.0, -KL_K3_BOUND, KL_K3_BOUND)
 
 
 def token_entropy(logits: torch.Tensor) -> torch.Tensor:

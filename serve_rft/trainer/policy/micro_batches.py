@@ -72,20 +72,60 @@ def is_max_stat(key: str) -> bool:
     return key.endswith("_max") or key.startswith("max_")
 
 
+def is_sum_stat(key: str) -> bool:
+    """A statistic merged by plain sum over parts and ranks (``sum_*``: counts and totals that
+    `finish` turns into fractions and means over a subset of the tokens)."""
+    return key.startswith("sum_")
+
+
+LAG_BUCKETS: tuple[tuple[str, int, int | None], ...] = (("lag0", 0, 0), ("lag1", 1, 1), ("lag2_3", 2, 3),
+                                                          ("lag4p", 4, None))
+"""Version-lag buckets of the per-token statistics: ``(name, lowest lag, highest lag or None)``; a
+token's lag is the versions between the one that sampled it and the trainer's."""
+
+
+def finish(totals: dict[str, float]) -> dict[str, float]:
+    """The step's statistics from merged ``totals`` (`accumulate`, then over ranks): each ``sum_*``
+    pair becomes a fraction or a mean over its tokens, and the ``sum_*`` keys go.
+
+    - ``mismatch_k3`` / ``drift_k3``: mean k3 of ``KL(mu || pi)`` over the tokens of the version
+      the trainer holds (trainer-vs-inference mismatch) / over older tokens (drift), present only
+      when such tokens exist; ``max_abs_mismatch`` / ``max_abs_drift`` (from the parts) stay.
+    - ``clip_fraction_<bucket>`` and ``token_share_<bucket>`` for each `LAG_BUCKETS` bucket with
+      tokens: the share of its tokens whose ratio to behaviour is outside the PPO clip range, and
+      its share of the step's tokens.
+    """
+    out = {k: v for k, v in totals.items() if not is_sum_stat(k)}
+    for part in ("mismatch", "drift"):
+        n = totals.get(f"sum_tokens_{part}", 0.0)
+        if n > 0:
+            out[f"{part}_k3"] = totals.get(f"sum_k3_{part}", 0.0) / n
+    every = sum(totals.get(f"sum_tokens_{name}", 0.0) for name, _, _ in LAG_BUCKETS)
+    for name, _, _ in LAG_BUCKETS:
+        n = totals.get(f"sum_tokens_{name}", 0.0)
+        if n > 0:
+            out[f"clip_fraction_{name}"] = totals.get(f"sum_clipped_{name}", 0.0) / n
+            out[f"token_share_{name}"] = n / every
+    return out
+
+
 def accumulate(totals: dict[str, float], stats: dict[str, float], tokens: float, answers: int,
                n_tokens: float, n_seqs: float) -> None:
     """Add one micro-batch's ``stats`` into ``totals`` (in place) so that, after the last part,
     ``totals`` holds the whole batch's values whatever the partition.
 
     A key ending in ``_max`` or starting with ``max_`` is a maximum (the largest over parts); a
-    key in `PER_ANSWER_STATS` is a mean over the part's ``answers`` (weighted by
-    ``answers / n_seqs``); any other is a mean over the part's ``tokens`` response tokens
-    (weighted by ``tokens / n_tokens``). ``n_tokens`` / ``n_seqs``: the whole batch's response
+    key starting with ``sum_`` is a plain sum (`finish` derives from it); a key in
+    `PER_ANSWER_STATS` is a mean over the part's ``answers`` (weighted by ``answers / n_seqs``);
+    any other is a mean over the part's ``tokens`` response tokens (weighted by
+    ``tokens / n_tokens``). ``n_tokens`` / ``n_seqs``: the whole batch's response
     tokens and answers.
     """
     for k, v in stats.items():
         if is_max_stat(k):
             totals[k] = max(totals.get(k, v), v)
+        elif is_sum_stat(k):
+            totals[k] = totals.get(k, 0.0) + v
         elif k in PER_ANSWER_STATS:
             totals[k] = totals.get(k, 0.0) + v * answers / max(n_seqs, 1.0)
         else:

@@ -265,13 +265,19 @@ class PolicyTrainer:
         t = min(1.0, (step - c.lr_warmup_steps) / c.lr_decay_steps)
         return c.lr_min_ratio + (1 - c.lr_min_ratio) * 0.5 * (1 + math.cos(math.pi * t))
 
-    def step(self, batch: list[RewardedExperience]) -> dict[str, float]:
+    def step(self, batch: list[RewardedExperience], held_version: int | None = None) -> dict[str, float]:
         """One optimizer step on ``batch`` (``trainer.algorithm``), in micro-batches whose summed
         gradient equals the whole batch's: at most ``micro_batch_size`` experiences and (when
         set) ``micro_batch_tokens`` padded tokens each (`serve_rft.trainer.policy.micro_batches.partition`;
         with a token budget the experiences are regrouped longest first). Advantages and OPMD's
         ``tau log Z`` are computed on the whole batch first, in batch order, and follow their
         experiences into the micro-batches.
+
+        Args:
+            batch: the rewarded experiences of the step.
+            held_version: the policy version whose weights this trainer holds (it published
+                after its last step), or None: its tokens' logprob differences are reported as
+                trainer-vs-inference mismatch, every other token's as drift (staleness).
 
         Returns:
             loss, reward / advantage / ratio / clip / entropy / KL statistics (the unsplit
@@ -289,7 +295,7 @@ class PolicyTrainer:
         import torch
 
         from serve_rft.trainer.policy.finite import skip_reason
-        from serve_rft.trainer.policy.micro_batches import accumulate, partition
+        from serve_rft.trainer.policy.micro_batches import accumulate, finish, partition
         from serve_rft.trainer.sharding.fsdp import all_ranks_partials, merge_ranks, my_parts
 
         t0 = time.perf_counter()
@@ -302,6 +308,10 @@ class PolicyTrainer:
         tlz = self.algorithm.batch_values(rewards, groups)
         tlz = tlz.to(self.device) if tlz is not None else None
         n_tokens = float(sum(len(e.response_token_ids) for e in exps))
+        # token lags count from the held version, else from the newest token of the whole batch
+        # (the same on every micro-batch and rank)
+        lag_from = held_version if held_version is not None else max(
+            (v for e in exps for v, _, _ in e.token_versions), default=0)
         n_seqs = float(len(exps))
         parts = partition([len(e.prompt_token_ids) + len(e.response_token_ids) for e in exps],
                           c.micro_batch_size, c.micro_batch_tokens)
@@ -310,14 +320,15 @@ class PolicyTrainer:
         for part, counts in my_parts(parts, self.rank, self.world):  # all parts when world == 1
             idx = torch.tensor(part, dtype=torch.long, device=self.device)
             loss, stats, tokens = self._micro_step([exps[i] for i in part], adv[idx], [rewards[i] for i in part],
-                                                   tlz[idx] if tlz is not None else None, n_tokens, n_seqs)
+                                                   tlz[idx] if tlz is not None else None, n_tokens, n_seqs,
+                                                   held_version, lag_from)
             if not counts:  # a filler: the same collectives as the other ranks, no gradient
                 (loss * 0.0).backward()
                 continue
             (loss * self.world).backward()  # FSDP averages the ranks' gradients: x world gives their sum
             totals["loss"] = totals.get("loss", 0.0) + float(loss.detach())
             accumulate(totals, stats, tokens, len(part), n_tokens, n_seqs)
-        totals = merge_ranks(all_ranks_partials(totals, self.world))
+        totals = finish(merge_ranks(all_ranks_partials(totals, self.world)))
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), c.grad_clip)
         if hasattr(grad_norm, "full_tensor"):  # sharded: the norm over every rank's shards
             grad_norm = grad_norm.full_tensor()
@@ -357,9 +368,11 @@ class PolicyTrainer:
 
         return bf16_autocast(self.device.type, enabled=self.bf16, recast=self.world == 1)
 
-    def _micro_step(self, exps, adv, rewards, tlz, n_tokens: float, n_seqs: float):
+    def _micro_step(self, exps, adv, rewards, tlz, n_tokens: float, n_seqs: float, held_version: int | None = None,
+                    lag_from: int | None = None):
         """Loss of one micro-batch of this policy (`serve_rft.trainer.policy.objective.micro_batch_loss`)."""
         from serve_rft.trainer.policy.objective import micro_batch_loss
 
         return micro_batch_loss(self.cfg, self.algorithm, self.model, self.ref_model, self.pad_id, self._autocast, exps, adv,
-                                rewards, tlz, n_tokens, n_seqs)
+                                rewards, tlz, n_tokens, n_seqs, held_version,
+                                lag_from)

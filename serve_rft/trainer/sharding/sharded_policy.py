@@ -58,9 +58,9 @@ class ShardedPolicy:
         """The ranks' process ids, rank 0 first."""
         return list(self.group.pids)
 
-    def step(self, batch: list[RewardedExperience]) -> dict[str, float]:
+    def step(self, batch: list[RewardedExperience], held_version: int | None = None) -> dict[str, float]:
         """`PolicyTrainer.step` over the ranks (the same figures as one process's step)."""
-        return self.group.step(batch)
+        return self.group.step(batch, held_version)
 
     def check_finite(self) -> None:
         """`PolicyTrainer.check_finite` on every rank's shards.

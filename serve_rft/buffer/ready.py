@@ -151,7 +151,8 @@ class ReadyStream:
     async def ack(self, entries: list[RewardedExperience], version: int,
                   state: str = "trained") -> tuple[int, int]:
         """Acknowledge ready entries: XACK + XDEL and mark each choice ``state`` (``trained``,
-        ``stale-dropped``, or ``constrained``: sampled under a grammar the trainer does not
+        ``stale-dropped``, ``greedy`` (sampled below ``trainer.min_train_temperature``), or
+        ``constrained``: sampled under a grammar the trainer does not
         apply, left out of the loss) with ``version``, in one script. Entries already acknowledged are
         skipped, so a retried ack counts nothing twice; an entry still in the stream whose
         delivery Redis lost (in no pending entries list: an AOF restored to an earlier point) is

@@ -93,6 +93,7 @@ class StoreCounts:
     dead_lettered: int = 0
     backlog_dropped: int = 0
     constrained: int = 0
+    greedy: int = 0
     redis_restarts: int = 0
 
 

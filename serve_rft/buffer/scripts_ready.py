@@ -69,12 +69,13 @@ return n
 
 ACK = ALLOW_OOM + PAYLOAD_HELPERS + _ACKNOWLEDGED + """
 -- ARGV: P, trained_ttl_s, count, then per entry: stream id, member, state (trained | stale-dropped
--- | constrained: sampled under a grammar, left out of the loss), version
+-- | constrained: sampled under a grammar, left out of the loss | greedy: sampled (near-)greedily,
+-- left out of the loss), version
 -- Returns {trained, not trained}. A choice in state backlog-dropped was shed by a sweep after its
 -- delivery (one that could not know the trainer held it: the pending entries list was lost), so
 -- is marked and counted as `state` now, and no longer as backlog-dropped.
 local P, ttl, k = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
-local trained, dropped, constrained, unshed = 0, 0, 0, 0
+local trained, dropped, constrained, greedy, unshed = 0, 0, 0, 0, 0
 for j = 0, k - 1 do
   local id, m, state, v = ARGV[4 + 4*j], ARGV[5 + 4*j], ARGV[6 + 4*j], ARGV[7 + 4*j]
   -- a member that names no choice ("{cid}:{i}") has no state to mark
@@ -92,14 +93,16 @@ for j = 0, k - 1 do
     redis.call('HDEL', P..':attempts', id)
     if state == 'trained' then trained = trained + 1
     elseif state == 'constrained' then constrained = constrained + 1
+    elseif state == 'greedy' then greedy = greedy + 1
     else dropped = dropped + 1 end
   end
 end
 if trained > 0 then redis.call('HINCRBY', P..':stat', 'trained', trained) end
 if dropped > 0 then redis.call('HINCRBY', P..':stat', 'stale_dropped', dropped) end
 if constrained > 0 then redis.call('HINCRBY', P..':stat', 'constrained', constrained) end
+if greedy > 0 then redis.call('HINCRBY', P..':stat', 'greedy', greedy) end
 if unshed > 0 then redis.call('HINCRBY', P..':stat', 'backlog_dropped', -unshed) end
-return {trained, dropped + constrained}
+return {trained, dropped + constrained + greedy}
 """
 
 DEAD_LETTER = ALLOW_OOM + PAYLOAD_HELPERS + _ACKNOWLEDGED + """

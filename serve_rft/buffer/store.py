@@ -26,7 +26,7 @@ key                    type    meaning
                                ``sampling`` (its grammar included), ``user`` and ``metadata``:
                                `records.shared_names`); per choice ``{i}`` its state
                                (pending / rewarded / ready / trained / expired /
-                               stale-dropped / backlog-dropped / dead-letter / constrained),
+                               stale-dropped / backlog-dropped / dead-letter / constrained / greedy),
                                ``r{i}`` reward (repr of a float), ``info{i}`` the reward's
                                info JSON, ``v{i}`` the policy version that trained (or
                                dropped) it. Kept as long as its longest-kept choice. Tells
@@ -405,4 +405,5 @@ class ExperienceStore:
                            groups_timed_out=s.get("groups_timed_out", 0),
                            dead_lettered=s.get("dead_lettered", 0),
                            backlog_dropped=s.get("backlog_dropped", 0),
-                           constrained=s.get("constrained", 0), redis_restarts=s.get("redis_restarts", 0))
+                           constrained=s.get("constrained", 0), greedy=s.get("greedy", 0),
+                           redis_restarts=s.get("redis_restarts", 0))

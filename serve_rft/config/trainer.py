@@ -120,6 +120,13 @@ class TrainerConfig(StrictSection):
         "None: off. Every finite norm joins the window, so a lasting shift is accepted after about half a window.")
     grad_norm_window: int = Field(32, ge=4, description="Steps whose gradient norms the spike guard's median "
                                   "is taken over; the guard acts once it holds this many.")
+    train_greedy: bool = Field(
+        False, description="Train experiences sampled below min_train_temperature too (greedy and "
+        "near-greedy answers). false: they are served, logged and rewardable, and left out of the loss, "
+        "counted (state greedy): a greedy token was chosen with probability 1 but logged with "
+        "softmax(logits)'s logprob, a biased sample; low temperatures amplify numeric differences by 1/T.")
+    min_train_temperature: float = Field(
+        0.1, ge=0, description="Experiences sampled at a lower temperature are greedy (see train_greedy).")
     max_abs_reward: float = Field(
         1e6, gt=0, le=1e30, description="Rewards with a larger magnitude are dead-lettered by the trainer "
         "(serve_rft.trainer.intake.admission), whatever range the API accepts: in float32 advantages (max ~3.4e38) one "

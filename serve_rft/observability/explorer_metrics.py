@@ -14,7 +14,7 @@ from ray.util.metrics import Counter, Gauge, Histogram
 
 LATENCY_BUCKETS = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0]
 EXPERIENCE_STATES = ("pending", "held", "ready", "logged", "rewarded", "trained", "expired", "stale_dropped",
-                     "dead_lettered", "backlog_dropped", "constrained")
+                     "dead_lettered", "backlog_dropped", "constrained", "greedy")
 
 
 class ExplorerMetrics:

@@ -243,6 +243,7 @@ class Trainer:
             "last_skipped": self.last_skipped,
             "reacked": self.feed.reacked,
             "constrained": self.feed.constrained,
+            "greedy": self.feed.greedy,
         }
 
     def service_status(self) -> dict:

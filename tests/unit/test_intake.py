@@ -5,6 +5,7 @@ import asyncio
 import json
 import uuid
 
+import pytest
 from hypothesis import given, strategies as st
 
 from serve_rft.buffer.records import DeadLetter
@@ -90,6 +91,37 @@ def test_the_stale_threshold_agrees_with_counting_sync_cycles(published, version
     threshold = stale_threshold(published, max_staleness)
     past = max_staleness is not None and sync_cycles(published, version) > max_staleness
     assert past == (threshold is not None and version < threshold)
+
+
+@pytest.mark.parametrize("train_greedy", [False, True])
+def test_the_feed_leaves_greedy_answers_out_of_the_loss_counted_unless_asked(redis_server, train_greedy):
+    """Answers sampled at temperature 0 (greedy) or below ``min_train_temperature`` are served,
+    logged and rewarded as any, and acknowledged as ``greedy``, counted by the feed and the store,
+    never trained; ``trainer.train_greedy`` trains them. (Before, all three were trained.)"""
+    from serve_rft.config import TrainerConfig
+    from serve_rft.trainer.intake.feed import ExperienceFeed
+
+    async def go():
+        store = ExperienceStore(redis_server.url, prefix=f"t{uuid.uuid4().hex[:8]}")
+        exps = {"chatcmpl-t1": 1.0, "chatcmpl-t0": 0.0, "chatcmpl-t005": 0.05, "chatcmpl-t01": 0.1}
+        for cid, temperature in exps.items():
+            e = experience(cid, 0)
+            e.sampling.temperature = temperature
+            await store.log_experiences([e])
+        await store.ready.ensure_group()
+        for cid in exps:
+            await store.post_reward(cid, 0, 1.0)
+        feed = ExperienceFeed(TrainerConfig(train_greedy=train_greedy), store.ready, metrics=None)
+        batch = await store.ready.read_ready("t", 10, block_ms=10)
+        kept = sorted(b.experience.completion_id for b in await feed.admit(batch, vocab_size=1024, version=2))
+        if train_greedy:
+            assert kept == sorted(exps) and feed.greedy == 0
+        else:
+            assert kept == ["chatcmpl-t01", "chatcmpl-t1"] and feed.greedy == 2
+            assert (await store.counts()).greedy == 2
+            assert [(c.state, c.trained_version) for c in await store.choices("chatcmpl-t0")] == [("greedy", 2)]
+        await store.close()
+    asyncio.run(go())
 
 
 def test_the_feed_leaves_grammar_sampled_experiences_out_of_the_loss_counted(redis_server):

@@ -26,6 +26,12 @@ from collections import OrderedDict
 from serve_rft.types import RewardedExperience
 
 
+def is_greedy(entry: RewardedExperience, min_temperature: float) -> bool:
+    """Whether ``entry`` was sampled greedily or nearly: temperature below ``min_temperature``
+    (vLLM samples greedily below 1e-5)."""
+    return entry.experience.sampling.temperature < min_temperature
+
+
 def batch_complete(size: int, waited_s: float, oldest_s: float, batch_size: int, min_batch_size: int,
                    batch_wait_s: float, max_batch_wait_s: float | None) -> bool:
     """Whether the trainer stops collecting and trains on the ``size`` experiences it holds.

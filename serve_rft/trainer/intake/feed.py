@@ -20,8 +20,8 @@ from serve_rft.buffer.ready import ReadyStream
 from serve_rft.config import TrainerConfig
 from serve_rft.names import TRAINER_NAME
 from serve_rft.observability.trainer_metrics import TrainerMetrics
-from serve_rft.trainer.intake.admission import (TrainedLedger, batch_complete, stale_threshold, sync_cycles,
-                                      untrainable)
+from serve_rft.trainer.intake.admission import (TrainedLedger, batch_complete, is_greedy, stale_threshold,
+                                               sync_cycles, untrainable)
 from serve_rft.types import RewardedExperience
 
 log = logging.getLogger("serve_rft.trainer")
@@ -49,6 +49,7 @@ class ExperienceFeed:
         self.dead_lettered = 0
         self.reacked = 0  # entries trained before whose acknowledgement Redis lost, acked again
         self.constrained = 0  # entries sampled under a grammar (structured outputs), left out of the loss
+        self.greedy = 0  # entries sampled below min_train_temperature, left out of the loss
 
     async def collect(self, between_reads: Callable[[bool], Awaitable[None]],
                       held: Callable[[], set[str]]) -> list[RewardedExperience]:
@@ -85,8 +86,14 @@ class ExperienceFeed:
                     ) -> list[RewardedExperience]:
         """Acknowledge again what saved states already cover (a lost ack), leave out of the loss
         what was sampled under a grammar (state ``constrained``, counted; ``version``: the
-        trainer's published version), dead-letter what cannot be trained
-        (`serve_rft.trainer.intake.admission.untrainable`); return the rest."""
+        trainer's published version) and, unless ``trainer.train_greedy``, what was sampled
+        greedily or nearly (temperature below ``trainer.min_train_temperature``: state
+        ``greedy``, counted), dead-letter what cannot be trained
+        (`serve_rft.trainer.intake.admission.untrainable`); return the rest.
+
+        A greedy answer's token was chosen with probability 1, but its logged logprob is that of
+        ``softmax(logits)``: trained as a sample it reinforces the mode with a biased gradient;
+        near-greedy temperatures amplify the trainer's numeric differences from vLLM by ``1/T``."""
         batch, again = self.ledger.split(batch)
         if again:
             await self.store.ack_entries(again)
@@ -98,6 +105,12 @@ class ExperienceFeed:
             await self.store.ack(constrained, version, state="constrained")
             self.constrained += len(constrained)
             batch = [b for b in batch if not b.experience.sampling.structured_outputs]
+        if not self.cfg.train_greedy:
+            greedy = [b for b in batch if is_greedy(b, self.cfg.min_train_temperature)]
+            if greedy:
+                await self.store.ack(greedy, version, state="greedy")
+                self.greedy += len(greedy)
+                batch = [b for b in batch if not is_greedy(b, self.cfg.min_train_temperature)]
         keep, letters = [], []
         for b in batch:
             why = untrainable(b, vocab_size, self.cfg.max_abs_reward)

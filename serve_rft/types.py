@@ -70,11 +70,23 @@ class Experience(BaseModel):
         return min((v for v, _, _ in self.token_versions), default=0)
 
 
+class GroupReward(BaseModel):
+    """A group's reward statistics, fixed by the store when it first released the group and
+    carried by every member's ready entry (members released late carry the same), so an
+    advantage never depends on how the trainer batches."""
+
+    size: int = Field(ge=1, description="Members rewarded in the group's first release.")
+    mean: float
+    std: float = Field(ge=0, description="Unbiased standard deviation (0 for one member).")
+
+
 class RewardedExperience(BaseModel):
     """An experience with its reward: what the trainer reads from the ready stream."""
 
     experience: Experience
     reward: float
+    group: GroupReward | None = Field(None, description="The group's reward statistics from the store "
+                                      "(None: an entry without them; the trainer groups within the batch).")
     stream_id: str = Field(description="Redis stream entry id, acknowledged after publish.")
 
     @property

@@ -10,7 +10,7 @@ import json
 from dataclasses import dataclass
 
 from serve_rft.config.service import DEFAULT_TENANT
-from serve_rft.types import Experience, RewardedExperience
+from serve_rft.types import Experience, GroupReward, RewardedExperience
 
 
 def client_group(tenant: str, group_id: str) -> str:
@@ -175,8 +175,10 @@ def parse_entries(entries: list[tuple[str, dict]]) -> tuple[list[RewardedExperie
         try:
             if "prompt" not in f and f.get("prompt_ref"):
                 raise ValueError(f"the shared fields of {f['prompt_ref']!r} are gone")
+            group = (GroupReward(size=int(f["gn"]), mean=float(f["gmean"]), std=float(f["gstd"]))
+                     if f.get("gn") else None)
             good.append(RewardedExperience(experience=experience_from(f["exp"], f.get("prompt")),
-                                           reward=float(f["reward"]), stream_id=entry_id))
+                                           reward=float(f["reward"]), stream_id=entry_id, group=group))
         except (KeyError, ValueError, TypeError) as e:  # pydantic's ValidationError is a ValueError
             bad.append(DeadLetter(entry_id, str(f.get("member", "")), f"unparseable: {str(e)[:200]}",
                                   str(f.get("exp", "")), str(f.get("reward", ""))))

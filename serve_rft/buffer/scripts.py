@@ -72,7 +72,7 @@ local function release(P, gid)
   local g = P..':grp:'..gid
   local gm = P..':gm:'..gid
   local members = redis.call('SMEMBERS', gm)
-  local n = 0
+  local out = {}
   for _, m in ipairs(members) do
     local sep = string.find(m, ':[^:]*$')
     local cid, i = string.sub(m, 1, sep - 1), string.sub(m, sep + 1)
@@ -80,7 +80,6 @@ local function release(P, gid)
     local st = state_key(P, cid)
     local reward = redis.call('HGET', st, 'r'..i)
     if exp and reward then
-      local pr = shared_of(P, cid)
       -- v: the policy version of its oldest token (what staleness is counted from)
       local v = 0
       local ok, e = pcall(cjson.decode, exp)
@@ -91,20 +90,44 @@ local function release(P, gid)
           end
         end
       end
-      if pr then  -- the shared fields once per completion, whatever its ready entries
-        local rp = P..':rp:'..cid
-        redis.call('HSETNX', rp, 'payload', pr)
-        redis.call('HINCRBY', rp, 'refs', 1)
-        redis.call('XADD', P..':ready', '*', 'exp', exp, 'reward', reward, 'member', m,
-                   'prompt_ref', cid, 'v', v)
-      else  -- an experience logged whole (no shared fields)
-        redis.call('XADD', P..':ready', '*', 'exp', exp, 'reward', reward, 'member', m, 'prompt', '',
-                   'v', v)
-      end
-      redis.call('HSET', st, i, 'ready')
-      n = n + 1
+      out[#out + 1] = {m = m, cid = cid, i = i, st = st, exp = exp, reward = reward, v = v}
     end
   end
+  -- The group's reward statistics are fixed at its first release, over the members released
+  -- then, and carried by every ready entry of the group (members released late carry the same):
+  -- a member's advantage never depends on how the trainer batches. The entries of one release
+  -- carry the group's oldest version as v, so a staleness bound drops them together.
+  local gn, gmean, gstd = redis.call('HGET', g, 'gn'), redis.call('HGET', g, 'gmean'), redis.call('HGET', g, 'gstd')
+  if not gn and #out > 0 then
+    local k, sum, sq = #out, 0, 0
+    for _, x in ipairs(out) do sum = sum + tonumber(x.reward) end
+    local mean = sum / k
+    for _, x in ipairs(out) do sq = sq + (tonumber(x.reward) - mean) ^ 2 end
+    local std = k >= 2 and math.sqrt(sq / (k - 1)) or 0
+    -- a sum past the float range (rewards are each finite, squares too): no statistics, as singletons
+    if mean ~= mean or std ~= std or mean == math.huge or mean == -math.huge or std == math.huge then
+      k, mean, std = 1, 0, 0
+    end
+    gn, gmean, gstd = tostring(k), string.format('%.17g', mean), string.format('%.17g', std)
+    redis.call('HSET', g, 'gn', gn, 'gmean', gmean, 'gstd', gstd)
+  end
+  local vmin
+  for _, x in ipairs(out) do if not vmin or x.v < vmin then vmin = x.v end end
+  for _, x in ipairs(out) do
+    local pr = shared_of(P, x.cid)
+    if pr then  -- the shared fields once per completion, whatever its ready entries
+      local rp = P..':rp:'..x.cid
+      redis.call('HSETNX', rp, 'payload', pr)
+      redis.call('HINCRBY', rp, 'refs', 1)
+      redis.call('XADD', P..':ready', '*', 'exp', x.exp, 'reward', x.reward, 'member', x.m,
+                 'prompt_ref', x.cid, 'v', vmin, 'g', gid, 'gn', gn, 'gmean', gmean, 'gstd', gstd)
+    else  -- an experience logged whole (no shared fields)
+      redis.call('XADD', P..':ready', '*', 'exp', x.exp, 'reward', x.reward, 'member', x.m, 'prompt', '',
+                 'v', vmin, 'g', gid, 'gn', gn, 'gmean', gmean, 'gstd', gstd)
+    end
+    redis.call('HSET', x.st, x.i, 'ready')
+  end
+  local n = #out
   redis.call('DEL', gm)
   redis.call('HSET', g, 'released', '1')
   redis.call('ZREM', P..':gdl', gid)
@@ -355,8 +378,13 @@ local shed = 0
 local rk = P..':ready'
 local excess = max_ready > 0 and redis.call('XLEN', rk) - max_ready or 0
 if excess > 0 then
-  for _, e in ipairs(free_entries(rk, math.min(excess, lim), false, also)) do
+  -- whole groups: past `excess`, the entries right after the last one dropped that belong to
+  -- its group (a release's entries are consecutive) go too, within this call's `limit`
+  local last
+  for _, e in ipairs(free_entries(rk, lim, false, also)) do
     local f = entry_fields(e)
+    if shed >= excess and (not last or f['g'] ~= last) then break end
+    last = f['g']
     local m = f['member'] or ''
     local sep = string.find(m, ':[^:]*$')
     local st = sep and state_key(P, string.sub(m, 1, sep - 1))

@@ -131,6 +131,14 @@ class TrainerConfig(StrictSection):
         1e6, gt=0, le=1e30, description="Rewards with a larger magnitude are dead-lettered by the trainer "
         "(serve_rft.trainer.intake.admission), whatever range the API accepts: in float32 advantages (max ~3.4e38) one "
         "such reward would overflow a step, and the running baseline would carry it for hundreds of rewards.")
+    scale_rewards: Literal["group", "batch", "none"] = Field(
+        "group", description="What grpo divides a centred reward by (Dr. GRPO's scale_rewards, arXiv "
+        "2503.20783): group (a group member by its group's reward std, as GRPO; a singleton by the running "
+        "std of rewards around the baseline, so both are unit-free), batch (everyone by the batch's reward "
+        "std), none (no division).")
+    zero_variance_std: float = Field(
+        1e-4, ge=0, description="A group whose reward std is below this (reward units) gives its members an "
+        "advantage of exactly 0 and is counted (zero_variance_groups in the step statistics).")
     baseline_momentum: float = Field(
         0.9, ge=0, lt=1, description="EMA momentum of the running reward baseline."
     )

@@ -15,7 +15,8 @@ STEP_STATS = ("sample_age_s_mean", "sample_age_s_max", "loss", "reward_mean", "a
               "approx_kl", "kl_ref", "entropy", "grad_norm", "lr", "max_abs_logprob_diff", "batch_size",
               "tokens", "pg_clipfrac_lower", "is_weight_mean", "is_weight_max", "is_truncated_fraction",
               "is_masked_fraction", "mismatch_k3", "max_abs_mismatch", "drift_k3", "max_abs_drift",
-              "clip_fraction_lag0", "clip_fraction_lag1", "clip_fraction_lag2_3", "clip_fraction_lag4p")
+              "clip_fraction_lag0", "clip_fraction_lag1", "clip_fraction_lag2_3", "clip_fraction_lag4p",
+              "groups", "zero_variance_groups")
 """`PolicyTrainer.step` statistics exported as ``serve_rft_trainer_stat{stat=...}`` (last step)."""
 
 

@@ -3,8 +3,9 @@ import math
 import pytest
 import torch
 
-from serve_rft.trainer.algorithms.advantages import RunningBaseline, compute_advantages
+from serve_rft.trainer.algorithms.advantages import RunningBaseline, compute_advantages, group_advantages
 from serve_rft.trainer.algorithms.losses import ppo_clip_loss
+from serve_rft.types import GroupReward
 from tests.support.tiny_lm import PROMPTS, RESPONSES, TEMPS, TOP_PS, tiny_causal_lm
 
 
@@ -19,17 +20,58 @@ def test_group_normalised_advantages():
 
 def test_singletons_use_running_baseline_from_before_the_batch():
     b = RunningBaseline(momentum=0.5)
-    adv = compute_advantages([1.0], ["a"], b)
+    adv = compute_advantages([1.0], ["a"], b, scale="none")
     assert float(adv[0]) == 1.0  # no baseline yet: b = 0
     assert b.value == 1.0
-    adv = compute_advantages([0.0, 3.0], ["x", "y"], b)
+    adv = compute_advantages([0.0, 3.0], ["x", "y"], b, scale="none")
     assert adv.tolist() == [-1.0, 2.0]
     assert b.value == pytest.approx(0.5 * (0.5 * 1.0 + 0.5 * 0.0) + 0.5 * 3.0)
 
 
-def test_equal_rewards_in_a_group_give_zero_advantage():
-    adv = compute_advantages([0.3, 0.3], ["g", "g"], RunningBaseline())
-    assert adv.abs().max() < 1e-4
+def test_equal_and_near_equal_rewards_in_a_group_give_exactly_zero_and_are_counted():
+    # before: +-1.4e-11 for equal rewards, and up to 1.25 for [0, 0, 0, 1e-5] (noise amplified)
+    for rewards in ([0.3, 0.3], [0.0, 0.0, 0.0, 1e-5]):
+        made = group_advantages(rewards, ["g"] * len(rewards), RunningBaseline())
+        assert made.values.tolist() == [0.0] * len(rewards) and made.zero_variance_groups == 1
+
+
+def test_singletons_are_scaled_like_group_members():
+    """With rewards in [0, 10] a singleton's r - b was in reward units while group members got
+    z-scores (7x the weight); under scale_rewards=group it is divided by the running std."""
+    b = RunningBaseline(momentum=0.5)
+    b.update([0.0, 10.0])  # value 0.5 * 0 + 0.5 * 10 = 5; var starts at the second: (10 - 0)^2 = 100
+    assert b.value == 5.0 and b.std == 10.0
+    made = group_advantages([10.0, 0.0, 10.0, 0.0, 10.0], ["s", "g", "g", "g", "g"], b)
+    rs = [0.0, 10.0, 0.0, 10.0]
+    z = (10.0 - 5.0) / (_std(rs) + 1e-6)
+    assert made.values.tolist() == pytest.approx([(10.0 - 5.0) / 10.0, -z, z, -z, z], rel=1e-5)
+    assert group_advantages([10.0, 0.0, 10.0, 0.0, 10.0], ["s", "g", "g", "g", "g"], RunningBaseline(0.5),
+                            scale="none").values.tolist() == [10.0, -5.0, 5.0, -5.0, 5.0]  # b = 0 at start
+
+
+def test_batch_scale_divides_everyone_by_the_batch_std():
+    rewards = [1.0, 0.0, 0.0, 0.0, 2.0]
+    made = group_advantages(rewards, ["g"] * 4 + ["s"], RunningBaseline(), scale="batch")
+    s = _std(rewards)
+    assert made.values.tolist() == pytest.approx([0.75 / s, -0.25 / s, -0.25 / s, -0.25 / s, 2.0 / s], rel=1e-5)
+
+
+def test_the_stores_group_statistics_win_over_the_members_in_the_batch():
+    """A group rewarded [1, 0, 0, 0] read 3 + 1 or 1 + 3 gets the whole group's advantages, as when
+    read whole (before: [1.155, -0.577, -0.577] + [-0.445], or [0.5] + [0, 0, 0])."""
+    whole = GroupReward(size=4, mean=0.25, std=0.5)
+    expected = [1.5, -0.5, -0.5, -0.5]
+    for split in (3, 1):
+        b = RunningBaseline()
+        got = []
+        for part in ([1.0, 0.0, 0.0, 0.0][:split], [1.0, 0.0, 0.0, 0.0][split:]):
+            got += group_advantages(part, ["g"] * len(part), b, [whole] * len(part)).values.tolist()
+        assert got == pytest.approx(expected, rel=1e-5)
+
+
+def _std(xs):
+    mean = sum(xs) / len(xs)
+    return math.sqrt(sum((x - mean) ** 2 for x in xs) / (len(xs) - 1))
 
 
 def test_ppo_loss_on_policy_is_minus_mean_advantage_and_grad_follows_advantage():

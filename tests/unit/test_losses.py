@@ -72,7 +72,7 @@ def test_opmd_kimi_residual_is_zero_at_the_optimum_and_its_gradient_at_the_refer
 def test_baseline_estimator_ignores_groups_and_k3_kl():
     b = RunningBaseline(momentum=0.5)
     b.value = 1.0
-    adv = compute_advantages([2.0, 0.0], ["g", "g"], b, estimator="baseline")
+    adv = compute_advantages([2.0, 0.0], ["g", "g"], b, estimator="baseline", scale="none")
     assert adv.tolist() == [1.0, -1.0]
     x = torch.tensor([[-1.0, -2.0]])
     assert float(kl_k3(x, x).abs().max()) == 0.0

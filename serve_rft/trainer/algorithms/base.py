@@ -13,7 +13,8 @@ import torch
 from pydantic import BaseModel, ConfigDict
 
 from serve_rft.config.trainer import TrainerConfig
-from serve_rft.trainer.algorithms.advantages import RunningBaseline
+from serve_rft.types import RewardedExperience
+from serve_rft.trainer.algorithms.advantages import Advantages, RunningBaseline
 from serve_rft.trainer.algorithms.losses import Aggregation
 
 
@@ -68,13 +69,22 @@ class Algorithm:
         self.settings = self.Settings.model_validate(cfg.algorithm_args)
         self.aggregation: Aggregation = cfg.loss_agg or self.default_aggregation
 
-    def advantages(self, rewards: list[float], group_ids: list[str], baseline: RunningBaseline) -> torch.Tensor:
-        """``[B]`` fp32 advantages of the whole batch, in batch order; updates ``baseline``."""
+    def advantages(self, batch: list[RewardedExperience], baseline: RunningBaseline) -> Advantages:
+        """The whole batch's advantages (``[B]`` fp32, in batch order); updates ``baseline``."""
         raise NotImplementedError
 
-    def batch_values(self, rewards: list[float], group_ids: list[str]) -> torch.Tensor | None:
+    def batch_values(self, batch: list[RewardedExperience]) -> torch.Tensor | None:
         """``[B]`` per-experience values the loss needs from the whole batch, or None (default)."""
         return None
+
+    def group_advantages(self, batch: list[RewardedExperience], baseline: RunningBaseline, estimator: str,
+                         scale: str = "none") -> Advantages:
+        """`serve_rft.trainer.algorithms.advantages.group_advantages` of ``batch`` with the store's
+        group statistics and the trainer's ``zero_variance_std``."""
+        from serve_rft.trainer.algorithms.advantages import group_advantages
+
+        return group_advantages([b.reward for b in batch], [b.experience.group_id for b in batch], baseline,
+                                [b.group for b in batch], estimator, scale, zero_std=self.cfg.zero_variance_std)
 
     def loss(self, x: LossInputs) -> tuple[torch.Tensor, dict[str, float]]:
         """(scalar loss of the micro-batch normalised by the whole batch, statistics)."""

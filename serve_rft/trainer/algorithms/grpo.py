@@ -6,21 +6,22 @@ from __future__ import annotations
 
 import torch
 
-from serve_rft.trainer.algorithms.advantages import RunningBaseline, compute_advantages
+from serve_rft.trainer.algorithms.advantages import Advantages, RunningBaseline
 from serve_rft.trainer.algorithms.base import Algorithm, LossInputs
 from serve_rft.trainer.algorithms.off_policy import policy_gradient_loss
+from serve_rft.types import RewardedExperience
 
 
 class Grpo(Algorithm):
     """``A_i = (r_i - mean_g) / (std_g + eps)`` over the answer's group (singletons: ``r_i - b``,
-    the running baseline), the ratio loss of ``trainer.off_policy``
+    the running baseline; the divisor per ``trainer.scale_rewards``), the ratio loss of ``trainer.off_policy``
     (`serve_rft.trainer.algorithms.off_policy.policy_gradient_loss`)."""
 
     name = "grpo"
     estimator = "grpo"
 
-    def advantages(self, rewards: list[float], group_ids: list[str], baseline: RunningBaseline) -> torch.Tensor:
-        return compute_advantages(rewards, group_ids, baseline, estimator=self.estimator)
+    def advantages(self, batch: list[RewardedExperience], baseline: RunningBaseline) -> Advantages:
+        return self.group_advantages(batch, baseline, self.estimator, self.cfg.scale_rewards)
 
     def loss(self, x: LossInputs) -> tuple[torch.Tensor, dict[str, float]]:
         c = self.cfg

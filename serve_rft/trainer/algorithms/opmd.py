@@ -6,8 +6,9 @@ from __future__ import annotations
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from serve_rft.trainer.algorithms.advantages import RunningBaseline, compute_advantages
+from serve_rft.trainer.algorithms.advantages import Advantages, RunningBaseline
 from serve_rft.trainer.algorithms.base import Algorithm, LossInputs
+from serve_rft.types import RewardedExperience
 from serve_rft.trainer.algorithms.losses import Aggregation, aggregate
 
 
@@ -25,8 +26,8 @@ class Opmd(Algorithm):
     default_aggregation = "seq_mean_token_sum"
     Settings = OpmdSettings
 
-    def advantages(self, rewards: list[float], group_ids: list[str], baseline: RunningBaseline) -> torch.Tensor:
-        return compute_advantages(rewards, group_ids, baseline, estimator="group_mean")
+    def advantages(self, batch: list[RewardedExperience], baseline: RunningBaseline) -> Advantages:
+        return self.group_advantages(batch, baseline, "group_mean")
 
     def loss(self, x: LossInputs) -> tuple[torch.Tensor, dict[str, float]]:
         return opmd_loss(x.logprobs, x.advantages, x.mask, self.settings.tau, self.aggregation, x.n_tokens, x.n_seqs)

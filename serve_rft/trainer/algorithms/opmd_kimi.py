@@ -9,8 +9,9 @@ from collections import defaultdict
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from serve_rft.trainer.algorithms.advantages import RunningBaseline, compute_advantages
+from serve_rft.trainer.algorithms.advantages import Advantages, RunningBaseline
 from serve_rft.trainer.algorithms.base import Algorithm, LossInputs
+from serve_rft.types import RewardedExperience
 
 
 class OpmdKimiSettings(BaseModel):
@@ -21,18 +22,20 @@ class OpmdKimiSettings(BaseModel):
 
 
 class OpmdKimi(Algorithm):
-    """Loss `opmd_kimi_loss` with the group's ``tau log Z`` (`group_tau_log_z`) of the whole batch;
-    the advantages (``r_i - mean_g``) are reported, not used by the loss."""
+    """Loss `opmd_kimi_loss` with the group's ``tau log Z`` (`group_tau_log_z`) over the group's
+    members in the batch (it needs every member's reward, not the store's mean and std: a group
+    cut by a batch boundary estimates ``Z`` from the members present); the advantages
+    (``r_i - mean_g``) are reported, not used by the loss."""
 
     name = "opmd_kimi"
     default_aggregation = "seq_mean_token_sum"
     Settings = OpmdKimiSettings
 
-    def advantages(self, rewards: list[float], group_ids: list[str], baseline: RunningBaseline) -> torch.Tensor:
-        return compute_advantages(rewards, group_ids, baseline, estimator="group_mean")
+    def advantages(self, batch: list[RewardedExperience], baseline: RunningBaseline) -> Advantages:
+        return self.group_advantages(batch, baseline, "group_mean")
 
-    def batch_values(self, rewards: list[float], group_ids: list[str]) -> torch.Tensor:
-        return group_tau_log_z(rewards, group_ids, self.settings.tau)
+    def batch_values(self, batch: list[RewardedExperience]) -> torch.Tensor:
+        return group_tau_log_z([b.reward for b in batch], [b.experience.group_id for b in batch], self.settings.tau)
 
     def loss(self, x: LossInputs) -> tuple[torch.Tensor, dict[str, float]]:
         return opmd_kimi_loss((x.logprobs * x.mask).sum(1), (x.behaviour * x.mask).sum(1), x.rewards, x.extras,

@@ -87,7 +87,8 @@ class PolicyTrainer:
         self.optimizer = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad],
                                            lr=self.cfg.lr, weight_decay=self.cfg.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
-        self.baseline = RunningBaseline(self.cfg.baseline_momentum)
+        self.baseline = RunningBaseline(self.cfg.baseline_momentum)  # its spread (var) restarts with
+        # the process: a trainer state saves the baseline's value only
         self.spikes = GradNormGuard(self.cfg.grad_norm_spike, self.cfg.grad_norm_window)
         self.resumed = None
         if resume is not None:
@@ -302,10 +303,10 @@ class PolicyTrainer:
         c = self.cfg
         exps = [b.experience for b in batch]
         rewards = [b.reward for b in batch]
-        groups = [e.group_id for e in exps]
-        baseline_before = self.baseline.value  # a skipped step leaves the baseline as it was
-        adv = self.algorithm.advantages(rewards, groups, self.baseline).to(self.device)
-        tlz = self.algorithm.batch_values(rewards, groups)
+        baseline_before = (self.baseline.value, self.baseline.var)  # a skipped step leaves it as it was
+        made = self.algorithm.advantages(batch, self.baseline)
+        adv = made.values.to(self.device)
+        tlz = self.algorithm.batch_values(batch)
         tlz = tlz.to(self.device) if tlz is not None else None
         n_tokens = float(sum(len(e.response_token_ids) for e in exps))
         # token lags count from the held version, else from the newest token of the whole batch
@@ -337,14 +338,15 @@ class PolicyTrainer:
         why = why or self.spikes.reason(float(grad_norm))
         if why is not None:
             self.optimizer.zero_grad(set_to_none=True)
-            self.baseline.value = baseline_before
+            self.baseline.value, self.baseline.var = baseline_before
             return {"skipped": why, "loss": totals.get("loss", 0.0), "grad_norm": float(grad_norm),
                     "batch_size": len(batch), "step_seconds": time.perf_counter() - t0}
         self.optimizer.step()
         self.scheduler.step()
         self.check_finite()
         totals.update(grad_norm=float(grad_norm), lr=lr, reward_mean=sum(rewards) / len(rewards),
-                      adv_abs_mean=float(adv.abs().mean()), batch_size=len(batch), tokens=n_tokens,
+                      adv_abs_mean=float(adv.abs().mean()), groups=made.groups,
+                      zero_variance_groups=made.zero_variance_groups, batch_size=len(batch), tokens=n_tokens,
                       micro_batches=len(parts), step_seconds=time.perf_counter() - t0)
         return totals
 

@@ -19,8 +19,9 @@ from typing import Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
-from serve_rft.config import Config, ServiceConfig, load_config
+from serve_rft.config import Config, ServiceConfig, explain, load_config
 
 # show_locals off: a traceback's locals would print the config (Redis password, API keys); older
 # typer releases (pyproject allows >=0.12) default it to True
@@ -43,8 +44,8 @@ def _config(config: Optional[Path], sets: list[str], model: Optional[str] = None
         overrides.append(f"service.port={port}")
     try:
         return load_config(config, overrides)
-    except Exception as e:  # a config error is the user's: say it plainly, no traceback
-        console.print(f"[red]config error:[/red] {e}")
+    except Exception as e:  # a config error is the user's: one line, no traceback, no value given
+        console.print(f"[red]config error:[/red] {escape(explain(e))}", highlight=False)
         raise typer.Exit(2) from None
 
 

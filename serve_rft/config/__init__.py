@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import Field, model_validator
+from pydantic import Field, ValidationError, model_validator
 from pydantic_settings import BaseSettings, EnvSettingsSource, SettingsConfigDict, SettingsError
 
 from serve_rft.config.buffer import BufferConfig
@@ -24,7 +24,8 @@ from serve_rft.config.trainer import VLLM_LORA_RANKS, LoraSettings, TrainerConfi
 
 __all__ = ["AutoscalingSettings", "BufferConfig", "CanaryConfig", "Config", "ConfigFileError", "ExplorerConfig",
            "LoraSettings", "ModelConfig", "ServiceConfig", "SyncMethod", "SyncStyle", "SynchronizerConfig",
-           "TrainerConfig", "VLLM_LORA_RANKS", "apply_overrides", "env_layer", "load_config", "read_file"]
+           "TrainerConfig", "VLLM_LORA_RANKS", "apply_overrides", "env_layer", "explain", "load_config",
+           "read_file"]
 
 
 class Config(BaseSettings):
@@ -35,8 +36,10 @@ class Config(BaseSettings):
     Validating a dump (``model_validate_json``, how Ray actors get it) reads no environment.
     """
 
-    model_config = SettingsConfigDict(extra="forbid", validate_assignment=True, env_prefix="SERVE_RFT_",
-                                      env_nested_delimiter="__")
+    # inputs hidden in errors: a refused value may be a key (a section's own setting does not
+    # apply to errors raised through this model)
+    model_config = SettingsConfigDict(extra="forbid", validate_assignment=True, hide_input_in_errors=True,
+                                      env_prefix="SERVE_RFT_", env_nested_delimiter="__")
 
     model: ModelConfig = Field(default_factory=ModelConfig)
     explorer: ExplorerConfig = Field(default_factory=ExplorerConfig)
@@ -196,6 +199,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     (`env_layer`), then ``overrides`` (``section.field=value``); each layer wins over the ones
     before it, field by field.
 
+    Errors never show a value given (`Config` hides inputs): a key in a refused value stays out.
+
     Raises:
         pydantic.ValidationError: a field of the wrong type or out of bounds, or a rule across
             fields broken.
@@ -207,4 +212,17 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     data = read_file(path) if path is not None else {}
     data = _merged(_merged(data, env_layer()), apply_overrides({}, overrides or []))
     return Config.model_validate(data)
+
+
+def explain(error: Exception) -> str:
+    """One line for a person: each problem of a `pydantic.ValidationError` as ``field: message``
+    (never the value given), or ``str(error)``."""
+    if not isinstance(error, ValidationError):
+        return str(error)
+    parts = []
+    for item in error.errors(include_input=False, include_url=False):
+        msg = item["msg"].removeprefix("Value error, ")
+        loc = ".".join(str(x) for x in item["loc"])
+        parts.append(f"{loc}: {msg}" if loc else msg)
+    return "; ".join(parts)
 

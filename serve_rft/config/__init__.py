@@ -9,6 +9,7 @@ instant.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +26,7 @@ from serve_rft.config.trainer import VLLM_LORA_RANKS, LoraSettings, TrainerConfi
 __all__ = ["AutoscalingSettings", "BufferConfig", "CanaryConfig", "Config", "ConfigFileError", "ExplorerConfig",
            "LoraSettings", "ModelConfig", "ServiceConfig", "SyncMethod", "SyncStyle", "SynchronizerConfig",
            "TrainerConfig", "VLLM_LORA_RANKS", "apply_overrides", "env_layer", "explain", "load_config",
-           "read_file"]
+           "read_file", "schema_text"]
 
 
 class Config(BaseSettings):
@@ -226,3 +227,10 @@ def explain(error: Exception) -> str:
         parts.append(f"{loc}: {msg}" if loc else msg)
     return "; ".join(parts)
 
+
+def schema_text() -> str:
+    """The JSON Schema of a run-config file (`Config`), as committed in
+    docs/reference/config.schema.json: two-space indent, sorted keys, a final newline. Defaults
+    computed from the environment (keys, the cache folder) are not in it."""
+    schema = {"$schema": "https://json-schema.org/draft/2020-12/schema", **Config.model_json_schema()}
+    return json.dumps(schema, indent=2, sort_keys=True, ensure_ascii=False) + "\n"

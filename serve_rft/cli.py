@@ -50,6 +50,11 @@ class Mode(str, Enum):
     train = "train"
 
 
+class Ingress(str, Enum):
+    haproxy = "haproxy"
+    proxy = "proxy"
+
+
 def _config(config: Optional[Path], sets: list[str], model: Optional[str] = None,
             port: Optional[int] = None, host: Optional[str] = None) -> Config:
     overrides = list(sets)
@@ -191,6 +196,20 @@ def config_schema(output: Optional[Path] = typer.Option(None, "--output", "-o", 
         print(schema_text(), end="")
     else:
         output.write_text(schema_text())
+
+
+@cli.command("cluster-env", help="Print the environment every node of a ray start cluster needs, as export "
+             "lines for bash: the settings serve-rft up gives the Ray it starts itself (HAProxy ingress, "
+             "its retries, draining periods, Ray's task events), for Ray's processes to read when they start.")
+def cluster_env(ingress: Ingress = typer.Option(Ingress.haproxy, help="The cluster's front door, as "
+                                                "service.ingress.")) -> None:
+    from serve_rft.service.cluster_env import cluster_env as env_of, shell_lines
+
+    try:
+        print(shell_lines(env_of(ingress.value)), end="")
+    except RuntimeError as e:  # no HAProxy binary
+        console.print(f"[red]error:[/red] {escape(str(e))}", highlight=False)
+        raise typer.Exit(2) from None
 
 
 @cli.command("init-model", help="Build (once) and cache the embedded default model; print its directory.")

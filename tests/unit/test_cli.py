@@ -36,7 +36,7 @@ def test_version_is_the_package_version():
     assert result.exit_code == 0 and result.output.strip() == f"serve-rft {version}"
 
 
-COMMANDS = [[], ["up"], ["demo"], ["agent"], ["report"], ["status"], ["init-model"],
+COMMANDS = [[], ["up"], ["demo"], ["agent"], ["report"], ["status"], ["init-model"], ["cluster-env"],
             ["config"], ["config", "show"], ["config", "validate"], ["config", "schema"]]
 
 
@@ -106,3 +106,27 @@ def test_the_shipped_configs_pass_the_schema_and_a_typo_does_not(name):
     data["trainer"]["lrr"] = 0.1
     with pytest.raises(jsonschema.ValidationError, match="lrr"):
         jsonschema.validate(data, schema)
+
+
+def test_cluster_env_prints_what_the_kuberay_manifest_sets_and_bash_reads_it_back():
+    """`serve-rft cluster-env` and deployments/kuberay/rayservice.yaml give every node the same Ray
+    settings; bash's ``eval`` of the output yields each value exactly (HAProxy's directives after
+    newlines included)."""
+    import subprocess
+
+    from serve_rft.service.cluster_env import cluster_env
+
+    result = run("cluster-env")
+    assert result.exit_code == 0
+    docs = yaml.safe_load_all((ROOT / "deployments" / "kuberay" / "rayservice.yaml").read_text())
+    (service,) = [d for d in docs if d and d["kind"] == "RayService"]
+    head = service["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]["containers"][0]
+    ray_env = {e["name"]: e["value"] for e in head["env"] if e["name"].startswith("RAY_")}
+    assert cluster_env() == ray_env
+    lines = [line for line in result.stdout.splitlines() if line.startswith("export ")]
+    script = "\n".join(lines) + "\n" + "".join(f'printf "%s\\0" "${name}"\n' for name in ray_env)
+    values = subprocess.run(["bash", "-c", script], capture_output=True, text=True, check=True).stdout
+    assert values.split("\0")[:-1] == list(ray_env.values())
+    proxy = run("cluster-env", "--ingress", "proxy").stdout
+    assert "RAY_SERVE_ENABLE_HA_PROXY" not in proxy and "RAY_SERVE_PROXY_MIN_DRAINING_PERIOD_S=30" in proxy
+    assert "serve-rft cluster-env" in (ROOT / "docs" / "operations" / "deploy.md").read_text()

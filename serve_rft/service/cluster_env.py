@@ -1,8 +1,8 @@
 """The environment every node of a ``ray start`` cluster needs: the values `serve-rft up` gives the
 Ray it starts itself (`serve_rft.service.ingress.haproxy_env`, ``DRAIN_ENV``,
-`serve_rft.service.launcher.TASK_EVENTS_ENV`), less what only fits one machine. Ray's processes
-read them when they start, before any application code runs, so they are set on each node, not
-by the application. ``serve-rft cluster-env`` prints them; deployments/kuberay/rayservice.yaml
+`serve_rft.service.launcher.TASK_EVENTS_ENV`), less what only fits one machine. Ray's own processes
+(the GCS, Serve's controller and proxies) read them when they start, before the application is
+deployed, so they are set on each node. ``serve-rft cluster-env`` prints them; deployments/kuberay/rayservice.yaml
 writes the same (tests/unit/test_cli.py checks they agree); docs/operations/deploy.md explains
 each.
 """

@@ -2,7 +2,9 @@
 
 Every command that takes a config accepts ``--config FILE`` (YAML) and any number of
 ``--set section.field=value`` overrides, e.g. ``--set explorer.num_replicas=3
---set trainer.lr=5e-4``. See ``configs/default.yaml`` for every field.
+--set trainer.lr=5e-4``, layered over the environment (`serve_rft.config.load_config`). See
+``configs/default.yaml`` for every field. Help text is what users read: commands carry it in
+``help=``, their docstrings stay for developers.
 """
 
 from __future__ import annotations
@@ -19,8 +21,10 @@ from typing import Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
-from serve_rft.config import Config, ServiceConfig, load_config
+import serve_rft
+from serve_rft.config import Config, ServiceConfig, explain, load_config, schema_text
 
 # show_locals off: a traceback's locals would print the config (Redis password, API keys); older
 # typer releases (pyproject allows >=0.12) default it to True
@@ -28,23 +32,42 @@ cli = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
                   help="Serve an LLM with vLLM on Ray Serve and improve it online with RL.")
 console = Console(stderr=True)
 
-ConfigOpt = typer.Option(None, "--config", "-c", help="YAML run config (configs/*.yaml).")
-SetOpt = typer.Option([], "--set", "-s", help="Override a config field: section.field=value (repeatable).")
+ConfigOpt = typer.Option(None, "--config", "-c", metavar="FILE",
+                         help="YAML run config (configs/*.yaml); settings from SERVE_RFT_<SECTION>__<FIELD> "
+                         "environment variables and --set go over it.")
+SetOpt = typer.Option([], "--set", "-s", metavar="SECTION.FIELD=VALUE",
+                      help="Set a config field, e.g. trainer.lr=5e-4 (repeatable; wins over the file "
+                      "and the environment).")
 ModelOpt = typer.Option(None, "--model", "-m", help="A Hugging Face model directory (default: embedded).")
 PortOpt = typer.Option(None, "--port", "-p", help="HTTP port (0: pick a free one).")
+HostOpt = typer.Option(None, "--host", help="Address to bind (service.host). Other than loopback it needs "
+                       "API keys or service.allow_unauthenticated=true.")
+
+
+class Mode(str, Enum):
+    both = "both"
+    serve = "serve"
+    train = "train"
+
+
+class Ingress(str, Enum):
+    haproxy = "haproxy"
+    proxy = "proxy"
 
 
 def _config(config: Optional[Path], sets: list[str], model: Optional[str] = None,
-            port: Optional[int] = None) -> Config:
+            port: Optional[int] = None, host: Optional[str] = None) -> Config:
     overrides = list(sets)
     if model:
         overrides.append(f"model.path={model}")
     if port is not None:
         overrides.append(f"service.port={port}")
+    if host is not None:
+        overrides.append(f"service.host={host}")
     try:
         return load_config(config, overrides)
-    except Exception as e:  # a config error is the user's: say it plainly, no traceback
-        console.print(f"[red]config error:[/red] {e}")
+    except Exception as e:  # a config error is the user's: one line, no traceback, no value given
+        console.print(f"[red]config error:[/red] {escape(explain(e))}", highlight=False)
         raise typer.Exit(2) from None
 
 
@@ -72,37 +95,129 @@ def _kept(cfg: Config) -> None:
                                  cfg.service.shutdown_grace_s))
 
 
-def _runnable(cfg: Config, serves: bool = True) -> Config:
+def _runnable(cfg: Config, mode: Mode = Mode.both) -> Config:
     """Exit 2 with a plain message if ``cfg`` would serve openly on a non-loopback address
-    (``serves``: it binds HTTP; `serve_rft.config.service.check_exposure`, the warning printed
-    when that is allowed) or this machine cannot run it (e.g. nccl without CUDA)."""
+    (any mode but train binds HTTP; `serve_rft.config.service.check_exposure`, the warning printed
+    when that is allowed), this machine cannot run it (e.g. nccl without CUDA;
+    `serve_rft.control.preflight`) or ``mode`` cannot work with it
+    (`serve_rft.service.launcher.check_mode`). Starts nothing."""
     from serve_rft.config.service import check_exposure
     from serve_rft.control import preflight
+    from serve_rft.service.launcher import check_mode
 
     try:
-        warning = check_exposure(cfg.service, cfg.service.host) if serves else None
+        warning = check_exposure(cfg.service, cfg.service.host) if mode is not Mode.train else None
         if warning:
             console.print(f"[bold yellow]warning:[/bold yellow] {warning}", highlight=False)
         preflight(cfg)
+        check_mode(cfg, mode.value)
     except ValueError as e:
-        console.print(f"[red]config error:[/red] {e}")
+        console.print(f"[red]config error:[/red] {escape(str(e))}", highlight=False)
         raise typer.Exit(2) from None
     return cfg
 
 
-@cli.command("init-model")
+def _print_version(value: bool) -> None:
+    if value:
+        print(f"serve-rft {serve_rft.__version__}")
+        raise typer.Exit()
+
+
+@cli.callback()
+def _options(version: bool = typer.Option(False, "--version", callback=_print_version, is_eager=True,
+                                           help="Print the version and exit.")) -> None:
+    # the program's own options (--version); its help text is the Typer's
+    pass
+
+
+config_cli = typer.Typer(no_args_is_help=True, help="Print, check or describe a run config; starts nothing.")
+cli.add_typer(config_cli, name="config")
+
+SECRET = "<redacted>"
+
+
+def _hidden(value):
+    """A secret's stand-in: a URL without its password (`serve_rft.buffer.redis_auth.redacted`), a
+    list of keys its length, anything else `SECRET`; None stays None."""
+    from serve_rft.buffer.redis_auth import redacted
+
+    if isinstance(value, str) and "://" in value:
+        return redacted(value)
+    if isinstance(value, list):
+        return [SECRET] * len(value)
+    return None if value is None else SECRET
+
+
+def shown(cfg: Config) -> dict:
+    """``cfg`` as plain data to print, every field kept out of reprs (``repr=False``: API keys,
+    tenants' keys, the Redis URL) replaced by its stand-in (`_hidden`)."""
+    from pydantic import BaseModel
+
+    def walk(model: BaseModel, data: dict) -> None:
+        for name, field in type(model).model_fields.items():
+            value = getattr(model, name)
+            if not field.repr:
+                data[name] = _hidden(value)
+            elif isinstance(value, BaseModel):
+                walk(value, data[name])
+            elif isinstance(value, dict):
+                for key, item in value.items():
+                    if isinstance(item, BaseModel):
+                        walk(item, data[name][key])
+
+    data = cfg.model_dump(mode="json")
+    walk(cfg, data)
+    return data
+
+
+@config_cli.command("show", help="Print the resolved run config as YAML, API keys and passwords redacted. "
+                    "Layers, each over the one before: defaults, --config file, SERVE_RFT_<SECTION>__<FIELD> "
+                    "environment variables, --set.")
+def config_show(config: Optional[Path] = ConfigOpt, sets: list[str] = SetOpt) -> None:
+    import yaml
+
+    print(yaml.safe_dump(shown(_config(config, sets)), sort_keys=False), end="")
+
+
+@config_cli.command("validate", help="Load the run config and run the checks of serve-rft up before it "
+                    "starts anything (every field and rule, exposure without keys, CUDA for "
+                    "trainer.device=cuda or nccl, explorer.engine_args). Exit 0: valid; 2: not, with the reason.")
+def config_validate(config: Optional[Path] = ConfigOpt, sets: list[str] = SetOpt,
+                    mode: Mode = typer.Option(Mode.both, help="The --mode of serve-rft up to check.")) -> None:
+    _runnable(_config(config, sets), mode)
+    console.print("config valid", highlight=False)
+
+
+@config_cli.command("schema", help="Print the run config's JSON Schema, for editors that complete and check "
+                    "YAML (docs/reference/config.schema.json is this output).")
+def config_schema(output: Optional[Path] = typer.Option(None, "--output", "-o", metavar="FILE",
+                                                        help="Write it here instead of printing it.")) -> None:
+    if output is None:
+        print(schema_text(), end="")
+    else:
+        output.write_text(schema_text())
+
+
+@cli.command("cluster-env", help="Print the environment every node of a ray start cluster needs, as export "
+             "lines for bash: the settings serve-rft up gives the Ray it starts itself (HAProxy ingress, "
+             "its retries, draining periods, Ray's task events), for Ray's processes to read when they start.")
+def cluster_env(ingress: Ingress = typer.Option(Ingress.haproxy, help="The cluster's front door, as "
+                                                "service.ingress.")) -> None:
+    from serve_rft.service.cluster_env import cluster_env as env_of, shell_lines
+
+    try:
+        print(shell_lines(env_of(ingress.value)), end="")
+    except RuntimeError as e:  # no HAProxy binary
+        console.print(f"[red]error:[/red] {escape(str(e))}", highlight=False)
+        raise typer.Exit(2) from None
+
+
+@cli.command("init-model", help="Build (once) and cache the embedded default model; print its directory.")
 def init_model(config: Optional[Path] = ConfigOpt, sets: list[str] = SetOpt) -> None:
-    """Build (once) and cache the embedded default model; print its directory."""
     from serve_rft.model.embedded import ensure_embedded_model
 
     cfg = _config(config, sets)
     print(ensure_embedded_model(cfg.model.cache_dir))
-
-
-class Mode(str, Enum):
-    both = "both"
-    serve = "serve"
-    train = "train"
 
 
 def _progress(status):
@@ -129,9 +244,11 @@ def ready_line(stack, mode: str) -> str:
                        "redis_pid": stack.redis.pid if stack.redis is not None else None})
 
 
-@cli.command()
+@cli.command(help="Run the service (or one role of it) in the foreground until Ctrl-C, SIGTERM or SIGHUP; "
+             "then it stops within service.shutdown_grace_s seconds and leaves no process behind. Once up it "
+             "prints one JSON line: url, redis_url (without its password), ray_address, mode, metrics_url.")
 def up(config: Optional[Path] = ConfigOpt, sets: list[str] = SetOpt, model: Optional[str] = ModelOpt,
-       port: Optional[int] = PortOpt,
+       port: Optional[int] = PortOpt, host: Optional[str] = HostOpt,
        mode: Mode = typer.Option(Mode.both, help="both: serve and train; serve: explorers + store, no "
                                  "training; train: trainer + synchronizer against an existing store "
                                  "(buffer.redis_url or run_dir/redis), joining service.ray_address if set."),
@@ -149,15 +266,8 @@ def up(config: Optional[Path] = ConfigOpt, sets: list[str] = SetOpt, model: Opti
     from serve_rft.buffer.redis_server import DataDirInUse
     from serve_rft.service.launcher import ServiceStack, quiet_env, trainer_status, wait_for_signal
 
-    from serve_rft.service.launcher import check_mode
-
     quiet_env()
-    cfg = _runnable(_config(config, sets, model, port), serves=mode != Mode.train)
-    try:
-        check_mode(cfg, mode.value)
-    except ValueError as e:
-        console.print(f"[red]config error:[/red] {e}")
-        raise typer.Exit(2) from None
+    cfg = _runnable(_config(config, sets, model, port, host), mode)
     _kept(cfg)
     with contextlib.ExitStack() as running:
         with console.status("starting serve_rft") as status:  # says what start-up waits for
@@ -184,7 +294,7 @@ def up(config: Optional[Path] = ConfigOpt, sets: list[str] = SetOpt, model: Opti
         console.print("shutting down")
 
 
-@cli.command()
+@cli.command(help="Start the service on the embedded model and drive it like real users, with rewards.")
 def demo(config: Optional[Path] = ConfigOpt, sets: list[str] = SetOpt, model: Optional[str] = ModelOpt,
          port: Optional[int] = PortOpt,
          duration: float = typer.Option(300.0, help="Seconds of simulated traffic."),
@@ -223,7 +333,8 @@ def demo(config: Optional[Path] = ConfigOpt, sets: list[str] = SetOpt, model: Op
         raise typer.Exit(1)
 
 
-@cli.command()
+@cli.command(help="Run a tool-using agent through the openai SDK against a running service and reward each "
+             "conversation; prints one JSON line per episode.")
 def agent(url: str = typer.Option("http://127.0.0.1:8000", help="The running service's base URL."),
           episodes: int = typer.Option(4, min=1, help="Conversations to run."),
           stream: bool = typer.Option(False, help="Stream every turn (async client)."),
@@ -266,9 +377,9 @@ def agent(url: str = typer.Option("http://127.0.0.1:8000", help="The running ser
         raise typer.Exit(1)
 
 
-@cli.command()
-def report(path: Path = typer.Argument(..., help="A `serve-rft demo --report` JSON, or a benchmark "
-                                       "file with `runs` (benchmarks/results/learning.json)."),
+@cli.command(help="Render the reward and policy-version timeline of a run as a PNG and a table.")
+def report(path: Path = typer.Argument(..., help="The JSON that serve-rft demo --report wrote, or a "
+                                       "benchmark file with runs (e.g. benchmarks/results/learning.json)."),
            png: Optional[Path] = typer.Option(None, help="Write the figure here (default: PATH with .png)."),
            window: int = typer.Option(10, help="Policy versions per point of the reward-per-version curve.")
            ) -> None:
@@ -293,7 +404,8 @@ def report(path: Path = typer.Argument(..., help="A `serve-rft demo --report` JS
     console.print(f"figure: {out}")
 
 
-@cli.command()
+@cli.command(help="Live table of a running service from /v1/status: replicas (state, policy version, last "
+             "sync), experience counts and rates, trainer step and staleness. Ctrl-C ends it.")
 def status(url: str = typer.Option("http://127.0.0.1:8000", help="The service's base URL."),
            interval: float = typer.Option(2.0, help="Seconds between refreshes."),
            once: bool = typer.Option(False, "--once", help="Print one snapshot and exit."),

@@ -1,7 +1,7 @@
 import pytest
 from pydantic import ValidationError
 
-from serve_rft.config import Config, apply_overrides, load_config
+from serve_rft.config import Config, TrainerConfig, apply_overrides, load_config
 
 
 def test_defaults_are_two_replicas_checkpoint_fixed():
@@ -190,3 +190,76 @@ def test_a_tenant_name_must_match_whole(name):
     with pytest.raises(ValidationError):
         ServiceConfig.model_validate({"tenants": {name: {"api_keys": ["sk-t"]}}})
     assert ServiceConfig.model_validate({"tenants": {"alice.b-c_1": {"api_keys": ["sk-t"]}}}).tenants
+
+
+# --- layers: defaults < file < environment < --set ---
+
+@pytest.fixture
+def no_config_env(monkeypatch):
+    """No SERVE_RFT_<SECTION>__<FIELD> or key variable of the machine running the tests."""
+    import os
+
+    for name in list(os.environ):
+        if name.upper().startswith("SERVE_RFT_"):
+            monkeypatch.delenv(name)
+
+
+def test_a_set_below_a_null_section_of_the_file_fills_it(no_config_env):
+    """configs/default.yaml has ``trainer.lora: null``; ``--set trainer.lora.rank=8`` makes it a
+    section with the other fields at their defaults."""
+    from pathlib import Path
+
+    cfg = load_config(Path(__file__).parents[2] / "configs" / "default.yaml", ["trainer.lora.rank=8"])
+    assert cfg.trainer.lora is not None and cfg.trainer.lora.rank == 8 and cfg.trainer.lora.alpha == 16.0
+    assert apply_overrides({"a": None}, ["a.b.c=1"]) == {"a": {"b": {"c": 1}}}
+    with pytest.raises(ValueError, match="trainer.lr is a value, not a section"):
+        apply_overrides({"trainer": {"lr": 0.1}}, ["trainer.lr.x=1"])
+
+
+def test_each_layer_wins_over_the_one_before(no_config_env, monkeypatch, tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("trainer:\n  lr: 0.01\n  batch_size: 4\n  lora: null\nexplorer:\n  num_replicas: 3\n")
+    assert load_config(f).trainer.lr == 0.01
+    monkeypatch.setenv("SERVE_RFT_TRAINER__LR", "1e-4")  # what a Kubernetes manifest writes
+    monkeypatch.setenv("serve_rft_explorer__num_replicas", "4")  # names are case-insensitive
+    monkeypatch.setenv("SERVE_RFT_TRAINER__LORA__RANK", "16")  # nested, into the file's null section
+    cfg = load_config(f)
+    assert (cfg.trainer.lr, cfg.trainer.batch_size, cfg.explorer.num_replicas) == (1e-4, 4, 4)
+    assert cfg.trainer.lora is not None and cfg.trainer.lora.rank == 16
+    cfg = load_config(f, ["trainer.lr=5e-4", "trainer.lora.rank=32"])
+    assert (cfg.trainer.lr, cfg.trainer.lora.rank) == (5e-4, 32)
+    assert load_config(None).trainer.lr == 1e-4 and Config().trainer.lr == 1e-4  # no file: env over defaults
+
+
+def test_the_environment_layer_is_read_by_loading_never_by_an_actors_copy(no_config_env, monkeypatch):
+    """Ray actors rebuild the driver's config from its JSON: the environment of their process
+    does not change it."""
+    dumped = load_config(None).model_dump_json()
+    monkeypatch.setenv("SERVE_RFT_TRAINER__LR", "0.5")
+    assert Config.model_validate_json(dumped).trainer.lr == TrainerConfig().lr
+
+
+def test_key_variables_keep_working_beside_the_section_variables(no_config_env, monkeypatch, tmp_path):
+    monkeypatch.setenv("SERVE_RFT_API_KEYS", "sk-a, sk-b")
+    monkeypatch.setenv("SERVE_RFT_TENANTS", '{"acme": {"api_keys": ["sk-acme"]}}')
+    cfg = load_config(None)
+    assert cfg.service.api_keys == ["sk-a", "sk-b"] and cfg.service.tenants["acme"].api_keys == ["sk-acme"]
+    monkeypatch.setenv("SERVE_RFT_SERVICE__ADMIN_KEYS", '["sk-admin"]')  # a list is JSON
+    assert load_config(None).service.admin_keys == ["sk-admin"]
+    monkeypatch.setenv("SERVE_RFT_SERVICE__ADMIN_KEYS", "sk-admin")
+    with pytest.raises(ValueError, match="is JSON"):
+        load_config(None)
+
+
+def test_a_yaml_error_names_the_file_and_the_line(tmp_path):
+    from serve_rft.config import ConfigFileError
+
+    f = tmp_path / "run.yaml"
+    f.write_text("trainer:\n  lr: 0.01\n  target_modules: [q_proj\n  kl_coef: 0\n")
+    with pytest.raises(ConfigFileError, match=rf"^{f}, line 4, column 10: expected ',' or ']'"):
+        load_config(f)
+    f.write_text("- trainer\n")
+    with pytest.raises(ConfigFileError, match=rf"^{f}: a run config is a mapping of sections, not a list"):
+        load_config(f)
+    f.write_text("")
+    assert load_config(f).trainer.lr == TrainerConfig().lr

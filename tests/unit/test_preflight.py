@@ -111,10 +111,10 @@ def test_up_allowed_to_serve_openly_says_so_loudly(monkeypatch, tmp_path):
 
 
 def test_train_mode_binds_no_http_so_needs_no_keys(monkeypatch):
-    from serve_rft.cli import _runnable
+    from serve_rft.cli import Mode, _runnable
     from serve_rft.config import load_config
 
     for name in KEY_ENV:
         monkeypatch.delenv(name, raising=False)
     cfg = load_config(None, ["service.host=0.0.0.0"])
-    assert _runnable(cfg, serves=False) is cfg
+    assert _runnable(cfg, Mode.train) is cfg

@@ -127,7 +127,8 @@ class OpenAIRoutes:
         the new weights, do not fail), or refuse.
 
         Raises:
-            ApiError: 503 + Retry-After while this replica is out of rotation.
+            ApiError: 503 + Retry-After while this replica is out of rotation; 413 a refused body
+                over `serve_rft.explorer.http.body.MAX_BODY_BYTES` (what any replica answers it).
         """
         head = head_bytes(request.method, request.url.path + request.url.query, request.headers.raw)
         admission = self.swap.admission(fits_a_retry(request.headers.get("content-length"), head),
@@ -136,7 +137,8 @@ class OpenAIRoutes:
             await self.swap.gate.wait()
             admission = "refuse" if self.swap.broken is not None else "serve"
         if admission == "refuse":
-            await request.body()  # consume it: the connection stays clean for HAProxy to reuse
+            # consume it, bounded: the connection stays clean for HAProxy to reuse
+            await read_body(request)
             raise ApiError(503, f"replica {self.replica_id} is out of rotation (loading new weights or "
                            "drained); retry on another replica", type_="service_unavailable",
                            code="replica_draining", retry_after=1)

@@ -306,7 +306,10 @@ def demo(config: Optional[Path] = ConfigOpt, sets: list[str] = SetOpt, model: Op
              None, envvar="SERVE_RFT_API_KEY",
              help="Admin key to send (default: the first of service.admin_keys, if any)."),
          max_steps: Optional[int] = typer.Option(
-             None, help="Stop once the trainer has taken this many steps (or at --duration).")) -> None:
+             None, help="Stop once the trainer has taken this many steps (or at --duration)."),
+         task: str = typer.Option("vowels", help="What the simulated users reward: vowels (the share of vowels "
+                                  "in an answer) or letter (the share of the letter the prompt asks for)."),
+         seed: int = typer.Option(0, help="Seed of the simulated users' choices.")) -> None:
     """Start the service on the embedded model and drive it like real users, with rewards."""
     from serve_rft.demo.driver import run_demo
     from serve_rft.service.launcher import ServiceStack, quiet_env
@@ -317,12 +320,13 @@ def demo(config: Optional[Path] = ConfigOpt, sets: list[str] = SetOpt, model: Op
         cfg.service.run_dir = f"runs/demo-{time.strftime('%Y%m%d-%H%M%S')}"  # not a resumed state
     key = api_key or (cfg.service.admin_keys[0] if cfg.service.admin_keys else None)
     if url:
-        summary = run_demo(url, duration, users, live=live, api_key=key, max_steps=max_steps)
+        summary = run_demo(url, duration, users, live=live, api_key=key, max_steps=max_steps, task=task, seed=seed)
     else:
         _kept(_runnable(cfg))
         with ServiceStack(cfg) as stack:
             console.print(f"service up at {stack.url} in {stack.startup_seconds:.1f} s")
-            summary = run_demo(stack.url, duration, users, live=live, api_key=key, max_steps=max_steps)
+            summary = run_demo(stack.url, duration, users, live=live, api_key=key, max_steps=max_steps,
+                               task=task, seed=seed)
             summary["startup_seconds"] = stack.startup_seconds
     text = json.dumps(summary, indent=2)
     if report:

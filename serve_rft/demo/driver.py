@@ -1,10 +1,14 @@
 """A simulated user population for the demo: chat through the `openai` SDK, reward later.
 
-The task: users like vowels. The reward of a response is the share of its characters that are
-lowercase vowels (``aeiou``), in [0, 1]; a random-init model starts around the share its
-random tokens happen to have, and the trainer visibly pushes it up within minutes because the
-signal is dense (every token counts) and needs no knowledge. Rewards are posted through
-``/v1/rewards`` after a random delay, as a real user's feedback would be.
+Two tasks (``--task``), each with a dense rule reward in [0, 1] that a random-init model can climb
+within minutes (every token counts, no knowledge needed); rewards are posted through
+``/v1/rewards`` after a random delay, as a real user's feedback would be:
+
+- ``vowels``: users like vowels; the reward is the share of the answer's characters that are
+  lowercase vowels (``aeiou``), whatever the prompt.
+- ``letter``: the prompt asks for one of `LETTERS` (``Write the letter o.``) and the reward is the
+  share of the answer's characters that are that letter. It depends on the prompt: a policy that
+  ignores the prompt scores at most ``1 / len(LETTERS)`` on average.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import statistics
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
+from typing import Callable
 
 import httpx
 import openai
@@ -30,6 +35,29 @@ PROMPTS = [
 def vowel_reward(text: str) -> float:
     """Share of characters of ``text`` that are lowercase vowels, in [0, 1] (0 for empty)."""
     return sum(ch in VOWELS for ch in text) / len(text) if text else 0.0
+
+
+LETTERS = ("a", "e", "o")
+"""The letters the ``letter`` task asks for."""
+
+
+def letter_reward(text: str, letter: str) -> float:
+    """Share of characters of ``text`` that are ``letter``, in [0, 1] (0 for empty)."""
+    return text.count(letter) / len(text) if text else 0.0
+
+
+def task_request(task: str, rng: random.Random) -> tuple[str, "Callable[[str], float]"]:
+    """One user's prompt of ``task`` and the reward of an answer to it.
+
+    Raises:
+        ValueError: an unknown task.
+    """
+    if task == "vowels":
+        return rng.choice(PROMPTS), vowel_reward
+    if task == "letter":
+        letter = rng.choice(LETTERS)
+        return f"Write the letter {letter}.", lambda text: letter_reward(text, letter)
+    raise ValueError(f"unknown demo task {task!r}; choose vowels or letter")
 
 
 @dataclass
@@ -49,6 +77,7 @@ class DemoState:
     replica_timeline: dict[str, list[tuple[float, str, int]]] = field(default_factory=lambda: defaultdict(list))
     status: dict = field(default_factory=dict)
     min_serving: int | None = None
+    step_stats: list[dict] = field(default_factory=list)  # the trainer's last step, each new step seen
     max_steps: int | None = None  # stop once the trainer has taken this many steps
     stopped_at: float | None = None  # seconds since start when max_steps was reached
     reward_at_stop: float | None = None  # mean reward of the 30 s before stopped_at
@@ -91,6 +120,7 @@ class DemoState:
                               "n": len(r)} for b, r in sorted(buckets.items())],
             "replica_timeline": {k: [{"t_s": round(t, 2), "state": s, "policy_version": v} for t, s, v in tl]
                                  for k, tl in self.replica_timeline.items()},
+            "steps_seen": self.step_stats,
             "max_steps": self.max_steps,
             "max_steps_reached_at_s": round(self.stopped_at, 2) if self.stopped_at is not None else None,
             "reward_at_max_steps": round(self.reward_at_stop, 4) if self.reward_at_stop is not None else None,
@@ -116,11 +146,12 @@ async def _post_reward(http: httpx.AsyncClient, state: DemoState, cid: str, rewa
 
 
 async def _user(uid: int, client: openai.AsyncOpenAI, http: httpx.AsyncClient, state: DemoState,
-                deadline: float, n: int, max_tokens: int, pending: set) -> None:
-    rng = random.Random(uid)
+                deadline: float, n: int, max_tokens: int, pending: set, task: str = "vowels", seed: int = 0) -> None:
+    rng = random.Random(seed * 1_000_003 + uid)
     while state.running(deadline):
         stream = rng.random() < 0.25
-        messages = [{"role": "user", "content": rng.choice(PROMPTS)}]
+        prompt, reward_of = task_request(task, rng)
+        messages = [{"role": "user", "content": prompt}]
         t0 = time.monotonic()
         try:
             if stream:
@@ -147,7 +178,7 @@ async def _user(uid: int, client: openai.AsyncOpenAI, http: httpx.AsyncClient, s
         state.ok += 1
         state.latencies.append(time.monotonic() - t0)
         state.done_at.append(state.elapsed())
-        rewards = [vowel_reward(t) for t in texts]
+        rewards = [reward_of(t) for t in texts]
         for r in rewards:
             state.reward_by_version[version].append(r)
             state.reward_timeline.append((state.elapsed(), r))
@@ -165,6 +196,9 @@ async def _watch(http: httpx.AsyncClient, state: DemoState, deadline: float) -> 
             await asyncio.sleep(0.5)
             continue
         state.status = st
+        last = st.get("trainer", {}).get("last_step") or {}
+        if last and (not state.step_stats or state.step_stats[-1].get("step") != last.get("step")):
+            state.step_stats.append({"t_s": round(state.elapsed(), 2), **last})
         if state.max_steps and st.get("trainer", {}).get("step", 0) >= state.max_steps:
             state.reward_at_stop = state.recent_reward()
             state.stopped_at = state.elapsed()
@@ -203,16 +237,18 @@ def _view(state: DemoState, duration: float):
 
 
 async def demo_async(url: str, duration: float, users: int, n: int = 4, max_tokens: int = 16,
-                     live: bool = True, api_key: str | None = None, max_steps: int | None = None) -> dict:
+                     live: bool = True, api_key: str | None = None, max_steps: int | None = None,
+                     task: str = "vowels", seed: int = 0) -> dict:
     """Drive the service at ``url`` for ``duration`` seconds with ``users`` concurrent users, or
     until the trainer has taken ``max_steps`` steps.
-    ``api_key``: an admin key (the demo chats and posts rewards) when the service has keys."""
+    ``api_key``: an admin key (the demo chats and posts rewards) when the service has keys.
+    ``task``: ``vowels`` or ``letter`` (module docstring); ``seed``: the users' random choices."""
     state = DemoState(max_steps=max_steps)
     pending: set = set()
     client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=api_key or "demo", max_retries=0, timeout=120)
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     async with httpx.AsyncClient(base_url=url, timeout=60, headers=headers) as http:
-        tasks = [asyncio.create_task(_user(i, client, http, state, duration, n, max_tokens, pending))
+        tasks = [asyncio.create_task(_user(i, client, http, state, duration, n, max_tokens, pending, task, seed))
                  for i in range(users)]
         watcher = asyncio.create_task(_watch(http, state, duration))
         if live:
@@ -235,6 +271,7 @@ async def demo_async(url: str, duration: float, users: int, n: int = 4, max_toke
 
 
 def run_demo(url: str, duration: float, users: int, live: bool = True, api_key: str | None = None,
-             max_steps: int | None = None) -> dict:
+             max_steps: int | None = None, task: str = "vowels", seed: int = 0) -> dict:
     """Synchronous entry point for the CLI."""
-    return asyncio.run(demo_async(url, duration, users, live=live, api_key=api_key, max_steps=max_steps))
+    return asyncio.run(demo_async(url, duration, users, live=live, api_key=api_key, max_steps=max_steps,
+                                  task=task, seed=seed))

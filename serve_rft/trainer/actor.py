@@ -26,6 +26,7 @@ count, the published version and the phase), the model and optimizer `serve_rft.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import time
@@ -38,12 +39,15 @@ from serve_rft.buffer.ready import ReadyStream
 from serve_rft.buffer.store import ExperienceStore
 from serve_rft.config import Config
 from serve_rft.names import NAMESPACE, TRAINER_NAME, get_synchronizer
+from serve_rft.observability.trainer_metrics import STEP_STATS
 from serve_rft.trainer.intake.feed import ExperienceFeed
 from serve_rft.trainer.policy.policy import PolicyTrainer
 from serve_rft.trainer.publishing.publishing import Publishing
 from serve_rft.types import ComponentState, PublishedVersion, RewardedExperience
 
 log = logging.getLogger("serve_rft.trainer")
+steps_log = logging.getLogger("serve_rft.trainer.steps")
+"""The step log: one JSON line per step taken (its statistics, `PolicyTrainer.step`), at INFO."""
 
 
 @ray.remote(num_cpus=1, max_concurrency=256)  # NCCL: every replica may wait in nccl_reserve
@@ -188,6 +192,7 @@ class Trainer:
             stats["policy_version"] = pub.version
             self.metrics.step(stats)
             self.last_stats = stats
+            steps_log.info("%s", json.dumps({k: v for k, v in stats.items() if isinstance(v, (int, float, str))}))
             await sync.set_trainer.remote(ComponentState.RUNNING.value, pub.step_num)
 
     async def _skipped(self, batch: list[RewardedExperience], stats: dict) -> None:
@@ -254,7 +259,9 @@ class Trainer:
         last = st.pop("last") or {}
         for k in ("step", "policy_version", "steps_done", "unacked"):
             st.pop(k)
-        return {**st, "sample_age_s": {k: last.get(f"sample_age_s_{k}") for k in ("mean", "max")}}
+        step = {k: last[k] for k in ("step", *STEP_STATS) if isinstance(last.get(k), (int, float))}
+        return {**st, "sample_age_s": {k: last.get(f"sample_age_s_{k}") for k in ("mean", "max")},
+                "last_step": step}
 
     def latest_published(self) -> PublishedVersion | None:
         """The last version this trainer published (a restarted synchronizer rebuilds from it)."""

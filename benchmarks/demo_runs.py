@@ -12,9 +12,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def demo_report(sets: list[str], duration: float, users: int, max_steps: int | None = None) -> dict:
+def demo_report(sets: list[str], duration: float, users: int, max_steps: int | None = None,
+                task: str = "vowels", seed: int = 0) -> dict:
     """Run `serve-rft demo --no-live` with ``--set`` overrides for ``duration`` seconds (or until
-    the trainer's step ``max_steps``) and return its JSON summary.
+    the trainer's step ``max_steps``) on ``task`` with the users' ``seed``, and return its JSON
+    summary.
 
     Raises:
         RuntimeError: the demo wrote no report (its stderr tail is in the message).
@@ -22,7 +24,8 @@ def demo_report(sets: list[str], duration: float, users: int, max_steps: int | N
     with tempfile.TemporaryDirectory() as tmp:
         report = Path(tmp) / "report.json"
         cmd = [sys.executable, "-m", "serve_rft.cli", "demo", "--duration", str(duration), "--users", str(users),
-               "--no-live", "--report", str(report), "--set", f"service.run_dir={tmp}/run"]
+               "--no-live", "--report", str(report), "--set", f"service.run_dir={tmp}/run", "--task", task,
+               "--seed", str(seed)]
         if max_steps is not None:
             cmd += ["--max-steps", str(max_steps)]
         for s in sets:

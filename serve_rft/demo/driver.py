@@ -78,6 +78,7 @@ class DemoState:
     status: dict = field(default_factory=dict)
     min_serving: int | None = None
     step_stats: list[dict] = field(default_factory=list)  # the trainer's last step, each new step seen
+    trained_timeline: list[tuple[float, int]] = field(default_factory=list)  # (s, experiences trained)
     max_steps: int | None = None  # stop once the trainer has taken this many steps
     stopped_at: float | None = None  # seconds since start when max_steps was reached
     reward_at_stop: float | None = None  # mean reward of the 30 s before stopped_at
@@ -121,6 +122,7 @@ class DemoState:
             "replica_timeline": {k: [{"t_s": round(t, 2), "state": s, "policy_version": v} for t, s, v in tl]
                                  for k, tl in self.replica_timeline.items()},
             "steps_seen": self.step_stats,
+            "trained_timeline": [{"t_s": round(t, 2), "trained": n} for t, n in self.trained_timeline],
             "max_steps": self.max_steps,
             "max_steps_reached_at_s": round(self.stopped_at, 2) if self.stopped_at is not None else None,
             "reward_at_max_steps": round(self.reward_at_stop, 4) if self.reward_at_stop is not None else None,
@@ -182,9 +184,9 @@ async def _user(uid: int, client: openai.AsyncOpenAI, http: httpx.AsyncClient, s
         for r in rewards:
             state.reward_by_version[version].append(r)
             state.reward_timeline.append((state.elapsed(), r))
-        task = asyncio.create_task(_post_reward(http, state, cid, rewards, rng.uniform(0.2, 2.0)))
-        pending.add(task)
-        task.add_done_callback(pending.discard)
+        posting = asyncio.create_task(_post_reward(http, state, cid, rewards, rng.uniform(0.2, 2.0)))
+        pending.add(posting)
+        posting.add_done_callback(pending.discard)
 
 
 async def _watch(http: httpx.AsyncClient, state: DemoState, deadline: float) -> None:
@@ -196,6 +198,9 @@ async def _watch(http: httpx.AsyncClient, state: DemoState, deadline: float) -> 
             await asyncio.sleep(0.5)
             continue
         state.status = st
+        trained = st.get("experiences", {}).get("trained")
+        if isinstance(trained, int) and (not state.trained_timeline or state.trained_timeline[-1][1] != trained):
+            state.trained_timeline.append((state.elapsed(), trained))
         last = st.get("trainer", {}).get("last_step") or {}
         if last and (not state.step_stats or state.step_stats[-1].get("step") != last.get("step")):
             state.step_stats.append({"t_s": round(state.elapsed(), 2), **last})

@@ -10,11 +10,19 @@ tokens per second by the time elapsed on the Redis server's clock (the token buc
 request's cost from both buckets or from neither, atomically (one Lua script). A bucket's key
 expires when it would be full again, so an idle key leaves nothing behind (a full bucket and a
 missing one are the same).
+
+The client's connections are a blocking pool of a fixed size (the replica's concurrency) behind a
+semaphore of the same size: a take waits a bounded time for a free connection and then raises
+`QuotaBusy`, which is not a `RedisError` (a busy replica is not an unreachable Redis; redis-py's
+own pool would raise ``MaxConnectionsError``, a ``ConnectionError``, past its size). While Redis is
+away a replica holds each key to its share of the quota in `LocalBuckets`.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
+import time
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
@@ -97,22 +105,35 @@ class Decision:
     too_large: bool = False
 
 
+class QuotaBusy(Exception):
+    """Every connection of this client stayed in use for the whole wait: the replica is busy,
+    Redis is not away (deliberately not a `RedisError`)."""
+
+
 class QuotaBuckets:
-    """The buckets on one Redis server, through a client of its own that never waits long: a
-    command times out after ``timeout_s`` and is not retried (the caller decides what an
-    unreachable Redis means: `serve_rft.explorer.quota`).
+    """The buckets on one Redis server, through a client of its own that never waits long: at
+    most ``timeout_s`` for a free connection, then at most ``timeout_s`` for Redis, never retried
+    (the caller decides what an unreachable Redis means: `serve_rft.explorer.http.quota`).
 
     Args:
         url: ``redis://[:PASSWORD@]host:port/db`` (``buffer.redis_url``; the embedded
             redis-server's carries its password).
         prefix: key prefix (``buffer.key_prefix``).
-        timeout_s: connect and command timeout, s.
+        timeout_s: bound of the wait for a connection and of one take's Redis call
+            (connect and command), s.
+        max_connections: connections to Redis at most, and takes in flight at most (the
+            replica's concurrency, ``explorer.max_ongoing_requests``).
     """
 
-    def __init__(self, url: str, prefix: str = "srft", timeout_s: float = 0.25):
-        self.redis = aioredis.from_url(url, decode_responses=True, socket_timeout=timeout_s,
-                                       socket_connect_timeout=timeout_s, retry=Retry(NoBackoff(), 0))
+    def __init__(self, url: str, prefix: str = "srft", timeout_s: float = 0.25, max_connections: int = 64):
+        pool = aioredis.BlockingConnectionPool.from_url(
+            url, max_connections=max_connections, timeout=timeout_s, decode_responses=True,
+            socket_timeout=timeout_s, socket_connect_timeout=timeout_s, retry=Retry(NoBackoff(), 0))
+        self.redis = aioredis.Redis(connection_pool=pool)
+        self.redis.auto_close_connection_pool = True  # `close` closes the pool too
         self.p = prefix
+        self.timeout_s = timeout_s
+        self._slots = asyncio.Semaphore(max_connections)
         self._take = self.redis.register_script(QUOTA)
 
     def key(self, scope: str, identity: str) -> str:
@@ -124,15 +145,75 @@ class QuotaBuckets:
         both or neither.
 
         Raises:
-            redis.exceptions.RedisError: Redis unreachable, too slow (``timeout_s``) or refusing.
+            QuotaBusy: no connection came free within ``timeout_s`` (nothing was asked of Redis).
+            redis.exceptions.RedisError: Redis unreachable or refusing.
+            TimeoutError: Redis took longer than ``timeout_s``.
         """
-        allowed, wait_ms, which = await self._take(
-            keys=[self.key(scope, identity)],
-            args=[repr(float(rates.requests_per_s)), repr(float(rates.request_burst)),
-                  repr(float(rates.bytes_per_s)), repr(float(rates.bytes_burst)), str(int(cost_bytes))])
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                await self._slots.acquire()
+        except TimeoutError:
+            raise QuotaBusy(f"no quota connection free within {self.timeout_s} s") from None
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                allowed, wait_ms, which = await self._take(
+                    keys=[self.key(scope, identity)],
+                    args=[repr(float(rates.requests_per_s)), repr(float(rates.request_burst)),
+                          repr(float(rates.bytes_per_s)), repr(float(rates.bytes_burst)),
+                          str(int(cost_bytes))])
+        finally:
+            self._slots.release()
         if allowed:
             return Decision(True)
         return Decision(False, int(wait_ms) / 1000.0, LIMITS[int(which)], too_large=int(which) == 3)
 
     async def close(self) -> None:
         await self.redis.aclose()
+
+
+class LocalBuckets:
+    """One replica's share of every quota, in memory: what holds a key while Redis is away.
+
+    A key's share is its rates and bursts divided by ``replicas`` (so the replicas together allow
+    at most the quota). A share smaller than one request (or than a body the full byte burst
+    admits) would never allow it, so a full bucket always allows one request of any admissible
+    size and goes into debt by the rest, which refills at the share's rate. Entries are kept per
+    (scope, key identity): keys are the configured ones (the check runs after the key check), so
+    they are bounded.
+
+    Args:
+        replicas: the divisor (`serve_rft.explorer.http.quota.QuotaCheck.from_config` says which
+            count).
+        clock: monotonic seconds.
+    """
+
+    def __init__(self, replicas: int, clock=time.monotonic):
+        self.replicas, self.clock = max(1, int(replicas)), clock
+        self._levels: dict[tuple[str, str], list[float]] = {}
+
+    def take(self, scope: str, identity: str, rates: Rates, cost_bytes: int) -> Decision:
+        """Take one request and ``cost_bytes`` bytes from this replica's share of the bucket of
+        (``scope``, ``identity``), both or neither; the same answers as `QuotaBuckets.take`
+        (``rates``: the whole quota, divided here)."""
+        if rates.bytes_per_s > 0 and cost_bytes > rates.bytes_burst:
+            return Decision(False, 0.0, "bytes", too_large=True)
+        n, now = self.replicas, self.clock()
+        rr, br = rates.requests_per_s / n, rates.bytes_per_s / n
+        rsize, bsize = rates.request_burst / n, rates.bytes_burst / n
+        level = self._levels.get((scope, identity))
+        if level is None:
+            r, b = rsize, bsize
+        else:
+            elapsed = max(0.0, now - level[2])
+            r, b = min(rsize, level[0] + elapsed * rr), min(bsize, level[1] + elapsed * br)
+        wait, which = 0.0, None
+        if rr > 0 and r < min(1.0, rsize):
+            wait, which = (min(1.0, rsize) - r) / rr, "requests"
+        if br > 0 and b < min(cost_bytes, bsize):
+            w = (min(cost_bytes, bsize) - b) / br
+            if w > wait:
+                wait, which = w, "bytes"
+        if which is not None:
+            return Decision(False, wait, which)
+        self._levels[(scope, identity)] = [r - 1 if rr > 0 else r, b - cost_bytes if br > 0 else b, now]
+        return Decision(True)

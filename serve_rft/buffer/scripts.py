@@ -22,6 +22,23 @@ end
 local function shared_of(P, cid)
   return redis.call('HGET', P..':cmp:'..cid, 'pr') or redis.call('GET', P..':pr:'..cid)
 end
+
+-- Keep completion cid's record (st: its `state_key`) at least ttl s from now, and the reward infos
+-- it names (info{j} = '@'..h: the JSON once in P:info:{h}) at least as long as the record
+local function keep_for(P, st, cid, ttl)
+  if redis.call('TTL', st) < ttl then redis.call('EXPIRE', st, ttl) end
+  local left = redis.call('TTL', st)
+  local n = tonumber(redis.call('HGET', P..':cmp:'..cid, 'n') or '') or 0
+  if n == 0 then return end
+  local fields = {}
+  for j = 0, n - 1 do fields[#fields + 1] = 'info'..j end
+  for _, ref in ipairs(redis.call('HMGET', st, unpack(fields))) do
+    if ref and string.sub(ref, 1, 1) == '@' then
+      local k = P..':info:'..string.sub(ref, 2)
+      if redis.call('TTL', k) < left then redis.call('EXPIRE', k, left) end
+    end
+  end
+end
 """
 
 # Shared Lua helpers of the ready entries' payload: a completion's shared fields (its record's ``pr``)
@@ -245,7 +262,10 @@ return out
 ALLOW_OOM = "#!lua flags=allow-oom\n"
 
 REWARD = GROUP_HELPERS + """
--- ARGV: P, cid, i, reward, info, now, group_timeout_s, ttl_rewarded, tenant ('' any: an admin)
+-- ARGV: P, cid, i, reward, info, now, group_timeout_s, ttl_rewarded, tenant ('' any: an admin),
+-- info_ref
+-- info: the reward's info JSON ('' none), stored once as P:info:{info_ref} (info_ref: a digest of
+-- it) however many choices a request rewards with it; the choice's info{i} names it ('@'..info_ref)
 -- A completion of another tenant than `tenant` answers 404, as one never logged (a record
 -- without a tenant was logged for the default tenant)
 -- ttl_rewarded = reward_timeout_s + trained_ttl_s: a held member outlives the longest hold of its
@@ -289,9 +309,13 @@ if ver and created then
 end
 local ttl = tonumber(ARGV[8])
 redis.call('HSET', st, 'r'..i, ARGV[4], i, 'rewarded')
-if ARGV[5] ~= '' then redis.call('HSET', st, 'info'..i, ARGV[5]) end
--- the record (with the shared fields) is kept as long as its longest-kept choice
-if redis.call('TTL', st) < ttl then redis.call('EXPIRE', st, ttl) end
+if ARGV[5] ~= '' then
+  local ik = P..':info:'..ARGV[10]
+  if redis.call('EXISTS', ik) == 0 then redis.call('SET', ik, ARGV[5], 'EX', ttl) end
+  redis.call('HSET', st, 'info'..i, '@'..ARGV[10])
+end
+-- the record (with the shared fields) is kept as long as its longest-kept choice, its infos as long
+keep_for(P, st, cid, ttl)
 redis.call('EXPIRE', ek, ttl)
 if st ~= cmp then  -- an earlier schema's keys: the record and the shared fields apart
   for _, k in ipairs({cmp, P..':pr:'..cid}) do

@@ -57,7 +57,7 @@ for _, e in ipairs(free_entries(rk, lim, false, also)) do
     local st = state_key(P, string.sub(m, 1, sep - 1))
     local i = string.sub(m, sep + 1)
     redis.call('HSET', st, i, 'stale-dropped', 'v'..i, ver)
-    if redis.call('TTL', st) < ttl then redis.call('EXPIRE', st, ttl) end
+    keep_for(P, st, string.sub(m, 1, sep - 1), ttl)
     drop_entry(P, e)
     redis.call('HDEL', P..':attempts', e[1])
     n = n + 1
@@ -88,7 +88,7 @@ for j = 0, k - 1 do
     if st then
       redis.call('HSET', st, i, state, 'v'..i, v)
       -- readable trained_ttl_s from now (a state hash that had expired is not left without a TTL)
-      if redis.call('TTL', st) < ttl then redis.call('EXPIRE', st, ttl) end
+      keep_for(P, st, string.sub(m, 1, sep - 1), ttl)
     end
     redis.call('HDEL', P..':attempts', id)
     if state == 'trained' then trained = trained + 1
@@ -127,7 +127,7 @@ for j = 0, k - 1 do
     if sep then
       local st = state_key(P, string.sub(m, 1, sep - 1))
       redis.call('HSET', st, string.sub(m, sep + 1), 'dead-letter')
-      if redis.call('TTL', st) < ttl then redis.call('EXPIRE', st, ttl) end
+      keep_for(P, st, string.sub(m, 1, sep - 1), ttl)
     end
     n = n + 1
   end

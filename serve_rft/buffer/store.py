@@ -28,12 +28,18 @@ key                    type    meaning
                                (pending / rewarded / ready / trained / expired /
                                stale-dropped / backlog-dropped / dead-letter / constrained / greedy),
                                ``r{i}`` reward (repr of a float), ``info{i}`` the reward's
-                               info JSON, ``v{i}`` the policy version that trained (or
+                               info: ``@{h}``, naming ``P:info:{h}`` (a record written
+                               before has the JSON itself), ``v{i}`` the policy version that trained (or
                                dropped) it. Kept as long as its longest-kept choice. Tells
                                404 (never logged, or another tenant's) from 410. A record an
                                earlier schema wrote has the choices' fields in ``P:st:{cid}``
                                and the shared fields in ``P:pr:{cid}``: read and written there
                                (`serve_rft.buffer.scripts.COMPLETION_HELPERS`).
+``P:info:{h}``         string  A reward's ``info`` JSON, once however many choices a request
+                               rewards with it (a conversation's every turn and choice, a
+                               completion's every choice) and for every request that sends the
+                               same; ``h`` = the first 32 hex digits of its SHA-256. Kept as long
+                               as the longest-kept record that names it.
 ``P:grp:{gid}``        hash    Group: ``size`` expected answers (0 = unknown), ``logged``,
                                ``rewarded``, ``expired``, ``first`` reward time,
                                ``released`` (1 once its members went to the ready stream).
@@ -93,6 +99,7 @@ on every read and `counts` calls on every status.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import time
@@ -250,11 +257,12 @@ class ExperienceStore:
         self.check_reward(reward)
         if choice_index < 0:
             raise UnknownChoice(f"no choice {choice_index} in completion {completion_id!r}")
+        text = json.dumps(info) if info is not None else ""
         try:
             status, prev = await self._reward(args=[
-                self.p, completion_id, str(choice_index), repr(float(reward)),
-                json.dumps(info) if info is not None else "", time.time(), self.group_timeout_s,
-                max(1, math.ceil(self.reward_timeout_s + self.trained_ttl_s)), tenant or ""])
+                self.p, completion_id, str(choice_index), repr(float(reward)), text, time.time(),
+                self.group_timeout_s, max(1, math.ceil(self.reward_timeout_s + self.trained_ttl_s)),
+                tenant or "", hashlib.sha256(text.encode()).hexdigest()[:32]])
         except OutOfMemoryError:
             raise StoreFull("the experience store is full (maxmemory); the reward was not "
                             "recorded: retry later") from None
@@ -358,9 +366,12 @@ class ExperienceStore:
         # each choice's own record has its token versions: the shared fields (the record's
         # ``pr``, up to the request's grammar and metadata) are not read
         raws = await self.redis.mget([self._k("exp", completion_id, str(i)) for i in range(n)]) if n else []
+        refs = sorted({x for i in range(n) if (x := st.get(f"info{i}") or "").startswith("@")})
+        infos = dict(zip(refs, await self.redis.mget([self._k("info", x[1:]) for x in refs]))) if refs else {}
         out = []
         for i, raw in enumerate(raws):
             r, info, v = st.get(f"r{i}"), st.get(f"info{i}"), st.get(f"v{i}")
+            info = infos.get(info) if info and info.startswith("@") else info
             out.append(ChoiceState(
                 choice_index=i, state=st.get(str(i), "expired"),
                 reward=float(r) if r is not None else None,

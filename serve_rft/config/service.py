@@ -94,9 +94,10 @@ class QuotasConfig(StrictSection):
     admin: ScopeQuota = Field(default_factory=ScopeQuota, description="Admin routes (status, "
                               "sync operations, API document), per key; unlimited by default.")
     timeout_s: float = Field(
-        0.25, gt=0, le=5.0, description="Bound of one quota check's Redis call, s. Past it (or with "
-        "Redis unreachable) the request is let through unchecked (fail open, counted: "
-        "serve_rft_quota_unchecked_total) and checks pause for a second.")
+        0.25, gt=0, le=5.0, description="Bound of one quota check's wait for a free connection (the "
+        "replica keeps explorer.max_ongoing_requests; none free in time: 429 quota_check_busy) and of its "
+        "Redis call, s. Past it (or with Redis unreachable) each key is held to this replica's share of "
+        "its quota from memory for a second (counted: serve_rft_quota_unchecked_total).")
 
     def scope(self, name: str) -> ScopeQuota:
         """The quota of scope ``name`` (inference / rewards / admin)."""

@@ -46,10 +46,12 @@ class ExplorerMetrics:
         self.throttled = Counter("serve_rft_throttled_total",
                                  description="Requests refused by a per-key quota (429, or 413 for a "
                                  "body over the byte burst), by scope (inference / rewards / admin) "
-                                 "and limit (requests / bytes).", tag_keys=("replica", "scope", "limit"))
+                                 "and limit (requests / bytes; busy: no quota connection free in time).",
+                                 tag_keys=("replica", "scope", "limit"))
         self.quota_unchecked = Counter("serve_rft_quota_unchecked_total",
-                                       description="Requests let through without a quota check because "
-                                       "Redis was unreachable or slow (fail open), by scope.",
+                                       description="Requests not checked against the shared buckets "
+                                       "because Redis was unreachable or slow: held to the replica's "
+                                       "in-memory share of the quota instead, by scope.",
                                        tag_keys=("replica", "scope"))
 
     def request(self, route: str, status: int, seconds: float) -> None:
@@ -58,8 +60,8 @@ class ExplorerMetrics:
             self.latency.observe(seconds, tags={**self.tags, "route": route})
 
     def quota(self, scope: str, limit: str | None) -> None:
-        """A quota refusal on ``scope`` by ``limit`` (requests / bytes); None: a request let
-        through unchecked (Redis away)."""
+        """A quota refusal on ``scope`` by ``limit`` (requests / bytes / busy); None: a request
+        decided by the replica's share (Redis away)."""
         if limit is None:
             self.quota_unchecked.inc(tags={**self.tags, "scope": scope})
         else:

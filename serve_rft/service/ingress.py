@@ -44,8 +44,17 @@ from serve_rft.explorer.http.ingress_mode import HAPROXY_FLAG, REQUEST_ID_HEADER
 # refuses a request at most once (`WeightSwap.admission`): a refusal re-sent to a dead or refusing
 # peer comes back and is held. Ray's template sets x-request-id only with its ingress request
 # router, which serve_rft does not use (Serve then makes a new id per attempt).
+# ``timeout http-request``: Ray's template sets none, so a client that never finishes its headers
+# held a connection for ``timeout client`` (3,600 s), and ~4,100 of them (``maxconn`` 4,096) held
+# the front door. HAProxy ends a request whose headers (and, with ``http-buffer-request``, the
+# part of the body that fits its buffer) have not arrived within `HTTP_REQUEST_TIMEOUT_S` with 408.
+HTTP_REQUEST_TIMEOUT_S = 10
+"""HAProxy's ``timeout http-request`` (in `RETRY_ON`), s: a client's time to send its request's
+headers (and its body's first 16 KiB). An operator's own ``RAY_SERVE_HAPROXY_RETRY_ON`` sets
+another."""
 RETRY_ON = ("conn-failure empty-response 503\n    option http-buffer-request\n"
-            f"    unique-id-format %[uuid]\n    unique-id-header {REQUEST_ID_HEADER}")
+            f"    unique-id-format %[uuid]\n    unique-id-header {REQUEST_ID_HEADER}\n"
+            f"    timeout http-request {HTTP_REQUEST_TIMEOUT_S}s")
 
 
 # Ray Serve keeps a stopping ingress replica (direct ingress) and a draining proxy open for at
@@ -87,21 +96,28 @@ def haproxy_threads(cores: int) -> int:
 
 def haproxy_node_dirs(node_id: str) -> set[Path]:
     """The folders in which Ray Serve's HAProxy manager keeps its config, admin socket and server
-    state for the Ray node ``node_id``: ``/tmp/haproxy-serve/<node id>`` with Ray's defaults (each
-    ``RAY_SERVE_HAPROXY_*`` path of ``ray.serve._private.constants`` with the node's id inserted
-    before the file name, as the manager's ``_per_node`` in ``ray/serve/_private/haproxy.py``
-    does: check it there on a Ray upgrade). Ray leaves them when the node stops."""
+    state for the Ray node ``node_id``: ``<HAProxy folder>/<node id>`` (each ``RAY_SERVE_HAPROXY_*``
+    path with the node's id inserted before the file name, as the manager's ``_per_node`` in
+    ``ray/serve/_private/haproxy.py`` does: check it there on a Ray upgrade). Ray leaves them
+    when the node stops."""
     return {base / node_id for base in haproxy_base_dirs()}
+
+
+def _haproxy_setting(name: str) -> str:
+    """Ray's setting ``name`` as a Ray started from this process now reads it: this process's
+    environment (`serve_rft.service.haproxy_home` sets it before Ray starts), else Ray's default."""
+    from ray.serve._private import constants as c
+
+    return os.environ.get(name) or getattr(c, name)
 
 
 def haproxy_base_dirs() -> set[Path]:
     """The folders under which Ray Serve's HAProxy manager makes one folder per node
-    (`haproxy_node_dirs`): ``/tmp/haproxy-serve`` with Ray's defaults."""
-    from ray.serve._private import constants as c
-
-    files = (c.RAY_SERVE_HAPROXY_CONFIG_FILE_LOC, c.RAY_SERVE_HAPROXY_SOCKET_PATH,
-             c.RAY_SERVE_HAPROXY_SERVER_STATE_FILE, c.RAY_SERVE_HAPROXY_METRICS_SOCKET_PATH)
-    return {Path(os.path.dirname(f)) for f in files} | {Path(c.RAY_SERVE_HAPROXY_SERVER_STATE_BASE)}
+    (`haproxy_node_dirs`): the service's HAProxy folder (`serve_rft.service.haproxy_home`) once
+    its settings are in the environment; ``/tmp/haproxy-serve`` with Ray's defaults."""
+    files = map(_haproxy_setting, ("RAY_SERVE_HAPROXY_CONFIG_FILE_LOC", "RAY_SERVE_HAPROXY_SOCKET_PATH",
+                                   "RAY_SERVE_HAPROXY_SERVER_STATE_FILE", "RAY_SERVE_HAPROXY_METRICS_SOCKET_PATH"))
+    return {Path(os.path.dirname(f)) for f in files} | {Path(_haproxy_setting("RAY_SERVE_HAPROXY_SERVER_STATE_BASE"))}
 
 
 def _admin_socket_refuses(sock_path: Path) -> bool:
@@ -162,7 +178,8 @@ def remove_dead_haproxy_dirs(socket_path: Path | None = None, bases: set[Path] |
     whoever owns it; a folder that cannot be removed is left.
 
     Args:
-        socket_path: Ray's admin socket path without the node id (default: Ray's setting).
+        socket_path: Ray's admin socket path without the node id (default: the setting in this
+            process's environment, else Ray's).
         bases: the folders holding per-node folders (default: `haproxy_base_dirs`).
         grace_s: seconds a folder without a socket or a manager's files is given (see above).
         now: the current time (seconds since the epoch), for tests.
@@ -173,9 +190,7 @@ def remove_dead_haproxy_dirs(socket_path: Path | None = None, bases: set[Path] |
     import shutil
     import time
 
-    from ray.serve._private import constants as c
-
-    socket_path = Path(c.RAY_SERVE_HAPROXY_SOCKET_PATH) if socket_path is None else socket_path
+    socket_path = Path(_haproxy_setting("RAY_SERVE_HAPROXY_SOCKET_PATH")) if socket_path is None else socket_path
     bases = haproxy_base_dirs() if bases is None else bases
     now = time.time() if now is None else now
     try:
@@ -210,9 +225,11 @@ def haproxy_env() -> dict[str, str]:
     """The environment that puts a Ray cluster started from this process in HAProxy mode.
 
     Ports HAProxy and the fallback proxy would otherwise take at fixed numbers (stats 8404,
-    Prometheus exporter 9101, fallback proxy 8500; HAProxy binds them on every interface) are
-    free ones, so several stacks can share a machine. ``retry-on conn-failure empty-response 503`` + ``option
-    http-buffer-request`` (`RETRY_ON`) make HAProxy re-send a request a draining replica refused
+    Prometheus exporter 9101, fallback proxy 8500) are free ones, so several stacks can share a
+    machine (where HAProxy's files live and which address stats and exporter bind:
+    `serve_rft.service.haproxy_home`). A request must arrive within `HTTP_REQUEST_TIMEOUT_S`.
+    ``retry-on conn-failure empty-response 503`` + ``option http-buffer-request`` (`RETRY_ON`)
+    make HAProxy re-send a request a draining replica refused
     (nothing was processed). HAProxy re-sends only a request that was whole in its 16 KiB buffer
     (``tune.bufsize``); a replica holds a larger one instead of refusing it
     (`serve_rft.explorer.http.ingress_mode.fits_a_retry`). HAProxy's own per-request

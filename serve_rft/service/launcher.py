@@ -34,6 +34,7 @@ from serve_rft.buffer.redis_server import RedisSupervisor, free_port
 from serve_rft.config import Config
 from serve_rft.config.service import check_exposure
 from serve_rft.names import SYNCHRONIZER_NAME, TRAINER_NAME, find_actor, get_trainer
+from serve_rft.service.haproxy_home import haproxy_folder, home_env
 from serve_rft.service.ingress import (DRAIN_ENV, HAPROXY_FLAG, haproxy_env, haproxy_node_dirs,
                                       remove_dead_haproxy_dirs)
 from serve_rft.model.embedded import resolve_model_path
@@ -76,6 +77,7 @@ class ServiceStack:
         self.model_path: Path | None = None
         self.started_ray = False
         self.haproxy_dirs: set[Path] = set()  # Ray's HAProxy folders of the node this process started
+        self.haproxy_home: Path | None = None  # the private folder holding them (haproxy_home.py)
         self.metrics_url = ""  # Ray's Prometheus endpoint when this process started Ray
         self.startup_seconds = 0.0
         self.ray_address = ""
@@ -136,6 +138,10 @@ class ServiceStack:
                 if cfg.service.ingress == "haproxy":
                     for key, value in haproxy_env().items():
                         os.environ.setdefault(key, value)
+                    # its files in a folder only this user enters; stats and exporter on service.host
+                    self.haproxy_home = haproxy_folder(run_dir)
+                    for key, value in home_env(self.haproxy_home, cfg.service.host, os.environ).items():
+                        os.environ.setdefault(key, value)
                     if gone := remove_dead_haproxy_dirs():
                         log.info("removed %d folders of HAProxy instances that no longer run", len(gone))
                 else:
@@ -186,7 +192,8 @@ class ServiceStack:
 
     def stop(self) -> None:
         """Shut down Serve and the actors, the Ray cluster we started (with the folders Ray's
-        HAProxy manager leaves: `serve_rft.service.ingress.haproxy_node_dirs`), and our
+        HAProxy manager leaves, `serve_rft.service.ingress.haproxy_node_dirs`, and the private
+        folder holding them, `serve_rft.service.haproxy_home`), and our
         redis-server; logs each phase's seconds (INFO)."""
         try:
             import ray
@@ -212,6 +219,11 @@ class ServiceStack:
                             ray.shutdown()
                         for d in self.haproxy_dirs:
                             shutil.rmtree(d, ignore_errors=True)
+                        if self.haproxy_home is not None:  # with the wrapper; the next start makes it again
+                            shutil.rmtree(self.haproxy_home, ignore_errors=True)
+                            link = Path(self.cfg.service.run_dir) / "haproxy"
+                            if link.is_symlink():
+                                link.unlink()
         finally:
             if self.redis is not None:
                 with _timed("redis-server"):

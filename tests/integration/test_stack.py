@@ -629,18 +629,35 @@ def test_haproxy_is_the_ingress_and_is_configured_to_re_send_refusals(stack):
     """The default ingress: Ray Serve's HAProxy owns the service port and its rendered config
     retries a 503 on another replica and buffers the whole request first
     (serve_rft/service/ingress.py). That refusals are in fact re-sent is shown by
-    test_a_drained_replica_refuses_and_haproxy_resends_every_request."""
+    test_a_drained_replica_refuses_and_haproxy_resends_every_request. Its files are in the run
+    dir's 0700 HAProxy folder, the admin socket 0600, stats and exporter bound to the service
+    host, a request timeout set (serve_rft/service/haproxy_home.py; EACCES for another user and
+    the timeout's 408: tests/unit/test_haproxy_home.py)."""
     from serve_rft.service.ingress import RETRY_ON
     import glob
+    import os
+    import re
+    import stat
     from pathlib import Path
 
     port = stack.url.rsplit(":", 1)[1]
-    newest_first = sorted(glob.glob("/tmp/haproxy-serve/*/haproxy.cfg"), key=lambda p: -Path(p).stat().st_mtime)
-    ours = [c for c in map(lambda p: Path(p).read_text(), newest_first) if f"bind 127.0.0.1:{port}\n" in c]
+    deadline = time.monotonic() + 30  # Serve writes a replica into HAProxy's config after it runs
+    while True:
+        newest_first = sorted(glob.glob(f"{stack.run_dir}/haproxy/*/haproxy.cfg"), key=lambda p: -Path(p).stat().st_mtime)
+        ours = [c for c in map(lambda p: Path(p).read_text(), newest_first) if f"bind 127.0.0.1:{port}\n" in c]
+        if (ours and ours[0].count("server SERVE_REPLICA") == 2) or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
     assert ours, f"no HAProxy config binds port {port}"
     assert f"retry-on {RETRY_ON}\n" in ours[0]
     assert "option redispatch 1" in ours[0]
     assert ours[0].count("server SERVE_REPLICA") == 2  # both replicas behind it
+    assert stat.S_IMODE(os.stat(stack.run_dir / "haproxy").st_mode) == 0o700
+    (sock,) = re.findall(r"stats socket (\S+) mode 600 level admin", ours[0])
+    assert stat.S_IMODE(os.stat(sock).st_mode) == 0o600
+    binds = re.findall(r"^\s*bind (\S+)$", ours[0], re.M)
+    assert binds and all(b.startswith("127.0.0.1:") for b in binds), binds  # none on every interface
+    assert "timeout http-request 10s" in ours[0]
 
 
 def test_replica_log_records_reach_their_files_not_memory(stack):

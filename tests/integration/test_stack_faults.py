@@ -214,7 +214,7 @@ def test_a_corrupted_version_is_quarantined_while_traffic_continues_and_the_next
 def _replica_ports(stack) -> dict[str, int]:
     """Replica id -> its own HTTP port, from the HAProxy config that binds the service port."""
     port = stack.url.rsplit(":", 1)[1]
-    for path in sorted(glob.glob("/tmp/haproxy-serve/*/haproxy.cfg"), key=lambda p: -Path(p).stat().st_mtime):
+    for path in sorted(glob.glob(f"{stack.run_dir}/haproxy/*/haproxy.cfg"), key=lambda p: -Path(p).stat().st_mtime):
         text = Path(path).read_text()
         if f"bind 127.0.0.1:{port}\n" in text:
             out = {}

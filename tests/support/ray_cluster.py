@@ -27,6 +27,7 @@ from pathlib import Path
 import psutil
 
 from serve_rft.buffer.redis_server import free_port
+from serve_rft.service.haproxy_home import home_env, private_dir
 from serve_rft.service.ingress import DRAIN_ENV, haproxy_env, remove_dead_haproxy_dirs
 from serve_rft.service.launcher import TASK_EVENTS_ENV
 
@@ -151,6 +152,9 @@ class RayCluster:
             args += ["--address", self.address]
         log_path = self.workdir / f"node-{name}.log"
         env = {**self.env, **haproxy_env()}  # each node's own stats / exporter / fallback ports
+        folder = Path(self.temp_dir) / f"haproxy{k}"  # each node's HAProxy files, 0700 (gone with temp_dir)
+        private_dir(folder)
+        env |= home_env(folder, "127.0.0.1", env)
         proc = subprocess.Popen(args, stdout=open(log_path, "w"), stderr=subprocess.STDOUT,
                                 start_new_session=True, env=env, cwd=self.workdir)
         node = RayNode(name, proc, log_path)

@@ -1,7 +1,8 @@
 """Per-key quotas: the token-bucket script against a real redis-server (burst, refusal with the
 right wait, refill by Redis TIME, independent keys, expiry, byte cost), and the check a replica
 runs after the key check (429 + Retry-After as OpenAI error JSON over the replica's app, the
-body cost of a chunked request, fail open when Redis is away).
+body cost of a chunked request, 256 checks at once, the replica's share while Redis is away or
+slow, 429 while every quota connection is in use).
 
 The buckets refill by the Redis server's clock while a test runs, and a loaded host can take
 seconds between two takes. So every expected wait or TTL is "the value at the first take, less
@@ -23,9 +24,8 @@ from types import SimpleNamespace
 import pytest
 from starlette.requests import Request
 
-from serve_rft.buffer.quota import Decision, QuotaBuckets, Rates, key_identity
+from serve_rft.buffer.quota import Decision, LocalBuckets, QuotaBuckets, Rates, key_identity
 from serve_rft.config.service import QuotasConfig
-from serve_rft.explorer.http import quota as quota_module
 from serve_rft.explorer.http.auth import ApiKeys
 from serve_rft.explorer.http.body import read_body
 from serve_rft.explorer.http.protocol import ApiError
@@ -316,43 +316,160 @@ class CountingBuckets(QuotaBuckets):
         return await super().take(*args)
 
 
-def test_redis_away_fails_open_after_the_timeout_then_pauses_and_is_counted(monkeypatch):
+def test_redis_away_holds_each_key_to_this_replicas_share_then_redis_is_tried_again():
     """A Redis that accepts the connection and never answers (a listening socket nobody reads):
-    the request passes, counted, when ``timeout_s`` ends the try; for ``PAUSE_AFTER_FAILURE_S``
-    (on the check's clock, stepped by the test) requests pass, counted, without trying Redis;
-    after the pause Redis is tried again."""
+    after ``timeout_s`` the check falls back to the replica's share (1 request/s with a burst of 4
+    over 2 replicas: a burst of 2 at 0.5/s), counted as unchecked, and pauses Redis; every key,
+    not only the one whose check failed, is held to its share meanwhile; after
+    ``PAUSE_AFTER_FAILURE_S`` (on the check's clock, stepped by the test) Redis is tried again."""
     silent = socket.socket()
     silent.bind(("127.0.0.1", 0))
     silent.listen(8)
     clock = SimpleNamespace(now=1000.0)
-    monkeypatch.setattr(quota_module, "time", SimpleNamespace(monotonic=lambda: clock.now))
     metrics = Metrics()
-    quotas = _quotas(inference={"requests_per_s": 1.0}, timeout_s=0.2)
+    quotas = _quotas(inference={"requests_per_s": 1.0, "request_burst": 4}, timeout_s=0.2)
     buckets = CountingBuckets(f"redis://127.0.0.1:{silent.getsockname()[1]}", "x", 0.2)
+    check = QuotaCheck(quotas, KEYS, buckets, metrics, replicas=2, clock=lambda: clock.now)
+
+    async def attempt(key):
+        try:
+            await check.check(_request("/v1/chat/completions", key))
+            return "ok"
+        except ApiError as e:
+            return (e.status, e.code, e.retry_after)
+
+    async def go():
+        t0 = time.monotonic()
+        first = await attempt("inf")  # tries Redis, times out: the share decides
+        took = time.monotonic() - t0
+        paused = [await attempt("inf"), await attempt("inf"), await attempt("inf2"), await attempt("inf2"),
+                  await attempt("inf2")]
+        tries = [buckets.takes]
+        clock.now += 2.0  # past the pause, and one share token refilled (0.5/s)
+        again = await attempt("inf")
+        tries.append(buckets.takes)
+        await check.close()
+        return first, paused, again, took, tries
+
+    try:
+        first, paused, again, took, tries = run(go())
+    finally:
+        silent.close()
+    refused = (429, "rate_limit_exceeded", 2)  # one request at 0.5/s
+    assert first == "ok" and paused == ["ok", refused, "ok", "ok", refused]
+    assert again == "ok" and tries == [1, 2]  # tried once, paused, tried again (and failed again)
+    assert took < 10.0  # bounded by the timeout, not hung (no speed target)
+    unchecked = [c for c in metrics.calls if c[1] is None]
+    assert len(unchecked) == 7 and ("inference", "requests") in metrics.calls
+
+
+def _config_256(redis_url, prefix, **over):
+    from serve_rft.config import load_config
+
+    sets = {"service.api_keys": "[inf,inf2]", "service.admin_keys": "[adm]",
+            "service.quotas.inference.requests_per_s": "1", "service.quotas.inference.request_burst": "1",
+            "service.quotas.timeout_s": "2.0", "explorer.max_ongoing_requests": "256",
+            "buffer.redis_url": redis_url, "buffer.key_prefix": prefix, **over}
+    return load_config(None, [f"{k}={v}" for k, v in sets.items()])
+
+
+async def _concurrent(check, n, key="inf"):
+    """``n`` checks at once: how many passed, were refused (429) and the seconds they took."""
+    async def one():
+        try:
+            await check.check(_request("/v1/chat/completions", key))
+            return True
+        except ApiError as e:
+            assert e.status == 429 and e.code == "rate_limit_exceeded", e.body()
+            return False
+
+    t0 = time.monotonic()
+    out = await asyncio.gather(*(one() for _ in range(n)))
+    return sum(out), time.monotonic() - t0
+
+
+def test_256_concurrent_checks_of_a_1_per_s_key_let_its_burst_through(redis_server, prefix):
+    """A replica configured for 256 requests at once (`QuotaCheck.from_config`): 256 concurrent
+    checks of a key at 1 request/s with a burst of 1 pass its burst (plus what refilled while they
+    ran, at 1/s) and are every one checked against Redis (redis-py's default pool of 100 would
+    raise on the 101st connection and let the rest through unchecked)."""
+    metrics = Metrics()
+    check = QuotaCheck.from_config(_config_256(redis_server.url, prefix), KEYS, metrics)
+
+    async def go():
+        out = await _concurrent(check, 256)
+        await check.close()
+        return out
+
+    passed, elapsed = run(go())
+    assert 1 <= passed <= 1 + math.floor(elapsed), (passed, elapsed)
+    assert [c for c in metrics.calls if c[1] is None] == []
+    assert metrics.calls.count(("inference", "requests")) == 256 - passed
+
+
+def test_a_slow_redis_holds_keys_to_the_replicas_share(redis_server, prefix):
+    """Redis paused (``CLIENT PAUSE``) past the check's timeout: 256 concurrent checks of a key at
+    1 request/s with a burst of 1 on one replica pass its share's burst (1, plus what refilled
+    while they ran), not every request."""
+    import redis
+
+    metrics = Metrics()
+    cfg = _config_256(redis_server.url, prefix, **{"service.quotas.timeout_s": "0.2",
+                                                   "explorer.num_replicas": "1"})
+    check = QuotaCheck.from_config(cfg, KEYS, metrics)
+    admin = redis.Redis.from_url(redis_server.url)
+
+    async def go():
+        out = await _concurrent(check, 256)
+        await check.close()
+        return out
+
+    admin.execute_command("CLIENT", "PAUSE", 1500, "ALL")  # past every check's 0.2 s
+    try:
+        passed, elapsed = run(go())
+    finally:
+        admin.execute_command("CLIENT", "UNPAUSE")
+        admin.close()
+    assert 1 <= passed <= 1 + math.floor(elapsed), (passed, elapsed)
+    assert len([c for c in metrics.calls if c[1] is None]) == 256
+
+
+def test_all_quota_connections_in_use_is_429_busy_not_redis_away(redis_server, prefix):
+    """A replica whose every quota connection stays in use past the wait answers 429
+    ``quota_check_busy`` with Retry-After 1; nothing passes unchecked."""
+    metrics = Metrics()
+    quotas = _quotas(inference={"requests_per_s": 1.0}, timeout_s=0.1)
+    buckets = QuotaBuckets(redis_server.url, prefix, 0.1, max_connections=2)
     check = QuotaCheck(quotas, KEYS, buckets, metrics)
 
     async def go():
-        tries = []
-        t0 = time.monotonic()
-        await check.check(_request("/v1/chat/completions", "inf"))
-        took = time.monotonic() - t0
-        tries.append(buckets.takes)
-        clock.now += PAUSE_AFTER_FAILURE_S - 0.01
-        await check.check(_request("/v1/chat/completions", "inf"))
-        tries.append(buckets.takes)
-        clock.now += 0.02
-        await check.check(_request("/v1/chat/completions", "inf"))
-        tries.append(buckets.takes)
+        for _ in range(2):  # both connections taken by checks still in flight
+            await buckets._slots.acquire()
+        with pytest.raises(ApiError) as e:
+            await check.check(_request("/v1/chat/completions", "inf"))
+        buckets._slots.release()
+        await check.check(_request("/v1/chat/completions", "inf"))  # a slot free again: checked
         await check.close()
-        return took, tries
+        return e.value
 
-    try:
-        took, tries = run(go())
-    finally:
-        silent.close()
-    assert tries == [1, 1, 2]  # tried, paused (not tried), tried again
-    assert took < 10.0  # bounded by the timeout, not hung (no speed target)
-    assert metrics.calls == [("inference", None)] * 3
+    e = run(go())
+    assert (e.status, e.code, e.retry_after) == (429, "quota_check_busy", 1)
+    assert e.body()["error"]["type"] == "requests"
+    assert metrics.calls == [("inference", "busy")]
+
+
+def test_the_share_of_a_body_larger_than_it_is_allowed_on_a_full_bucket():
+    """While Redis is away a body within the byte burst but over the replica's share still passes
+    on a full bucket (then the share's debt refills at its rate); over the burst: too large."""
+    clock = SimpleNamespace(now=0.0)
+    local = LocalBuckets(4, clock=lambda: clock.now)
+    rates = Rates(0.0, 0, 100.0, 1000)  # share: 25 B/s, 250 B
+    assert local.take("rewards", "k", rates, 900).allowed
+    d = local.take("rewards", "k", rates, 10)
+    assert not d.allowed and d.limit == "bytes" and d.wait_s == pytest.approx((650 + 10) / 25)
+    clock.now += (650 + 10) / 25
+    assert local.take("rewards", "k", rates, 10).allowed
+    assert local.take("rewards", "k", rates, 1001).too_large
 
 
 def test_over_the_replicas_app_a_throttled_key_gets_429_json_and_another_key_is_served(redis_server, prefix):

@@ -68,3 +68,65 @@ def test_a_refused_non_finite_reward_has_a_json_result(redis_server):
         json.dumps(results, allow_nan=False)
         await store.close()
     asyncio.run(go())
+
+
+def _used_memory(url) -> int:
+    import redis
+
+    r = redis.Redis.from_url(url)
+    try:
+        return r.info("memory")["used_memory"]
+    finally:
+        r.close()
+
+
+def test_a_conversation_rewards_info_is_stored_once_however_many_choices_it_reaches(redis_server):
+    """A conversation of 256 turns of 16 choices rewarded with a 16 KiB ``info`` (one ~16 KB
+    request reaching 4,096 choices, which once stored 4,096 copies, 65 MiB): what the info adds to
+    Redis, against the same request without it, stays under 1 MiB; every choice still reads it
+    back, and the info outlives its records."""
+    turns, n = 256, 16
+    info = {"judge": "x" * (16 * 1024 - 20)}
+
+    async def growth(with_info: bool):
+        store = ExperienceStore(redis_server.url, prefix=f"t{uuid.uuid4().hex[:8]}")
+        for t in range(turns):
+            await store.log_experiences([experience(f"chatcmpl-{t}", i) for i in range(n)], conversation_id="c")
+        before = _used_memory(redis_server.url)
+        body = {"conversation_id": "c", "reward": 1.0, **({"info": info} if with_info else {})}
+        results = await _post(store, body)
+        grew = _used_memory(redis_server.url) - before
+        assert [r["status"] for r in results] == ["recorded"] * turns * n
+        return store, grew
+
+    async def go():
+        plain, without = await growth(False)
+        await plain.close()
+        store, grew = await growth(True)
+        assert grew - without < 2**20, (grew, without)
+        for cid in ("chatcmpl-0", f"chatcmpl-{turns - 1}"):
+            assert [c.info for c in await store.choices(cid)] == [info] * n
+        (key,) = await store.redis.keys(f"{store.p}:info:*")
+        assert await store.redis.ttl(key) >= await store.redis.ttl(f"{store.p}:cmp:chatcmpl-0")
+        await store.close()
+    asyncio.run(go())
+
+
+def test_a_record_kept_longer_after_training_keeps_its_info(redis_server):
+    """Training a choice keeps its record ``trained_ttl_s`` from then: the info it names is kept
+    as long (it would otherwise expire first and read back as none)."""
+    async def go():
+        store = ExperienceStore(redis_server.url, prefix=f"t{uuid.uuid4().hex[:8]}", trained_ttl_s=7200.0,
+                                reward_timeout_s=60.0)
+        await store.log_experiences([experience("chatcmpl-a", 0)])
+        assert await store.post_reward("chatcmpl-a", 0, 1.0, info={"judge": "y"})
+        (key,) = await store.redis.keys(f"{store.p}:info:*")
+        for k in (key, f"{store.p}:cmp:chatcmpl-a"):
+            await store.redis.expire(k, 5)  # as if the reward were old
+        await store.ready.ensure_group()
+        batch = await store.ready.read_ready("t", 10, block_ms=10)
+        assert await store.ready.ack(batch, version=1) == (1, 0)
+        assert await store.redis.ttl(key) > 7000
+        assert [c.info for c in await store.choices("chatcmpl-a")] == [{"judge": "y"}]
+        await store.close()
+    asyncio.run(go())

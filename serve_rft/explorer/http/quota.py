@@ -13,17 +13,20 @@ https://platform.openai.com/docs/guides/error-codes, "429 - Rate limit reached f
 body's shape as OpenAI sends it is quoted in github.com/Huanshere/VideoLingo/issues/34). A body
 larger than the byte burst can never fit: 413 ``body_over_quota``.
 
-Redis away: fail open. The quota keeps one caller from filling the store the tenants share and
-from starving them; while Redis is unreachable nothing is being stored (chat is answered unlogged,
-rewards get 504), and refusing every request then would turn a store outage into a service
-outage. The check is bounded (``quotas.timeout_s``), counted (``serve_rft_quota_unchecked_total``)
-and skipped for a second after a failure, so an outage adds at most one timeout per second per
-replica to the latency.
+Redis away: fail safe. While the shared buckets cannot be reached (unreachable, refusing, or one
+check slower than ``quotas.timeout_s``) each replica holds every key to its share of the quota
+(the quota divided by the replicas, `serve_rft.buffer.quota.LocalBuckets`) from memory, counted
+(``serve_rft_quota_unchecked_total``: not checked against the shared buckets); after a failure the
+replica stays on its share for a second before trying Redis again, so an outage adds at most one
+timeout per second per replica to the latency. Refusing every request instead would turn a store
+outage into a service outage; passing every request would let one key take every replica (and
+did, past redis-py's default pool of 100 connections). A replica whose quota connections are all
+in use (``explorer.max_ongoing_requests`` of them) is busy, not cut off from Redis: a request that
+finds none free within ``quotas.timeout_s`` gets 429 ``quota_check_busy`` with ``Retry-After: 1``.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import math
 import time
@@ -31,14 +34,15 @@ import time
 from redis.exceptions import RedisError
 from starlette.requests import Request
 
-from serve_rft.buffer.quota import QuotaBuckets, Rates, key_identity
+from serve_rft.buffer.quota import LocalBuckets, QuotaBuckets, QuotaBusy, Rates, key_identity
 from serve_rft.explorer.http.auth import ApiKeys, required_scope
 from serve_rft.explorer.http.body import MAX_BODY_BYTES, read_body
 from serve_rft.explorer.http.protocol import ApiError
 
 log = logging.getLogger("serve_rft.explorer.http.quota")
 PAUSE_AFTER_FAILURE_S = 1.0
-"""After a failed check, requests pass unchecked this long before Redis is tried again, s."""
+"""After a failed check, requests are held to the replica's share this long before Redis is tried
+again, s."""
 
 
 def bearer_key(authorization: str | None) -> str | None:
@@ -75,20 +79,32 @@ class QuotaCheck:
         keys: the service's keys (no keys: no caller identity, no quota).
         buckets: the shared buckets (None: no quota).
         metrics: has ``quota(scope, limit)`` (`serve_rft.observability.explorer_metrics`).
+        replicas: the divisor of a key's share while Redis is away.
+        clock: monotonic seconds (the pause and the replica's share).
     """
 
-    def __init__(self, quotas, keys: ApiKeys, buckets: QuotaBuckets | None, metrics):
+    def __init__(self, quotas, keys: ApiKeys, buckets: QuotaBuckets | None, metrics, replicas: int = 1,
+                 clock=time.monotonic):
         self.quotas, self.keys, self.buckets, self.metrics = quotas, keys, buckets, metrics
+        self.local = LocalBuckets(replicas, clock)
+        self.clock = clock
         self._paused_until = 0.0
 
     @classmethod
     def from_config(cls, cfg, keys: ApiKeys, metrics) -> "QuotaCheck":
         """The check of a `serve_rft.config.Config`: buckets on ``buffer.redis_url`` when keys
-        and a limit are configured."""
-        quotas = cfg.service.quotas
+        and a limit are configured, with one connection per request a replica runs at once
+        (``explorer.max_ongoing_requests``). A key's share while Redis is away divides by the
+        most replicas the deployment may run (``explorer.autoscaling.max_replicas``, else
+        ``explorer.num_replicas``): the config is what every replica knows without asking Redis
+        or Serve, and the largest count keeps the replicas together within the quota (with
+        fewer running, a key gets less than its quota during the outage, never more)."""
+        quotas, ecfg = cfg.service.quotas, cfg.explorer
         on = keys.enabled and quotas.limited
-        buckets = QuotaBuckets(cfg.buffer.redis_url, cfg.buffer.key_prefix, quotas.timeout_s) if on else None
-        return cls(quotas, keys, buckets, metrics)
+        buckets = QuotaBuckets(cfg.buffer.redis_url, cfg.buffer.key_prefix, quotas.timeout_s,
+                               max_connections=ecfg.max_ongoing_requests) if on else None
+        replicas = ecfg.autoscaling.max_replicas if ecfg.autoscaling is not None else ecfg.num_replicas
+        return cls(quotas, keys, buckets, metrics, replicas=replicas)
 
     def rates(self, scope: str) -> Rates:
         """The limits of ``scope`` from the config."""
@@ -99,9 +115,10 @@ class QuotaCheck:
         """Charge ``request`` to its key (call after `ApiKeys.check` allowed it).
 
         Raises:
-            ApiError: 429 ``rate_limit_exceeded`` with ``retry_after`` (a bucket is short); 413
-                ``body_too_large`` / ``body_over_quota`` (larger than any request / than the
-                byte burst).
+            ApiError: 429 ``rate_limit_exceeded`` with ``retry_after`` (a bucket is short, or this
+                replica's share of it while Redis is away); 429 ``quota_check_busy`` (no quota
+                connection free in time); 413 ``body_too_large`` / ``body_over_quota`` (larger
+                than any request / than the byte burst).
         """
         scope = required_scope(request.url.path)
         key = bearer_key(request.headers.get("authorization"))
@@ -111,18 +128,21 @@ class QuotaCheck:
         if not rates.limited:
             return
         cost = await body_bytes(request) if rates.bytes_per_s > 0 else 0
-        if time.monotonic() < self._paused_until:
-            self.metrics.quota(scope, None)
-            return
-        try:
-            decision = await asyncio.wait_for(self.buckets.take(scope, key_identity(key), rates, cost),
-                                              self.quotas.timeout_s)
-        except (RedisError, asyncio.TimeoutError) as e:
-            self._paused_until = time.monotonic() + PAUSE_AFTER_FAILURE_S
-            self.metrics.quota(scope, None)
-            log.warning("quota check skipped (Redis: %r); requests pass unchecked for %.0f s",
-                        e, PAUSE_AFTER_FAILURE_S)
-            return
+        identity = key_identity(key)
+        if self.clock() < self._paused_until:
+            decision = self._local(scope, identity, rates, cost)
+        else:
+            try:
+                decision = await self.buckets.take(scope, identity, rates, cost)
+            except QuotaBusy:
+                self.metrics.quota(scope, "busy")
+                raise ApiError(429, "This replica's quota checks are all in use; please try again in 1s.",
+                               type_="requests", code="quota_check_busy", retry_after=1) from None
+            except (RedisError, TimeoutError) as e:
+                self._paused_until = self.clock() + PAUSE_AFTER_FAILURE_S
+                log.warning("quota store unreachable (%r); keys are held to this replica's share for %.0f s",
+                            e, PAUSE_AFTER_FAILURE_S)
+                decision = self._local(scope, identity, rates, cost)
         if decision.allowed:
             return
         self.metrics.quota(scope, decision.limit)
@@ -135,6 +155,11 @@ class QuotaCheck:
         raise ApiError(429, f"Rate limit reached for {what} on the {scope} scope of this key: "
                        f"{rate:g}/s. Please try again in {decision.wait_s:.3g}s.",
                        type_=decision.limit, code="rate_limit_exceeded", retry_after=retry)
+
+    def _local(self, scope: str, identity: str, rates: Rates, cost: int):
+        """This replica's share decides (Redis away), counted as unchecked."""
+        self.metrics.quota(scope, None)
+        return self.local.take(scope, identity, rates, cost)
 
     async def close(self) -> None:
         if self.buckets is not None:

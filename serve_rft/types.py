@@ -88,6 +88,9 @@ class RewardedExperience(BaseModel):
     group: GroupReward | None = Field(None, description="The group's reward statistics from the store "
                                       "(None: an entry without them; the trainer groups within the batch).")
     stream_id: str = Field(description="Redis stream entry id, acknowledged after publish.")
+    release_version: int | None = Field(
+        None, description="The oldest token version of the group's release this entry came in (what "
+        "the staleness bound drops a release by, whole); None: an entry without it.")
 
     @property
     def member(self) -> str:

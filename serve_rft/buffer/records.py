@@ -178,7 +178,8 @@ def parse_entries(entries: list[tuple[str, dict]]) -> tuple[list[RewardedExperie
             group = (GroupReward(size=int(f["gn"]), mean=float(f["gmean"]), std=float(f["gstd"]))
                      if f.get("gn") else None)
             good.append(RewardedExperience(experience=experience_from(f["exp"], f.get("prompt")),
-                                           reward=float(f["reward"]), stream_id=entry_id, group=group))
+                                           reward=float(f["reward"]), stream_id=entry_id, group=group,
+                                           release_version=int(f["v"]) if f.get("v") else None))
         except (KeyError, ValueError, TypeError) as e:  # pydantic's ValidationError is a ValueError
             bad.append(DeadLetter(entry_id, str(f.get("member", "")), f"unparseable: {str(e)[:200]}",
                                   str(f.get("exp", "")), str(f.get("reward", ""))))

@@ -139,6 +139,10 @@ class TrainerConfig(StrictSection):
     zero_variance_std: float = Field(
         1e-4, ge=0, description="A group whose reward std is below this (reward units) gives its members an "
         "advantage of exactly 0 and is counted (zero_variance_groups in the step statistics).")
+    singleton_advantage_clip: float | None = Field(
+        3.0, gt=0, description="grpo: a singleton's advantage (reward - running baseline, divided by the "
+        "scale) is clipped to +-this, so one singleton never outweighs a step's group z-scores when the "
+        "running reward spread is small. None: no clip.")
     baseline_momentum: float = Field(
         0.9, ge=0, lt=1, description="EMA momentum of the running reward baseline."
     )

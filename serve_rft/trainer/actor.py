@@ -153,6 +153,7 @@ class Trainer:
                 self.resets.clear()
                 if handle is not None:
                     diff = await asyncio.to_thread(policy.reset_to, handle, version)
+                    pub.held_version = version
                     self.reset_count += 1
                     self.last_reset = {"version": version, "probe_max_diff": diff, "at": time.time()}
                     log.warning("trainer reset to the weights of version %d (canary rollback; probe "
@@ -166,10 +167,11 @@ class Trainer:
             if not batch:
                 continue
             pub.phase = "training"
-            # the version whose weights the trainer holds, if it published after its last step:
-            # tokens of that version measure trainer-vs-inference mismatch, older ones drift
-            held = pub.version if pub.step_num == pub.version else None
-            stats = await asyncio.to_thread(policy.step, batch, held)
+            # tokens of the version whose weights the trainer holds (it published, resumed or reset
+            # after its last step) measure trainer-vs-inference mismatch, older ones drift; lags
+            # in sync cycles, as staleness is counted
+            lags = {v: feed.staleness(v) for b in batch for v, _, _ in b.experience.token_versions}
+            stats = await asyncio.to_thread(policy.step, batch, pub.held_version, lags)
             if stats.get("skipped"):  # nothing applied (a non-finite update, a spike): dead-lettered
                 await self._skipped(batch, stats)
                 continue

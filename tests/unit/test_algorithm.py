@@ -229,3 +229,22 @@ def test_nucleus_masks_survive_bit_packing(vocab):
     packed = _pack(keep)
     assert packed.dtype == torch.uint8 and packed.shape == (5, (vocab + 7) // 8)
     assert torch.equal(_unpack(packed, vocab), keep)
+
+
+def test_a_singleton_after_a_plateau_is_clipped_not_blown_up():
+    """A plateau of equal rewards shrinks the running spread (std 0.005 after 100 zeros): a
+    singleton rewarded 1 would get A = 193 and steer the step; it is clipped at 3."""
+    b = RunningBaseline()
+    b.update([0.0, 1.0] + [0.0] * 100)
+    assert b.std < 0.01
+    assert group_advantages([1.0], ["s"], b).values.tolist() == [3.0]
+
+
+def test_a_late_member_of_a_group_without_spread_is_scored_as_a_singleton():
+    """The group's first release was [1, 1] (std 0): members with the same reward get 0; a late
+    member rewarded 0 is not silenced with A = 0, it is compared with the running baseline."""
+    flat = GroupReward(size=2, mean=1.0, std=0.0)
+    b = RunningBaseline(momentum=0.5)
+    b.update([1.0, 0.0])  # baseline 0.5, spread 1
+    made = group_advantages([1.0, 0.0], ["g", "g"], b, [flat, flat])
+    assert made.values.tolist() == [0.0, -0.5]

@@ -182,3 +182,28 @@ def test_restarts_after_successful_steps_dead_letter_nothing(redis_server):
         assert feed.dead_lettered == 2
         await store.close()
     asyncio.run(go())
+
+
+def test_the_feed_drops_a_stale_release_whole_by_its_oldest_token():
+    """A release's entries carry its oldest token's version: one long answer that spanned versions
+    takes its fresher group members with it, as the store's DROP_STALE does (no group is cut)."""
+    from serve_rft.config import TrainerConfig
+    from serve_rft.trainer.intake.feed import ExperienceFeed
+
+    class Store:
+        acked: list = []
+
+        async def ack(self, entries, version, state="trained"):
+            Store.acked += [(e.experience.completion_id, e.experience.choice_index, state) for e in entries]
+            return 0, len(entries)
+
+    feed = ExperienceFeed(TrainerConfig(max_staleness=1), Store(), metrics=type("M", (), {"observe": lambda *a: None})())
+    for v in (1, 2, 3, 4):
+        feed.published(v)
+    def entry(cid, i, release_version):
+        return RewardedExperience(experience=experience(cid, i, versions=((4, 0, 3),)), reward=1.0,
+                                  stream_id=f"1-{i}", release_version=release_version)
+    batch = [entry("c", i, 1) for i in range(3)] + [entry("d", 0, 4)]
+    kept = asyncio.run(feed.drop_stale(batch, version=4))
+    assert [b.experience.completion_id for b in kept] == ["d"]
+    assert sorted(Store.acked) == [("c", 0, "stale-dropped"), ("c", 1, "stale-dropped"), ("c", 2, "stale-dropped")]

@@ -147,7 +147,9 @@ def test_mismatch_and_drift_are_reported_apart_and_lags_bucketed():
     from serve_rft.trainer.policy.objective import token_stats, token_versions
     from tests.support.experiences import experience
 
-    # answer 0: 3 tokens of version 5 (the trainer's); answer 1: 2 tokens of version 4, 1 of version 1
+    # answer 0: 3 tokens of version 5 (the trainer's); answer 1: 2 tokens of version 4, 1 of version 1;
+    # their lags in sync cycles (what the trainer's feed counts): 0, 1, 4
+    LAGS = {5: 0, 4: 1, 1: 4}  # noqa: N806
     exps = [experience("c0", 0, versions=[(5, 0, 3)]), experience("c1", 0, versions=[(4, 0, 2), (1, 2, 3)])]
     versions = token_versions(exps, 4)
     assert versions.tolist() == [[5, 5, 5, -1], [4, 4, 1, -1]]
@@ -155,7 +157,7 @@ def test_mismatch_and_drift_are_reported_apart_and_lags_bucketed():
     behaviour = torch.zeros(2, 4)
     logp = torch.tensor([[0.01, -0.01, 0.0, 0.0], [0.5, 0.0, -1.0, 0.0]])
     totals: dict = {}
-    accumulate(totals, token_stats(logp, behaviour, mask, versions, 5, 5, 0.2, 0.28), 6.0, 2, 6.0, 2.0)
+    accumulate(totals, token_stats(logp, behaviour, mask, versions, 5, LAGS, 0.2, 0.28), 6.0, 2, 6.0, 2.0)
     out = finish(totals)
     k3 = lambda x: math.exp(x) - 1 - x  # noqa: E731
     assert out["mismatch_k3"] == pytest.approx((k3(0.01) + k3(-0.01)) / 3, rel=1e-3)  # float32
@@ -167,7 +169,7 @@ def test_mismatch_and_drift_are_reported_apart_and_lags_bucketed():
     assert out["token_share_lag0"] == 0.5
     assert not any(k.startswith("sum_") for k in out)
     # a trainer that stepped since it published holds no served version: everything is drift
-    out = finish(token_stats(logp, behaviour, mask, versions, None, 5, 0.2, 0.28))
+    out = finish(token_stats(logp, behaviour, mask, versions, None, LAGS, 0.2, 0.28))
     assert "mismatch_k3" not in out and out["drift_k3"] == pytest.approx(
         (k3(0.01) + k3(-0.01) + k3(0.5) + k3(-1.0)) / 6, rel=1e-5)
 
@@ -200,3 +202,14 @@ def test_one_stale_token_does_not_steer_a_step_of_the_embedded_model(embedded_mo
         assert stale["grad_norm"] < 1.5 * on_policy and stale["pg_clipfrac_lower"] > 0
     else:
         assert stale["grad_norm"] > 3 * on_policy
+
+
+def test_masked_tokens_stay_in_each_answers_length_under_seq_mean_token_mean():
+    # one answer, 4 tokens at ratio 1, the last at ratio 4 (masked by mis_token): the 3 kept
+    # tokens weigh 1/4 each, as under token_mean (not 1/3: survivors are not up-weighted)
+    logp = torch.tensor([[0.0, 0.0, 0.0, math.log(4.0)]], dtype=torch.float64, requires_grad=True)
+    for agg in ("token_mean", "seq_mean_token_mean"):
+        loss, stats = policy_gradient_loss("mis_token", logp, torch.zeros_like(logp), torch.tensor([1.0], dtype=torch.float64),
+                                           torch.ones_like(logp), clip_low=0.2, clip_high=0.28, clip_ratio_c=3.0,
+                                           is_cap=2.0, agg=agg, n_tokens=4.0, n_seqs=1.0)
+        assert float(loss) == pytest.approx(-0.75) and stats["is_masked_fraction"] == 0.25

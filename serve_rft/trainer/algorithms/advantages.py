@@ -88,7 +88,8 @@ def _std(xs: Sequence[float]) -> float:
 
 def group_advantages(rewards: Sequence[float], group_ids: Sequence[str], baseline: RunningBaseline,
                      groups: Sequence[GroupReward | None] | None = None, estimator: Estimator = "grpo",
-                     scale: Scale = "group", eps: float = 1e-6, zero_std: float = 1e-4) -> Advantages:
+                     scale: Scale = "group", eps: float = 1e-6, zero_std: float = 1e-4,
+                     singleton_clip: float | None = 3.0) -> Advantages:
     """Per-experience advantages of one batch (module docstring for where a group's statistics
     come from).
 
@@ -97,7 +98,7 @@ def group_advantages(rewards: Sequence[float], group_ids: Sequence[str], baselin
     batch, which then updates it). ``grpo`` then divides by a scale (``scale``, Dr. GRPO's
     ``scale_rewards``, Liu et al. 2025, arXiv 2503.20783, §3.1):
 
-    - ``group``: a member by its group's std (GRPO, Shao et al. 2024, eq. 3, outcome supervision),
+    - ``group``: a member by its group's std (GRPO, Shao et al. 2024, §4.1.2, outcome supervision),
       a singleton by the running std of rewards around the baseline, so both are unit-free (1
       before two rewards were seen);
     - ``batch``: everyone by the std of the batch's rewards;
@@ -106,7 +107,12 @@ def group_advantages(rewards: Sequence[float], group_ids: Sequence[str], baselin
     ``group_mean`` (OPMD, the Trinity-RFT technical report, appendix A.3) never divides;
     ``baseline`` (REINFORCE) gives every experience ``r_i - b``, undivided. A group whose reward
     std is below ``zero_std`` (equal rewards, or differences of float noise) gives its members
-    exactly 0 and is counted in ``zero_variance_groups``.
+    exactly 0 and is counted in ``zero_variance_groups``; a member released after such a group's
+    first release whose own reward differs from the group's mean by more than ``zero_std`` has
+    nothing to be compared with in its group and is scored as a singleton. A singleton's ``grpo``
+    advantage is clipped to ``[-singleton_clip, singleton_clip]``: the running spread can be
+    small (a plateau of equal rewards, two rewards seen), and one singleton must not outweigh a
+    step's group z-scores (bounded by ``sqrt(n - 1)`` in a group of ``n``).
 
     Args:
         rewards: ``[B]``. group_ids: ``[B]``.
@@ -114,6 +120,8 @@ def group_advantages(rewards: Sequence[float], group_ids: Sequence[str], baselin
         groups: ``[B]`` each entry's group statistics from the store, or None (grouped within
             the batch by ``group_ids``).
         eps: added to a divisor. zero_std: the zero-variance threshold (reward units).
+        singleton_clip: the bound of a singleton's ``grpo`` advantage under ``group`` or ``batch``
+            (unit-free), or None.
     Raises:
         ValueError: an unknown ``estimator`` or ``scale``.
     """
@@ -141,10 +149,17 @@ def group_advantages(rewards: Sequence[float], group_ids: Sequence[str], baselin
                 stats[i] = fixed
     adv = [0.0] * len(rewards)
     seen: dict[str, bool] = {}
+    def single(r: float) -> float:
+        a = (r - b) / single_scale
+        if estimator == "grpo" and scale != "none" and singleton_clip is not None:
+            a = max(-singleton_clip, min(singleton_clip, a))
+        return a
+
     for i, r in enumerate(rewards):
         g = stats[i]
-        if estimator == "baseline" or g is None or g.size < 2:
-            adv[i] = (r - b) / single_scale
+        if (estimator == "baseline" or g is None or g.size < 2
+                or (g.std < zero_std and abs(r - g.mean) > zero_std)):  # a late member of a group without spread
+            adv[i] = single(r)
             continue
         zero = g.std < zero_std
         seen[group_ids[i]] = zero
@@ -163,6 +178,8 @@ def group_advantages(rewards: Sequence[float], group_ids: Sequence[str], baselin
 
 def compute_advantages(rewards: Sequence[float], group_ids: Sequence[str], baseline: RunningBaseline,
                        eps: float = 1e-6, estimator: Estimator = "grpo", scale: Scale = "group",
-                       groups: Sequence[GroupReward | None] | None = None, zero_std: float = 1e-4) -> torch.Tensor:
+                       groups: Sequence[GroupReward | None] | None = None, zero_std: float = 1e-4,
+                       singleton_clip: float | None = 3.0) -> torch.Tensor:
     """``[B]`` `group_advantages`' values."""
-    return group_advantages(rewards, group_ids, baseline, groups, estimator, scale, eps, zero_std).values
+    return group_advantages(rewards, group_ids, baseline, groups, estimator, scale, eps, zero_std,
+                            singleton_clip).values

@@ -84,7 +84,8 @@ class Algorithm:
         from serve_rft.trainer.algorithms.advantages import group_advantages
 
         return group_advantages([b.reward for b in batch], [b.experience.group_id for b in batch], baseline,
-                                [b.group for b in batch], estimator, scale, zero_std=self.cfg.zero_variance_std)
+                                [b.group for b in batch], estimator, scale, zero_std=self.cfg.zero_variance_std,
+                                singleton_clip=self.cfg.singleton_advantage_clip)
 
     def loss(self, x: LossInputs) -> tuple[torch.Tensor, dict[str, float]]:
         """(scalar loss of the micro-batch normalised by the whole batch, statistics)."""

@@ -1,4 +1,4 @@
-"""GRPO (Shao et al. 2024, DeepSeekMath, §4.1): group-normalised advantages and the PPO clipped
+"""GRPO (Shao et al. 2024, DeepSeekMath, §4.1.2): group-normalised advantages and the PPO clipped
 surrogate against the behaviour logprobs vLLM logged, under the configured off-policy correction
 (`serve_rft.trainer.algorithms.off_policy`)."""
 

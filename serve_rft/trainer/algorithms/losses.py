@@ -104,8 +104,9 @@ def ppo_clip_loss(logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, adva
         dual = torch.minimum(per_token, -adv * clip_ratio_c)
         lower = (adv < 0) & (per_token > -adv * clip_ratio_c)
         per_token = torch.where(adv < 0, dual, per_token)
-    counted = mask if keep is None else mask * keep.to(mask.dtype)
-    loss = aggregate(per_token, counted, agg, n_tokens, n_seqs)
+    if keep is not None:  # weight 0, not out of the normalisers (an answer's length included)
+        per_token = per_token * keep.to(per_token.dtype)
+    loss = aggregate(per_token, mask, agg, n_tokens, n_seqs)
     with torch.no_grad():
         here = mask.sum().clamp(min=1.0)
         clipped = (ratio < 1 - clip_low) | (ratio > 1 + clip_high)

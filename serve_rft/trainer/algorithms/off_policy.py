@@ -98,7 +98,7 @@ def policy_gradient_loss(mode: OffPolicy, logprobs: torch.Tensor, behaviour_logp
         adv = advantages.unsqueeze(1).to(logprobs.dtype)
         # value -w A; gradient -w A grad log pi (the proximal ratio pi / sg(pi) is 1 in value)
         per_token = -weight * adv * torch.exp(logprobs - logprobs.detach())
-        loss = aggregate(per_token, mask * keep, agg, n_tokens, n_seqs)
+        loss = aggregate(per_token * keep, mask, agg, n_tokens, n_seqs)
         stats["is_truncated_fraction"] = float(((ratio > is_cap).to(mask.dtype) * mask).sum() / here)
         return loss, stats
     loss, ppo_stats = ppo_clip_loss(logprobs, behaviour_logprobs, advantages, mask, clip_low, clip_high, agg,

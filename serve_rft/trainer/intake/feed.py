@@ -102,14 +102,14 @@ class ExperienceFeed:
                         "acknowledged again, not trained", len(again))
         constrained = [b for b in batch if b.experience.sampling.structured_outputs]
         if constrained:  # their behaviour logprobs are of the grammar-masked distribution
-            await self.store.ack(constrained, version, state="constrained")
-            self.constrained += len(constrained)
+            _, acked = await self.store.ack(constrained, version, state="constrained")
+            self.constrained += acked
             batch = [b for b in batch if not b.experience.sampling.structured_outputs]
         if not self.cfg.train_greedy:
             greedy = [b for b in batch if is_greedy(b, self.cfg.min_train_temperature)]
             if greedy:
-                await self.store.ack(greedy, version, state="greedy")
-                self.greedy += len(greedy)
+                _, acked = await self.store.ack(greedy, version, state="greedy")
+                self.greedy += acked
                 batch = [b for b in batch if not is_greedy(b, self.cfg.min_train_temperature)]
         keep, letters = [], []
         for b in batch:
@@ -147,17 +147,22 @@ class ExperienceFeed:
 
     async def drop_stale(self, batch: list[RewardedExperience], version: int) -> list[RewardedExperience]:
         """Acknowledge as ``stale-dropped`` (counted, never trained; ``version``: the trainer's
-        published version) the experiences whose oldest token is more than ``max_staleness``
-        sync cycles old (`staleness`); return the rest."""
+        published version) the experiences whose group release's oldest token (the entry's
+        ``release_version``, else its own oldest token) is more than ``max_staleness`` sync cycles
+        old (`staleness`), so a release is dropped whole, as the store's DROP_STALE drops it;
+        return the rest."""
         limit = self.cfg.max_staleness
         if limit is None:
             return batch
-        stale = [b for b in batch if self.staleness(b.experience.min_version) > limit]
+
+        def oldest(b: RewardedExperience) -> int:
+            return b.release_version if b.release_version is not None else b.experience.min_version
+        stale = [b for b in batch if self.staleness(oldest(b)) > limit]
         if stale:
             _, dropped = await self.store.ack(stale, version, state="stale-dropped")
             self.stale_dropped += dropped
             self.metrics.observe([], dropped)
-        return [b for b in batch if self.staleness(b.experience.min_version) <= limit]
+        return [b for b in batch if self.staleness(oldest(b)) <= limit]
 
     async def shed_stale(self, version: int, held: set[str] | None = None) -> None:
         """Drop from the store, before they are read, the waiting experiences already past

@@ -18,7 +18,7 @@ from serve_rft.config.trainer import TrainerConfig
 def micro_batch_loss(cfg: TrainerConfig, algorithm, model, ref_model, pad_id: int,
                      autocast: Callable[[], AbstractContextManager], exps, adv, rewards, extras,
                      n_tokens: float, n_seqs: float, held_version: int | None = None,
-                     lag_from: int | None = None):
+                     version_lags: dict[int, int] | None = None):
     """Loss of one micro-batch, normalised by the whole batch's ``n_tokens`` / ``n_seqs``.
 
     Args:
@@ -33,7 +33,7 @@ def micro_batch_loss(cfg: TrainerConfig, algorithm, model, ref_model, pad_id: in
             values of the whole batch (`Algorithm.batch_values`), or None.
         n_tokens, n_seqs: response tokens and experiences of the whole batch.
         held_version: the version whose weights the trainer holds, or None (`token_stats`).
-        lag_from: the version token lags count from (`token_stats`; None: ``held_version``).
+        version_lags: ``{version: sync cycles behind}`` (`token_stats`), or None.
     Returns:
         (scalar loss with grad, statistics of this micro-batch, its response token count).
     """
@@ -77,7 +77,7 @@ def micro_batch_loss(cfg: TrainerConfig, algorithm, model, ref_model, pad_id: in
     stats["entropy"] = float((ent * mask).sum() / here)
     stats["max_abs_logprob_diff"] = float(((logp.detach() - behaviour).abs() * mask).max())
     stats.update(token_stats(logp.detach(), behaviour, mask, token_versions(exps, logp.shape[1]).to(logp.device),
-                             held_version, held_version if lag_from is None else lag_from, cfg.clip_low, cfg.clip_high))
+                             held_version, version_lags, cfg.clip_low, cfg.clip_high))
     return loss, stats, tokens
 
 
@@ -93,7 +93,7 @@ def token_versions(exps, width: int):
     return out
 
 
-def token_stats(logp, behaviour, mask, versions, held_version: int | None, lag_from: int | None,
+def token_stats(logp, behaviour, mask, versions, held_version: int | None, version_lags: dict[int, int] | None,
                 clip_low: float, clip_high: float) -> dict[str, float]:
     """Per-token statistics of a micro-batch, split by the version that sampled each token
     (merged by `serve_rft.trainer.policy.micro_batches.finish`).
@@ -101,21 +101,23 @@ def token_stats(logp, behaviour, mask, versions, held_version: int | None, lag_f
     Tokens of ``held_version`` (the trainer's own weights) show trainer-vs-inference mismatch;
     the rest drift (staleness): for each, the summed k3 estimate of ``KL(mu || pi)``
     (``r - 1 - log r``, ``r = pi / mu`` with the log-ratio clamped) and the largest
-    ``|log pi - log mu|``. Per `LAG_BUCKETS` bucket of ``lag_from - version``: its tokens and
-    those whose ratio is outside ``[1 - clip_low, 1 + clip_high]``.
+    ``|log pi - log mu|``. Per `LAG_BUCKETS` bucket of the token's lag (``version_lags`` of its
+    version: sync cycles behind the trainer, as staleness is counted): its tokens and those whose
+    ratio is outside ``[1 - clip_low, 1 + clip_high]``. A token without a version (-1) counts in
+    neither.
 
     Args:
         logp, behaviour, mask: ``[B, T]`` (no grad).
         versions: ``[B, T]`` `token_versions`.
         held_version: None: every token is drift.
-        lag_from: the version lags count from; None: no lag buckets.
+        version_lags: ``{version: lag}`` of every version in ``versions``; None: no lag buckets.
     """
     import torch
 
     from serve_rft.trainer.algorithms.losses import clamped_log_ratio
     from serve_rft.trainer.policy.micro_batches import LAG_BUCKETS
 
-    on = mask > 0
+    on = (mask > 0) & (versions >= 0)
     lr = clamped_log_ratio(logp, behaviour, mask.to(logp.dtype))
     k3 = torch.exp(lr) - 1 - lr
     diff = (logp - behaviour).abs()
@@ -127,8 +129,10 @@ def token_stats(logp, behaviour, mask, versions, held_version: int | None, lag_f
             out[f"sum_tokens_{part}"] = n
             out[f"sum_k3_{part}"] = float(k3[where].sum())
             out[f"max_abs_{part}"] = float(diff[where].max())
-    if lag_from is not None:
-        lag = lag_from - versions
+    if version_lags is not None:
+        lag = torch.full_like(versions, -1)
+        for version, cycles in version_lags.items():
+            lag[versions == version] = cycles
         clipped = (lr < torch.log1p(torch.tensor(-clip_low))) | (lr > torch.log1p(torch.tensor(clip_high)))
         for name, low, high in LAG_BUCKETS:
             where = on & (lag >= low) & ((lag <= high) if high is not None else True)

@@ -266,7 +266,8 @@ class PolicyTrainer:
         t = min(1.0, (step - c.lr_warmup_steps) / c.lr_decay_steps)
         return c.lr_min_ratio + (1 - c.lr_min_ratio) * 0.5 * (1 + math.cos(math.pi * t))
 
-    def step(self, batch: list[RewardedExperience], held_version: int | None = None) -> dict[str, float]:
+    def step(self, batch: list[RewardedExperience], held_version: int | None = None,
+             version_lags: dict[int, int] | None = None) -> dict[str, float]:
         """One optimizer step on ``batch`` (``trainer.algorithm``), in micro-batches whose summed
         gradient equals the whole batch's: at most ``micro_batch_size`` experiences and (when
         set) ``micro_batch_tokens`` padded tokens each (`serve_rft.trainer.policy.micro_batches.partition`;
@@ -276,9 +277,12 @@ class PolicyTrainer:
 
         Args:
             batch: the rewarded experiences of the step.
-            held_version: the policy version whose weights this trainer holds (it published
-                after its last step), or None: its tokens' logprob differences are reported as
-                trainer-vs-inference mismatch, every other token's as drift (staleness).
+            held_version: the policy version whose weights this trainer holds (it published,
+                resumed or reset after its last step), or None: its tokens' logprob differences
+                are reported as trainer-vs-inference mismatch, every other token's as drift
+                (staleness).
+            version_lags: ``{policy version: sync cycles behind the trainer}`` of the batch's
+                token versions (the clip fraction per lag bucket), or None (no buckets).
 
         Returns:
             loss, reward / advantage / ratio / clip / entropy / KL statistics (the unsplit
@@ -309,10 +313,6 @@ class PolicyTrainer:
         tlz = self.algorithm.batch_values(batch)
         tlz = tlz.to(self.device) if tlz is not None else None
         n_tokens = float(sum(len(e.response_token_ids) for e in exps))
-        # token lags count from the held version, else from the newest token of the whole batch
-        # (the same on every micro-batch and rank)
-        lag_from = held_version if held_version is not None else max(
-            (v for e in exps for v, _, _ in e.token_versions), default=0)
         n_seqs = float(len(exps))
         parts = partition([len(e.prompt_token_ids) + len(e.response_token_ids) for e in exps],
                           c.micro_batch_size, c.micro_batch_tokens)
@@ -322,7 +322,7 @@ class PolicyTrainer:
             idx = torch.tensor(part, dtype=torch.long, device=self.device)
             loss, stats, tokens = self._micro_step([exps[i] for i in part], adv[idx], [rewards[i] for i in part],
                                                    tlz[idx] if tlz is not None else None, n_tokens, n_seqs,
-                                                   held_version, lag_from)
+                                                   held_version, version_lags)
             if not counts:  # a filler: the same collectives as the other ranks, no gradient
                 (loss * 0.0).backward()
                 continue
@@ -371,10 +371,10 @@ class PolicyTrainer:
         return bf16_autocast(self.device.type, enabled=self.bf16, recast=self.world == 1)
 
     def _micro_step(self, exps, adv, rewards, tlz, n_tokens: float, n_seqs: float, held_version: int | None = None,
-                    lag_from: int | None = None):
+                    version_lags: dict[int, int] | None = None):
         """Loss of one micro-batch of this policy (`serve_rft.trainer.policy.objective.micro_batch_loss`)."""
         from serve_rft.trainer.policy.objective import micro_batch_loss
 
         return micro_batch_loss(self.cfg, self.algorithm, self.model, self.ref_model, self.pad_id, self._autocast, exps, adv,
                                 rewards, tlz, n_tokens, n_seqs, held_version,
-                                lag_from)
+                                version_lags)

@@ -40,6 +40,7 @@ class Publishing:
         self.cfg, self.state_root, self.model_path, self.feed = cfg, state_root, model_path, feed
         self.step_num = 0  # optimizer steps, resumed ones included
         self.version = 0  # the last version published
+        self.held_version: int | None = 0  # the version whose weights the policy holds (None: stepped since)
         self.phase = "starting"
         self.published: PublishedVersion | None = None
         self.unpublished: list[RewardedExperience] = []  # trained, in no published version yet
@@ -50,6 +51,7 @@ class Publishing:
 
     def stepped(self, batch: list[RewardedExperience]) -> None:
         """An optimizer step trained ``batch``: count it; its entries wait for a publish."""
+        self.held_version = None  # the weights moved past every published version
         self.step_num += 1
         self.unpublished.extend(batch)
 
@@ -75,6 +77,7 @@ class Publishing:
             self.feed.ledger.add(covered)
             self.resume_acked, _ = await store.ack_entries(covered)
             self.version = self.step_num = st.version
+            self.held_version = st.version
             self.feed.published_versions = sorted(set(st.published) | {0, st.version})[-PUBLISHED_KEPT:]
             self._resumed_version = st.version  # reported as resumed_from once the backlog is read
             log.info("resumed from %s (version %d; %d entries acknowledged now)", st.path, st.version,
@@ -116,6 +119,7 @@ class Publishing:
         await sync.publish.remote(version, handle)
         self.published = PublishedVersion(version=version, handle=handle)
         self.version = version
+        self.held_version = version
         self.feed.published(version)
         self.unsaved.extend((b.stream_id, b.member, version) for b in self.unpublished)
         self.unpublished = []

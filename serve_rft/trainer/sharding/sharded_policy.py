@@ -58,9 +58,10 @@ class ShardedPolicy:
         """The ranks' process ids, rank 0 first."""
         return list(self.group.pids)
 
-    def step(self, batch: list[RewardedExperience], held_version: int | None = None) -> dict[str, float]:
+    def step(self, batch: list[RewardedExperience], held_version: int | None = None,
+             version_lags: dict[int, int] | None = None) -> dict[str, float]:
         """`PolicyTrainer.step` over the ranks (the same figures as one process's step)."""
-        return self.group.step(batch, held_version)
+        return self.group.step(batch, held_version, version_lags)
 
     def check_finite(self) -> None:
         """`PolicyTrainer.check_finite` on every rank's shards.

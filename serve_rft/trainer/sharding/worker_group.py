@@ -98,10 +98,11 @@ class TrainRank:
         """The running reward baseline (the same on every rank: each sees the whole batch)."""
         return self.policy.baseline.value
 
-    def step(self, batch: list[RewardedExperience], held_version: int | None = None) -> dict[str, float]:
+    def step(self, batch: list[RewardedExperience], held_version: int | None = None,
+             version_lags: dict[int, int] | None = None) -> dict[str, float]:
         """`PolicyTrainer.step` on this rank's micro-batches; every rank returns the merged figures
         (and every rank skips a non-finite update, or none does)."""
-        return self.policy.step(batch, held_version)
+        return self.policy.step(batch, held_version, version_lags)
 
     def check_finite(self) -> None:
         """`PolicyTrainer.check_finite` over this rank's shards (a collective)."""
@@ -159,10 +160,11 @@ class WorkerGroup:
         """
         return ray.get([getattr(r, method).remote(*args) for r in self.ranks])[0]
 
-    def step(self, batch: list[RewardedExperience], held_version: int | None = None) -> dict[str, float]:
+    def step(self, batch: list[RewardedExperience], held_version: int | None = None,
+             version_lags: dict[int, int] | None = None) -> dict[str, float]:
         """One optimizer step over the group (`PolicyTrainer.step`'s figures, the same on every rank)."""
         batch_ref = ray.put(batch)  # once into the object store, not once per rank
-        return ray.get([r.step.remote(batch_ref, held_version) for r in self.ranks])[0]
+        return ray.get([r.step.remote(batch_ref, held_version, version_lags) for r in self.ranks])[0]
 
     def full_tensors(self, which: str) -> dict:
         """Parameters or gradients gathered whole (`TrainRank.full_tensors`)."""

@@ -2,12 +2,16 @@
 deployment options are exactly what `serve build` prints for configs/default.yaml; the builder
 the config file names turns its args into the same application. The KubeRay RayService
 (deployments/kuberay/rayservice.yaml) runs that application on configs/cluster.yaml, with Ray on
-every pod started as `serve-rft up` starts it."""
+every pod started as `serve-rft up` starts it, and its control plane and store closed to anyone
+without their secrets."""
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
+from unittest import mock
+from urllib.parse import urlsplit
 
 import pytest
 import yaml
@@ -113,9 +117,23 @@ def _kuberay_app() -> dict:
     return app
 
 
+def _pod_env(container: dict) -> dict[str, str]:
+    """A container's environment as Kubernetes gives it: a secretKeyRef as ``secret.NAME.KEY``
+    (a stand-in for the Secret's value), ``$(VAR)`` of an entry above expanded."""
+    env: dict[str, str] = {}
+    for entry in container["env"]:
+        if "valueFrom" in entry:
+            ref = entry["valueFrom"]["secretKeyRef"]
+            env[entry["name"]] = f"secret.{ref['name']}.{ref['key']}"
+        else:
+            env[entry["name"]] = re.sub(r"\$\((\w+)\)", lambda m: env.get(m[1], m[0]), entry["value"])
+    return env
+
+
 def _kuberay_config():
     """The run config the RayService's application builds: `deployments.app.app_builder`'s
-    `load_config` call (its `preflight` needs CUDA), with the image path mapped to this checkout."""
+    `load_config` call (its `preflight` needs CUDA), with the image path mapped to this checkout
+    and the pods' run-config environment (the store URL; not the keys, which tests set)."""
     from serve_rft.config import load_config
 
     args = _kuberay_app()["args"]
@@ -123,7 +141,10 @@ def _kuberay_config():
     assert args["config"].startswith(IMAGE_ROOT), "an absolute path: the builder's working directory is Ray's"
     local = ROOT / args["config"].removeprefix(IMAGE_ROOT)
     assert local == ROOT / "configs" / "cluster.yaml" and local.is_file()
-    return load_config(local, list(args["overrides"]))
+    env = {k: v for k, v in _pod_env(_ray_container(_groups(_manifest()["RayService"])["head"])).items()
+           if k.startswith("SERVE_RFT_") and k not in KEY_ENV}
+    with mock.patch.dict(os.environ, env):
+        return load_config(local, list(args["overrides"]))
 
 
 def _secret_refs(node) -> list[tuple[str, dict]]:
@@ -209,6 +230,75 @@ def test_rayservice_serves_the_shipped_application_on_the_cluster_config(monkeyp
     opts = trainer_options(cfg)
     validate_actor_options(opts, in_options=True)
     assert opts["label_selector"] == cfg.trainer.label_selector and opts["num_gpus"] == 1.0
+
+
+LOOPBACK = {"127.0.0.1", "localhost", "::1"}
+SERVE_PORT = 8000
+DASHBOARD_PORT = 8265
+
+
+def test_ray_control_plane_needs_the_ray_token():
+    """Whoever reaches Ray's dashboard, GCS or client server can run code on every pod (and read
+    the keys, write the store): Ray token auth is on, for every pod, and a dashboard on the pod's
+    interfaces (KubeRay's default when `dashboard-host` is not set) never goes without it; Ray's
+    client server is not published."""
+    service = _manifest()["RayService"]
+    cluster = service["spec"]["rayClusterConfig"]
+    groups = _groups(service)
+    host = groups["head"]["rayStartParams"].get("dashboard-host", "0.0.0.0")
+    assert host in LOOPBACK or cluster.get("authOptions", {}).get("mode") == "token"
+    assert cluster["authOptions"] == {"mode": "token"}  # the GCS listens on the pod's address anyway
+    assert tuple(int(n) for n in cluster["rayVersion"].split(".")) >= (2, 52)  # Ray's token auth
+    for name, group in groups.items():
+        env = _pod_env(_ray_container(group))
+        assert env.get("RAY_AUTH_MODE", "token") == "token", name  # nothing turns it off again
+        assert "RAY_AUTH_TOKEN" not in env or env["RAY_AUTH_TOKEN"].startswith("secret."), name
+        ports = {p["containerPort"] for p in _ray_container(group).get("ports", [])}
+        assert 10001 not in ports, name  # Ray client: serve_rft never uses it
+
+
+def test_network_policy_admits_only_the_serve_port_from_outside():
+    """One NetworkPolicy over every Ray pod: from outside them only the serve port (from anyone)
+    and the dashboard (from the KubeRay operator's pods); the Ray pods reach each other on any
+    port (GCS, raylets, object managers, the NCCL rendezvous); no address block."""
+    manifest = _manifest()
+    policy, service = manifest["NetworkPolicy"], manifest["RayService"]
+    assert policy["apiVersion"] == "networking.k8s.io/v1"
+    assert yaml.safe_load(service["spec"]["serveConfigV2"])["http_options"]["port"] == SERVE_PORT
+    selected = policy["spec"]["podSelector"]["matchLabels"]
+    assert selected
+    for name, group in _groups(service).items():
+        assert selected.items() <= group["template"]["metadata"]["labels"].items(), name
+    assert "Ingress" in policy["spec"]["policyTypes"]
+    rules = policy["spec"]["ingress"]
+    anyone = [r for r in rules if not r.get("from")]
+    assert [r["ports"] for r in anyone] == [[{"port": SERVE_PORT, "protocol": "TCP"}]]
+    for rule in rules:
+        for peer in rule.get("from", []):
+            assert "ipBlock" not in peer
+            if peer["podSelector"]["matchLabels"] == selected:  # one another, every port
+                assert "namespaceSelector" not in peer
+            else:  # the operator: the dashboard only
+                assert peer["podSelector"]["matchLabels"] == {"app.kubernetes.io/name": "kuberay-operator"}
+                assert rule["ports"] == [{"port": DASHBOARD_PORT, "protocol": "TCP"}]
+
+
+def test_the_store_password_comes_from_a_secret():
+    """buffer.redis_url reaches the builder through the environment (SERVE_RFT_BUFFER__REDIS_URL)
+    with its password from a Secret (a required secretKeyRef, expanded by Kubernetes): no password
+    and no URL in serveConfigV2, which anyone who reads the RayService reads."""
+    app = _kuberay_app()
+    assert not [o for o in app["args"]["overrides"] if o.startswith("buffer.redis_url")]
+    assert "redis://" not in _manifest()["RayService"]["spec"]["serveConfigV2"]
+    groups = _groups(_manifest()["RayService"])
+    for name, group in groups.items():
+        env = _pod_env(_ray_container(group))
+        url = urlsplit(env["SERVE_RFT_BUFFER__REDIS_URL"])
+        assert url.scheme == "redis" and url.password and url.password.startswith("secret."), name
+        raw = {e["name"]: e for e in _ray_container(group)["env"]}["SERVE_RFT_BUFFER__REDIS_URL"]["value"]
+        assert re.fullmatch(r"redis://:\$\(\w+\)@[^:/@]+:\d+/\d+", raw), name  # no literal password
+    cfg = _kuberay_config()
+    assert urlsplit(cfg.buffer.redis_url).password == "secret.serve-rft-redis.password"
 
 
 def test_haproxy_gets_one_thread_per_two_cores_between_one_and_four(monkeypatch):

@@ -28,7 +28,7 @@ from collections.abc import Awaitable, Callable, Sized
 import msgpack
 from redis.exceptions import OutOfMemoryError, RedisError, ResponseError
 
-from serve_rft.buffer.records import StoreFull, conversation_key, shared_names
+from serve_rft.buffer.records import StoreFull, conversation_index, conversation_key, shared_names
 from serve_rft.config.service import DEFAULT_TENANT
 from serve_rft.types import Experience
 
@@ -232,7 +232,8 @@ class EncodedCompletion:
 
     Attributes:
         head: MessagePack array of strings: cid, n, gid, group_size, now (unix s), reward
-            deadline (unix s), conversation key ('' for none), oldest policy version, tenant.
+            deadline (unix s), conversation key ('' for none), oldest policy version, tenant,
+            conversation index ('' for none: `serve_rft.buffer.records.conversation_index`).
         json: its shared fields' JSON object, then each choice's JSON without them (``1 + n``).
     ``len()`` is its size in bytes (what `LogBatcher` bounds).
     """
@@ -267,7 +268,8 @@ class CompletionLog:
         self.batcher = LogBatcher(self._write_log_batch, max_items=max_items)
 
     async def log_experiences(self, experiences: list[Experience], group_size: int | None = None,
-                              conversation_id: str | None = None, tenant: str = DEFAULT_TENANT) -> None:
+                              conversation_id: str | None = None, tenant: str = DEFAULT_TENANT,
+                              owner: str = "") -> None:
         """Write the experiences of one completion (all its choices, indices 0..n-1), atomically,
         in one LOG script call with the completions other callers log at the same time.
 
@@ -279,9 +281,11 @@ class CompletionLog:
             group_size: answers the group should have (None: ``len(experiences)`` when the group
                 is the completion itself, else unknown).
             conversation_id: the conversation this completion is a turn of, if any (the
-                client's id: namespaced by ``tenant`` here).
+                client's id: namespaced by ``tenant`` and ``owner`` here).
             tenant: whose keys may reward and read it; its group ids must already be the tenant's
-                (`serve_rft.buffer.records.client_group`).
+                and the owner's (`serve_rft.buffer.records.client_group`).
+            owner: the `key_identity` of the key that sent it ('' without keys): its
+                conversation is that key's own (`serve_rft.buffer.records.conversation_key`).
         Raises:
             StoreFull: Redis is past ``maxmemory``; nothing of the completion was written.
             redis.exceptions.RedisError: Redis refused this completion (nothing of it written)
@@ -296,14 +300,14 @@ class CompletionLog:
         if not experiences:
             return
         item = self._encode_completion(sorted(experiences, key=lambda e: e.choice_index), group_size,
-                                       conversation_id, tenant)
+                                       conversation_id, tenant, owner)
         try:
             await self.batcher.submit(item)
         except OutOfMemoryError as e:
             raise StoreFull(str(e)) from None
 
     def _encode_completion(self, exps: list[Experience], group_size: int | None, conversation_id: str | None,
-                           tenant: str) -> EncodedCompletion:
+                           tenant: str, owner: str = "") -> EncodedCompletion:
         """One completion as the LOG script reads it: its head and its JSON (`EncodedCompletion`)."""
         e0 = exps[0]
         cid, gid = e0.completion_id, e0.group_id
@@ -311,10 +315,11 @@ class CompletionLog:
             group_size = len(exps) if gid == cid else 0
         now = time.time()
         shared = shared_names(exps)
-        conv = conversation_key(tenant, conversation_id) if conversation_id else ""
+        conv = conversation_key(tenant, conversation_id, owner) if conversation_id else ""
+        index = conversation_index(tenant, conversation_id) if conversation_id and owner else ""
         to_json = e0.__pydantic_serializer__.to_json
         head = msgpack.packb([cid, str(len(exps)), gid, str(group_size), repr(now), repr(now + self.reward_timeout_s),
-                              conv, str(min(e.min_version for e in exps)), tenant])
+                              conv, str(min(e.min_version for e in exps)), tenant, index])
         return EncodedCompletion(head, [to_json(e0, include=shared), *[to_json(e, exclude=shared) for e in exps]])
 
     async def _write_log_batch(self, items: list[EncodedCompletion]) -> list:

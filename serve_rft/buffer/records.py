@@ -13,29 +13,49 @@ from serve_rft.config.service import DEFAULT_TENANT
 from serve_rft.types import Experience, GroupReward, RewardedExperience
 
 
-def client_group(tenant: str, group_id: str) -> str:
+OWNER_LEN = 32
+"""Length of a key's owner digest (`serve_rft.buffer.quota.key_identity`: 32 hex digits)."""
+
+
+def client_group(tenant: str, group_id: str, owner: str = "") -> str:
     """The stored group id (`Experience.group_id`, ``P:grp:{gid}``) of a client's ``group_id``:
-    ``u:{group_id}`` for `DEFAULT_TENANT`, ``t:{tenant}/{group_id}`` for any other tenant. The
-    prefixes keep it apart from completion ids (a completion's own group) and from every other
-    tenant's groups (tenant names have no ``/``), so the trainer never mixes two tenants' answers
-    in one group."""
+    ``k:{tenant}/{owner}/{group_id}`` for a key's group (``owner`` its `key_identity`), and with no
+    key (a service without keys) ``u:{group_id}`` for `DEFAULT_TENANT`, ``t:{tenant}/{group_id}``
+    for any other tenant. The prefixes keep it apart from completion ids (a completion's own
+    group), from every other tenant's groups (tenant names have no ``/``) and from every other
+    key's (an owner is 32 hex digits), so no key joins, sizes or shifts another key's group."""
+    if owner:
+        return f"k:{tenant}/{owner}/{group_id}"
     return f"u:{group_id}" if tenant == DEFAULT_TENANT else f"t:{tenant}/{group_id}"
 
 
 def shown_group(gid: str, tenant: str) -> str:
     """The ``group_id`` a client of ``tenant`` named for stored group ``gid`` (`client_group`
     undone); a completion's own group (its id) as is."""
+    keyed = f"k:{tenant}/"
+    if gid.startswith(keyed) and gid[len(keyed) + OWNER_LEN:len(keyed) + OWNER_LEN + 1] == "/":
+        return gid[len(keyed) + OWNER_LEN + 1:]
     for prefix in ("u:", f"t:{tenant}/"):
         if gid.startswith(prefix):
             return gid[len(prefix):]
     return gid
 
 
-def conversation_key(tenant: str, conversation_id: str) -> str:
-    """The key (under the store's prefix) of a conversation's turn list: ``conv:{id}`` for
-    `DEFAULT_TENANT`, ``tconv:{tenant}/{id}`` for any other (a key family of its own, so no
-    default-tenant id can name another tenant's conversation)."""
+def conversation_key(tenant: str, conversation_id: str, owner: str = "") -> str:
+    """The key (under the store's prefix) of a conversation's turn list: ``kconv:{tenant}/{owner}/{id}``
+    for a key's conversation (``owner`` its `key_identity`: no other key adds a turn to it); with no
+    key ``conv:{id}`` for `DEFAULT_TENANT`, ``tconv:{tenant}/{id}`` for any other (a key family of
+    its own, so no default-tenant id can name another tenant's conversation)."""
+    if owner:
+        return f"kconv:{tenant}/{owner}/{conversation_id}"
     return f"conv:{conversation_id}" if tenant == DEFAULT_TENANT else f"tconv:{tenant}/{conversation_id}"
+
+
+def conversation_index(tenant: str, conversation_id: str) -> str:
+    """The key (under the store's prefix) of the set of turn-list keys (`conversation_key`) that
+    ``tenant``'s keys made under ``conversation_id``: how a reward key, which made none of them,
+    finds the conversation it rewards."""
+    return f"convidx:{tenant}/{conversation_id}"
 
 
 class RewardError(Exception):

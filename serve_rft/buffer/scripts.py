@@ -189,7 +189,9 @@ end
 LOG = """
 -- ARGV: P, ttl_pending, ttl_long, max_turns, then the completions' heads: one MessagePack array
 -- (Redis's bundled cmsgpack) of {cid, n, gid, group_size, now, deadline, conv (the key of its
--- turn list under P, '' for none), version, tenant}, every field a string; then, from ARGV[6],
+-- turn list under P, '' for none), version, tenant, conversation index (the key under P of the set
+-- of its tenant's turn lists of that id, '' for none; absent from older callers)}, every field a
+-- string; then, from ARGV[6],
 -- each completion's JSON in the heads' order: its shared fields (the prompt's token ids once per
 -- completion) and its n choices without them. The JSON stays in ARGV: Lua copies it once, not
 -- again out of the MessagePack.
@@ -234,6 +236,10 @@ local function log_one(c, a)
   if ck then
     if turns < max_turns then redis.call('RPUSH', ck, cid) end
     redis.call('EXPIRE', ck, ttl_l)
+    if c[10] and c[10] ~= '' then
+      redis.call('SADD', P..':'..c[10], conv)
+      redis.call('EXPIRE', P..':'..c[10], ttl_l)
+    end
   end
   for i = 0, n - 1 do
     pending[#pending + 1] = c[6]

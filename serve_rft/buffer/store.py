@@ -48,8 +48,11 @@ key                    type    meaning
                                ``group_timeout_s``; then + ``reward_timeout_s``).
 ``P:pending``          zset    ``{cid}:{i}`` awaiting a reward, scored by its deadline.
 ``P:conv:{conv}``      list    Completion ids of a conversation's turns, in order, at most
-                               ``max_conversation_turns`` (default tenant; another tenant's:
-                               ``P:tconv:{tenant}/{conv}``, `records.conversation_key`).
+                               ``max_conversation_turns`` (without keys, default tenant;
+                               another tenant's: ``P:tconv:{tenant}/{conv}``; a key's own:
+                               ``P:kconv:{tenant}/{owner}/{conv}``, `records.conversation_key`).
+``P:convidx:{t}/{c}``  set     The turn-list keys that tenant ``t``'s keys made under id ``c``
+                               (how a reward key finds them); TTL as the lists'.
 ``P:ready``            stream  Released experiences (fields ``exp``, ``reward``, ``member``,
                                ``prompt_ref`` its completion id, naming ``P:rp:{cid}``; an
                                entry without shared fields, or written by an older version,
@@ -85,8 +88,9 @@ key                    type    meaning
 Groups (GRPO compares the answers of one group): a completion with ``n`` choices is a group of
 ``n``; a client can put several requests in one group with the ``group_id`` request field
 (``group_size`` = the number of answers to expect, optional), stored per tenant
-(`serve_rft.buffer.records.client_group`: ``u:{id}`` for the default tenant, ``t:{tenant}/{id}``
-for another, so two tenants naming the same group stay apart). A group's rewarded members are
+(`serve_rft.buffer.records.client_group`: ``k:{tenant}/{owner}/{id}`` for a key's group, and without
+keys ``u:{id}`` for the default tenant, ``t:{tenant}/{id}`` for another, so two keys or two
+tenants naming the same group stay apart). A group's rewarded members are
 *held* (state ``rewarded``) and released to the ready stream together when every member is
 rewarded or expired, or ``group_timeout_s`` after the first reward if at least two are
 rewarded, or at the latest ``reward_timeout_s`` after the first reward. A reward for a member
@@ -116,7 +120,7 @@ from serve_rft.buffer.log_batch import LOG_BATCH_ITEMS, CompletionLog
 from serve_rft.buffer.ready import SWEEP_BATCH, ReadyStream
 from serve_rft.buffer.records import (ChoiceState, ConversationFull, GroupSizeConflict, RewardConflict,
                                       RewardExpired, RewardNotFinite, RewardOutOfRange, StoreCounts, StoreFull,
-                                      UnknownChoice, conversation_key, experience_from)
+                                      UnknownChoice, conversation_index, conversation_key, experience_from)
 from serve_rft.config.service import DEFAULT_TENANT
 from serve_rft.types import Experience
 
@@ -193,10 +197,11 @@ class ExperienceStore:
         return max(1, math.ceil(max(self.trained_ttl_s, self.reward_timeout_s)))
 
     async def log_experiences(self, experiences: list[Experience], group_size: int | None = None,
-                              conversation_id: str | None = None, tenant: str = DEFAULT_TENANT) -> None:
+                              conversation_id: str | None = None, tenant: str = DEFAULT_TENANT,
+                              owner: str = "") -> None:
         """The explorer's call: `serve_rft.buffer.log_batch.CompletionLog.log_experiences` (its
         arguments, errors and batching)."""
-        await self.completions.log_experiences(experiences, group_size, conversation_id, tenant)
+        await self.completions.log_experiences(experiences, group_size, conversation_id, tenant, owner)
 
     async def close(self) -> None:
         await self.redis.aclose()
@@ -206,7 +211,7 @@ class ExperienceStore:
         return bool(await self.redis.ping())
 
     async def check_request(self, tenant: str, group: str | None, group_size: int | None,
-                            conversation_id: str | None) -> None:
+                            conversation_id: str | None, owner: str = "") -> None:
         """Refuse, before anything is generated, a request whose answers the store would not
         take as asked: a ``group_size`` other than the size recorded for its group, or one more
         turn of a conversation that has ``max_conversation_turns``.
@@ -216,6 +221,7 @@ class ExperienceStore:
             group: the stored group id (`serve_rft.buffer.records.client_group`), or None.
             group_size: the request's ``group_size``, or None.
             conversation_id: the client's conversation id, or None.
+            owner: the caller's key (`serve_rft.buffer.quota.key_identity`; '' without keys).
         Raises:
             GroupSizeConflict: the group was logged with another (non-zero) size.
             ConversationFull: the conversation has ``max_conversation_turns`` turns.
@@ -226,7 +232,7 @@ class ExperienceStore:
                 raise GroupSizeConflict(f"group_size {group_size} conflicts with the size {recorded} "
                                         "recorded for this group_id")
         if conversation_id is not None:
-            turns = await self.redis.llen(self._k(conversation_key(tenant, conversation_id)))
+            turns = await self.redis.llen(self._k(conversation_key(tenant, conversation_id, owner)))
             if turns >= self.max_conversation_turns:
                 raise ConversationFull(f"conversation has {turns} turns, at most "
                                        f"buffer.max_conversation_turns={self.max_conversation_turns}")
@@ -348,10 +354,34 @@ class ExperienceStore:
         n, tenant, group = await self.redis.hmget(self._k("cmp", completion_id), ["n", "tenant", "group"])
         return None if n is None else (int(n), tenant or DEFAULT_TENANT, group)
 
-    async def conversation_turns(self, conversation_id: str, tenant: str = DEFAULT_TENANT) -> list[str]:
-        """Completion ids of ``tenant``'s conversation's assistant turns, oldest first (at most
+    async def conversation_turns(self, conversation_id: str, tenant: str = DEFAULT_TENANT,
+                                 owner: str = "") -> list[str]:
+        """Completion ids of the assistant turns of ``owner``'s conversation of ``tenant``
+        (`serve_rft.buffer.records.conversation_key`), oldest first (at most
         ``max_conversation_turns``)."""
-        return await self.redis.lrange(self._k(conversation_key(tenant, conversation_id)), 0, -1)
+        return await self.turns_of(conversation_key(tenant, conversation_id, owner))
+
+    async def turns_of(self, conversation: str) -> list[str]:
+        """Completion ids of the turns of the conversation stored as ``conversation`` (a
+        `serve_rft.buffer.records.conversation_key`), oldest first."""
+        return await self.redis.lrange(self._k(conversation), 0, -1)
+
+    async def conversations(self, conversation_id: str, tenant: str = DEFAULT_TENANT) -> list[str]:
+        """The stored conversations (`serve_rft.buffer.records.conversation_key`) of ``tenant``
+        named ``conversation_id`` that still have turns: the one logged without keys, and each
+        key's own, in sorted order."""
+        keyed = sorted(await self.redis.smembers(self._k(conversation_index(tenant, conversation_id))))
+        names = [conversation_key(tenant, conversation_id), *keyed]
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for name in names:
+                pipe.exists(self._k(name))
+            found = await pipe.execute()
+        return [name for name, there in zip(names, found) if there]
+
+    async def conversation_of(self, completion_id: str) -> str | None:
+        """The stored conversation (`serve_rft.buffer.records.conversation_key`) a logged
+        completion is a turn of; None for none or an unknown completion."""
+        return await self.redis.hget(self._k("cmp", completion_id), "conv") or None
 
     async def choices(self, completion_id: str) -> list[ChoiceState] | None:
         """Every choice's state, reward, info and version, or None for an unknown completion."""

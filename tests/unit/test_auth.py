@@ -4,6 +4,7 @@ stack test runs the same over a live service (tests/integration/test_stack_keep.
 
 import pytest
 
+from serve_rft.buffer.quota import key_identity
 from serve_rft.explorer.http.auth import ADMIN, INFERENCE, OPEN, REWARDS, ApiKeys, Identity, required_scope
 from serve_rft.explorer.http.protocol import ApiError
 
@@ -167,10 +168,12 @@ TENANTS = ApiKeys(["inf"], ["adm"], ["rew"], {"alice": (["a-inf"], ["a-rew"]), "
     ("a-inf", "alice", {INFERENCE}), ("a-rew", "alice", {REWARDS}), ("b-inf", "bob", {INFERENCE}),
     ("adm", "default", {INFERENCE, REWARDS, ADMIN}),
 ])
-def test_check_returns_the_callers_tenant_and_scopes(key, tenant, scopes):
+def test_check_returns_the_callers_tenant_scopes_and_key(key, tenant, scopes):
+    """The caller's ids are its key's own: ``owner`` is the key's digest, never the key."""
     path = "/v1/rewards" if REWARDS in scopes else "/v1/models"
     who = TENANTS.check(path, f"Bearer {key}")
-    assert who == Identity(tenant, frozenset(scopes))
+    assert who == Identity(tenant, frozenset(scopes), key_identity(key))
+    assert len(who.owner) == 32 and key not in who.owner
     assert who.admin == (ADMIN in scopes)
 
 
@@ -220,7 +223,8 @@ def test_a_key_with_two_owners_or_a_bad_tenant_name_is_a_config_error(service):
 
 def test_inference_and_reward_scopes_of_one_tenant_may_share_a_key():
     keys = ApiKeys([], [], [], {"alice": (["both"], ["both"])})
-    assert keys.check("/v1/rewards", "Bearer both") == Identity("alice", frozenset({INFERENCE, REWARDS}))
+    assert keys.check("/v1/rewards", "Bearer both") == Identity("alice", frozenset({INFERENCE, REWARDS}),
+                                                                key_identity("both"))
 
 
 def test_tenants_come_from_the_environment(monkeypatch):

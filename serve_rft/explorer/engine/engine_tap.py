@@ -60,6 +60,8 @@ class RequestContext:
         metadata, user: OpenAI's request fields, kept with the experiences.
         tenant: the caller's tenant (`serve_rft.explorer.http.auth.Identity.tenant`): owns the
             experiences and namespaces the group and conversation ids; salts the prefix cache.
+        owner: the caller's key (`serve_rft.explorer.http.auth.Identity.owner`; '' without
+            keys): the group and conversation ids are its own within the tenant's.
     """
 
     store: bool | None = None
@@ -74,6 +76,7 @@ class RequestContext:
     metadata: dict[str, str] | None = None
     user: str | None = None
     tenant: str = DEFAULT_TENANT
+    owner: str = ""
 
 
 CURRENT: ContextVar[RequestContext | None] = ContextVar("serve_rft_request", default=None)

@@ -125,7 +125,7 @@ class ExperienceLog:
 
         Args:
             req: the request's ``store``, ``group_id``, ``group_size``, ``conversation_id``,
-                ``created_at``, ``user``, ``metadata`` and ``tenant`` (a
+                ``created_at``, ``user``, ``metadata``, ``tenant`` and ``owner`` (a
                 `serve_rft.explorer.engine.engine_tap.RequestContext`).
             cid: the response's id (what rewards name).
             prompt_ids: the token ids the engine consumed.
@@ -137,14 +137,14 @@ class ExperienceLog:
         if req.store is False:
             self.metrics.served(prompt_n, completion_n, 0, unlogged=len(choices))
             return 0
-        # a client's group never collides with a completion id nor with another tenant's group
-        group = client_group(req.tenant, req.group_id) if req.group_id else None
+        # a client's group never collides with a completion id nor with another key's group
+        group = client_group(req.tenant, req.group_id, req.owner) if req.group_id else None
         exps = build_experiences(cid, self.replica_id, prompt_ids, choices, sampling, req.created_at, version, group,
                                  req.user, req.metadata)
         try:
             await asyncio.wait_for(self.store.log_experiences(exps, group_size=req.group_size if group else None,
                                                               conversation_id=req.conversation_id,
-                                                              tenant=req.tenant),
+                                                              tenant=req.tenant, owner=req.owner),
                                    self.store_wait_s)
         except (StoreFull, asyncio.TimeoutError, RedisError) as e:
             # the user is served, the loss counted (a timed-out completion batched with others

@@ -18,8 +18,10 @@ Tenants: every inference and reward key belongs to one tenant (``service.tenants
 `Identity`. A tenant's keys reach only its own completions: a reward or an experience read of
 another tenant's completion is answered 404, as for one that does not exist (RFC 9110 §15.5.4, 403
 Forbidden: "An origin server that wishes to 'hide' the current existence of a forbidden target
-resource MAY instead respond with a status code of 404 (Not Found)"); its ``group_id`` /
-``conversation_id`` values live in its own namespace (`serve_rft.buffer.records.client_group`).
+resource MAY instead respond with a status code of 404 (Not Found)"). A ``group_id`` or
+``conversation_id`` belongs to the key that sent it (`Identity.owner`,
+`serve_rft.buffer.records.client_group`): no other key, of its tenant or not, joins, sizes or
+extends it; the tenant's reward keys (and admin keys) reward it.
 Admin keys belong to no tenant and reach every completion; what an admin key (or anyone, with no
 keys) generates belongs to `DEFAULT_TENANT`.
 
@@ -40,6 +42,7 @@ import hmac
 from dataclasses import dataclass
 from typing import Iterable, Mapping
 
+from serve_rft.buffer.quota import key_identity
 from serve_rft.config.service import DEFAULT_TENANT
 from serve_rft.explorer.http.protocol import ApiError
 
@@ -70,10 +73,13 @@ class Identity:
             ``group_id`` / ``conversation_id``) belong to: the key's tenant; `DEFAULT_TENANT`
             for an admin key and for a service without keys.
         scopes: the scopes the key grants.
+        owner: the key's `key_identity` (a SHA-256 prefix, never the key): the namespace of the
+            ``group_id`` / ``conversation_id`` values it sends within its tenant's; '' without keys.
     """
 
     tenant: str
     scopes: frozenset[str]
+    owner: str = ""
 
     @property
     def admin(self) -> bool:
@@ -149,7 +155,7 @@ class ApiKeys:
                 tenant = owner
         if tenant is None:
             return None
-        return Identity(tenant or DEFAULT_TENANT, granted)
+        return Identity(tenant or DEFAULT_TENANT, granted, key_identity(key))
 
     def scopes(self, key: str) -> frozenset[str]:
         """The scopes ``key`` grants (empty: unknown)."""

@@ -22,7 +22,7 @@ with ``n`` choices cannot multiply a large field into the store ``n`` times.
 The ids a request names in the store are checked against it before anything is generated
 (`check_against_store`): a ``group_size`` other than its group's recorded size, or one more turn
 of a conversation at ``buffer.max_conversation_turns``, is refused with 409. Both ids are the
-caller's tenant's own (`serve_rft.buffer.records.client_group`, `conversation_key`).
+caller's key's own (`serve_rft.buffer.records.client_group`, `conversation_key`).
 """
 
 from __future__ import annotations
@@ -233,7 +233,7 @@ def _several_prompts(prompt: Any) -> bool:
 
 async def check_against_store(store, ctx: RequestContext, wait_s: float) -> None:
     """Refuse, before anything is generated, a request the store would not take as asked (its
-    ids in the caller's tenant's namespace, ``ctx.tenant``). A request with ``store: false`` is
+    ids in the caller's key's namespace, ``ctx.tenant`` and ``ctx.owner``). A request with ``store: false`` is
     never logged and not checked; with the store away (no answer within ``wait_s`` seconds, or
     a Redis error) it is not checked either: it is served as any request then (logged if the
     store is back in time, else counted unlogged).
@@ -247,10 +247,10 @@ async def check_against_store(store, ctx: RequestContext, wait_s: float) -> None
     """
     if ctx.store is False or (ctx.group_id is None and ctx.conversation_id is None):
         return
-    group = client_group(ctx.tenant, ctx.group_id) if ctx.group_id is not None else None
+    group = client_group(ctx.tenant, ctx.group_id, ctx.owner) if ctx.group_id is not None else None
     try:
         await asyncio.wait_for(store.check_request(ctx.tenant, group, ctx.group_size if group else None,
-                                                   ctx.conversation_id), wait_s)
+                                                   ctx.conversation_id, ctx.owner), wait_s)
     except GroupSizeConflict as e:
         raise ApiError(409, f"{e}: every request of a group must send the same group_size (or none)",
                        "group_size", code="group_size_conflict") from None

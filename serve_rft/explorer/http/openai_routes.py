@@ -86,7 +86,8 @@ class OpenAIRoutes:
         req, ctx = await asyncio.get_running_loop().run_in_executor(
             self.cpu, lambda: parse_request(parse_json(raw), kind, self.cfg.explorer.max_n,
                                             self.cfg.explorer.limits))
-        ctx.t0, ctx.tenant = t0, identity_of(request).tenant
+        who = identity_of(request)
+        ctx.t0, ctx.tenant, ctx.owner = t0, who.tenant, who.owner
         await check_against_store(self.store, ctx, self.cfg.buffer.store_wait_s)
         from vllm.entrypoints.serve.engine.protocol import ErrorResponse
         from vllm.entrypoints.serve.exception_handling.error_response import create_error_response

@@ -92,10 +92,13 @@ class GroupRewards(BaseModel):
 
 class ConversationReward(BaseModel):
     """One reward for a whole conversation: turn t of T gets ``reward * discount**(T-1-t)``
-    (the last turn the full reward; AReaL-style per-turn discount), every choice of the turn."""
+    (the last turn the full reward; AReaL-style per-turn discount), every choice of the turn.
+    ``completion_id``: any turn of it, naming the conversation when several keys of the tenant
+    sent the same ``conversation_id`` (each key's conversation is its own)."""
 
     model_config = ConfigDict(extra="forbid")
     conversation_id: str = Field(min_length=1, max_length=256)
+    completion_id: str | None = Field(None, min_length=1, max_length=256)
     reward: Reward
     discount: float = Field(1.0, ge=0.0, le=1.0, strict=True)
     info: Info = None
@@ -115,7 +118,8 @@ def parse_reward_body(body: Any) -> RewardRequest:
     - ``{"completion_id", "choice_index"?, "reward", "info"?}``: one choice;
     - ``{"completion_id", "rewards": [float, ...], "info"?}``: every choice of a completion;
     - ``{"group_id", "rewards": [{...}, ...]}``: members of one group;
-    - ``{"conversation_id", "reward", "discount"?, "info"?}``: all turns of a conversation;
+    - ``{"conversation_id", "completion_id"?, "reward", "discount"?, "info"?}``: all turns of a
+      conversation;
     - ``{"rewards": [{...}, ...]}``: a batch of single rewards.
 
     Raises:

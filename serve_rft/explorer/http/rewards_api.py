@@ -17,9 +17,11 @@ batch or a group each item's reward is checked with its own result. Nothing acce
 
 Tenants (`serve_rft.explorer.http.auth.Identity`): a caller reaches only its own tenant's completions
 (an admin reaches all). Another tenant's completion is answered exactly as one that does not
-exist (404, ``not_found``, same message), checked before anything is written; a
-``conversation_id`` names the caller's own conversation, a ``group_id`` the group as the
-completion's own client named it.
+exist (404, ``not_found``, same message), checked before anything is written. Groups and
+conversations belong to the key that sent them (`serve_rft.buffer.records.client_group`); a
+``group_id`` names the group as the completion's own client named it, a ``conversation_id`` the
+tenant's conversation of that id (`_conversation`: the caller's own first, else the one key's
+that has it; when several keys have one, the request names it by a turn's ``completion_id``).
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ from dataclasses import asdict
 from typing import Any
 
 from serve_rft.buffer.records import (RewardConflict, RewardError, RewardExpired, RewardNotFinite,
-                                      RewardOutOfRange, StoreFull, UnknownChoice, shown_group)
+                                      RewardOutOfRange, StoreFull, UnknownChoice, conversation_key,
+                                      shown_group)
 from serve_rft.buffer.store import ExperienceStore
 from serve_rft.explorer.http.auth import OPEN, Identity
 from serve_rft.explorer.http.protocol import (ApiError, ChoiceRewards, ConversationReward, GroupRewards,
@@ -86,7 +89,7 @@ async def _items(store: ExperienceStore, req: RewardRequest, who: Identity) -> l
     if isinstance(req, GroupRewards):
         return list(req.rewards)  # each member's group is checked with its own result
     assert isinstance(req, ConversationReward)
-    turns = await store.conversation_turns(req.conversation_id, who.tenant)
+    turns = await store.turns_of(await _conversation(store, req, who))
     if not turns:
         raise ApiError(404, f"no conversation {req.conversation_id!r}", "conversation_id", code="not_found")
     items = []
@@ -95,6 +98,34 @@ async def _items(store: ExperienceStore, req: RewardRequest, who: Identity) -> l
         r = req.reward * req.discount ** (len(turns) - 1 - t)
         items += [RewardItem(completion_id=cid, choice_index=i, reward=r, info=req.info) for i in range(n)]
     return _whole(store, items)
+
+
+async def _conversation(store: ExperienceStore, req: ConversationReward, who: Identity) -> str:
+    """The stored conversation (`serve_rft.buffer.records.conversation_key`) ``req`` rewards:
+    the tenant's of that id that ``req.completion_id`` is a turn of; without one, the caller's own
+    of that id if it has one (an admin key's), else the only one of the tenant's keys' of that id.
+
+    Raises:
+        ApiError: 404 no such conversation (or ``completion_id`` no turn of one of that id);
+            409 ``ambiguous_conversation`` (param ``completion_id``): several keys of the tenant
+            have a conversation of that id and the request names none of them.
+    """
+    own = conversation_key(who.tenant, req.conversation_id, who.owner)
+    found = await store.conversations(req.conversation_id, who.tenant)
+    if req.completion_id is not None:
+        of = await store.conversation_of(req.completion_id)
+        if of is None or (of not in found and of != own):
+            raise ApiError(404, f"completion {req.completion_id!r} is no turn of conversation "
+                           f"{req.conversation_id!r}", "completion_id", code="not_found")
+        return of
+    if who.owner and await store.turns_of(own):
+        return own
+    if len(found) > 1:
+        raise ApiError(409, f"{len(found)} keys have a conversation {req.conversation_id!r}: name it by "
+                       "one of its turns' completion_id", "completion_id", code="ambiguous_conversation")
+    if not found:
+        raise ApiError(404, f"no conversation {req.conversation_id!r}", "conversation_id", code="not_found")
+    return found[0]
 
 
 def _whole(store: ExperienceStore, items: list[RewardItem]) -> list[RewardItem]:

@@ -151,6 +151,8 @@ def group_advantages(rewards: Sequence[float], group_ids: Sequence[str], baselin
     seen: dict[str, bool] = {}
     def single(r: float) -> float:
         a = (r - b) / single_scale
+        if not (math.isfinite(a) and abs(r) <= FP32_MAX):
+            return a  # not clipped into a number: the step's guard skips what cannot be trained
         if estimator == "grpo" and scale != "none" and singleton_clip is not None:
             a = max(-singleton_clip, min(singleton_clip, a))
         return a

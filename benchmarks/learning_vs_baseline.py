@@ -75,9 +75,42 @@ def run(side: str, root: Path, sets: list[str], seed: int, duration: float, user
             "requests_ok": rep["requests"]["ok"], "requests_failed": rep["requests"]["failed"]}
 
 
+FIGURE = ROOT / "docs" / "assets" / "learning_vs_baseline.png"
+
+
+def render(result: dict, out: Path = FIGURE) -> Path:
+    """Reward over wall time per side: each seed's curve thin, the mean over seeds thick."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    labels = {"baseline": result["baseline"]["label"], "this": "this code, its defaults"}
+    for side, color in (("baseline", "tab:gray"), ("this", "tab:blue")):
+        mine = [r for r in result["runs"] if r["side"] == side]
+        for r in mine:
+            ax.plot([c["t_s"] for c in r["reward_curve"]], [c["mean_reward"] for c in r["reward_curve"]],
+                    color=color, alpha=0.3, lw=1)
+        width = min(len(r["reward_curve"]) for r in mine)
+        ax.plot([mine[0]["reward_curve"][i]["t_s"] for i in range(width)],
+                [statistics.fmean(r["reward_curve"][i]["mean_reward"] for r in mine) for i in range(width)],
+                color=color, lw=2.5, label=f"{labels[side]} ({len(mine)} seeds)")
+    ax.axhline(1 / 3, color="k", ls=":", lw=1, label="best a prompt-blind policy can do")
+    ax.set_xlabel("wall time (s, 30 s buckets)")
+    ax.set_ylabel("mean reward (letter task)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--baseline", required=True, help="a checkout of the earlier code (sharing this .venv)")
+    ap.add_argument("--baseline", help="a checkout of the earlier code (sharing this .venv)")
+    ap.add_argument("--render", help="only draw the figure of this result file")
     ap.add_argument("--baseline-label", default="earlier code, its defaults")
     ap.add_argument("--duration", type=float, default=300.0)
     ap.add_argument("--users", type=int, default=8)
@@ -85,6 +118,11 @@ def main() -> None:
     ap.add_argument("--set", dest="sets", action="append", default=[], help="config override of this side")
     ap.add_argument("--out", default="benchmarks/results/learning_vs_baseline.json")
     a = ap.parse_args()
+    if a.render:
+        print("figure:", render(json.loads(Path(a.render).read_text())))
+        return
+    if not a.baseline:
+        ap.error("--baseline is required")
     base = Path(a.baseline).resolve()
     baseline_commit = subprocess.run(["git", "-C", str(base), "log", "-1", "--format=%cs %s"], capture_output=True,
                                      text=True).stdout.strip()
@@ -102,6 +140,7 @@ def main() -> None:
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(out, indent=2))
     print(json.dumps(sides, indent=2))
+    print("figure:", render(out))
 
 
 if __name__ == "__main__":

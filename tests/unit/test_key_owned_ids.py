@@ -14,19 +14,15 @@ from serve_rft.explorer.engine.experience_log import ExperienceLog, Sampled
 from serve_rft.explorer.http import rewards_api
 from serve_rft.explorer.http.auth import ApiKeys
 from serve_rft.explorer.http.openai_request import check_against_store
-from serve_rft.explorer.http.protocol import ApiError, parse_reward_body
+from serve_rft.explorer.http.protocol import ApiError
 from serve_rft.types import SamplingInfo
+from tests.support.rewards_flow import NullMetrics, post, rewards
 
 # the flat keys: every one in the tenant `default`, as the issue's users were
 KEYS = ApiKeys(["alice-key", "bob-key"], ["admin-key"], ["grader-key"])
 ALICE, BOB = (KEYS.check("/v1/chat/completions", f"Bearer {k}") for k in ("alice-key", "bob-key"))
 GRADER, ADMIN = (KEYS.check("/v1/rewards", f"Bearer {k}") for k in ("grader-key", "admin-key"))
 SAMPLING = SamplingInfo(temperature=1.0, top_p=1.0, max_tokens=2)
-
-
-class _Metrics:
-    def served(self, *args, **kwargs):
-        pass
 
 
 def _ctx(who, **ext) -> RequestContext:
@@ -37,17 +33,9 @@ def _ctx(who, **ext) -> RequestContext:
 async def _request(store, who, cid: str, n: int = 1, **ext) -> None:
     """A chat request of ``who`` as a replica runs it: checked against the store, then logged."""
     await check_against_store(store, _ctx(who, **ext), 2.0)
-    xlog = ExperienceLog(store, "r0", _Metrics(), store_wait_s=2.0)
+    xlog = ExperienceLog(store, "r0", NullMetrics(), store_wait_s=2.0)
     choices = [Sampled(i, token_ids=[5, 6], logprobs=[-0.1, -0.2], finish_reason="length") for i in range(n)]
     assert await xlog.log(_ctx(who, **ext), cid, [1, 2, 3], choices, SAMPLING, 0) == n
-
-
-async def _post(store, body, who) -> list[dict]:
-    return await rewards_api.post_rewards(store, parse_reward_body(body), who)
-
-
-async def _rewards(store, cid: str) -> list:
-    return [c.reward for c in await store.choices(cid)]
 
 
 @pytest.fixture
@@ -84,20 +72,20 @@ def test_another_key_cannot_join_a_conversation_nor_share_its_reward(run):
 
         # two keys have a "c": the grader must say which, nothing is recorded until it does
         with pytest.raises(ApiError) as e:
-            await _post(store, {"conversation_id": "c", "reward": 1.0}, GRADER)
+            await post(store, {"conversation_id": "c", "reward": 1.0}, GRADER)
         assert (e.value.status, e.value.code, e.value.param) == (409, "ambiguous_conversation", "completion_id")
-        assert await _rewards(store, "chatcmpl-a1") == [None]
+        assert await rewards(store, "chatcmpl-a1") == [None]
         await _request(store, ALICE, "chatcmpl-x", conversation_id="other")
         with pytest.raises(ApiError) as e:  # a turn of no conversation "c"
-            await _post(store, {"conversation_id": "c", "completion_id": "chatcmpl-x", "reward": 1.0}, GRADER)
+            await post(store, {"conversation_id": "c", "completion_id": "chatcmpl-x", "reward": 1.0}, GRADER)
         assert (e.value.status, e.value.code) == (404, "not_found")
 
-        results = await _post(store, {"conversation_id": "c", "completion_id": "chatcmpl-a2", "reward": 1.0,
+        results = await post(store, {"conversation_id": "c", "completion_id": "chatcmpl-a2", "reward": 1.0,
                                       "discount": 0.5}, GRADER)
         assert [(r["completion_id"], r["reward"], r["status"]) for r in results] == \
             [("chatcmpl-a1", 0.5, "recorded"), ("chatcmpl-a2", 1.0, "recorded")]
-        assert await _rewards(store, "chatcmpl-b1") == [None]
-        results = await _post(store, {"conversation_id": "c", "completion_id": "chatcmpl-b1", "reward": 0.2}, ADMIN)
+        assert await rewards(store, "chatcmpl-b1") == [None]
+        results = await post(store, {"conversation_id": "c", "completion_id": "chatcmpl-b1", "reward": 0.2}, ADMIN)
         assert [(r["completion_id"], r["status"]) for r in results] == [("chatcmpl-b1", "recorded")]
     run(go)
 
@@ -109,17 +97,17 @@ def test_a_conversation_only_one_key_has_is_rewarded_by_its_id_as_before(run):
     async def go(store):
         await _request(store, ALICE, "chatcmpl-a1", conversation_id="solo")
         await _request(store, ALICE, "chatcmpl-a2", conversation_id="solo")
-        results = await _post(store, {"conversation_id": "solo", "reward": 1.0}, GRADER)
+        results = await post(store, {"conversation_id": "solo", "reward": 1.0}, GRADER)
         assert [r["status"] for r in results] == ["recorded", "recorded"]
         with pytest.raises(ApiError) as e:
-            await _post(store, {"conversation_id": "none", "reward": 1.0}, GRADER)
+            await post(store, {"conversation_id": "none", "reward": 1.0}, GRADER)
         assert (e.value.status, e.value.code) == (404, "not_found")
 
         await _request(store, ADMIN, "chatcmpl-adm", conversation_id="solo")
-        results = await _post(store, {"conversation_id": "solo", "reward": 0.5}, ADMIN)
+        results = await post(store, {"conversation_id": "solo", "reward": 0.5}, ADMIN)
         assert [r["completion_id"] for r in results] == ["chatcmpl-adm"]
         # a turn named: that conversation, the admin's own of the id notwithstanding
-        results = await _post(store, {"conversation_id": "solo", "completion_id": "chatcmpl-a1", "reward": 1.0},
+        results = await post(store, {"conversation_id": "solo", "completion_id": "chatcmpl-a1", "reward": 1.0},
                               ADMIN)
         assert [r["status"] for r in results] == ["duplicate", "duplicate"]
     run(go)
@@ -156,7 +144,7 @@ def test_another_key_cannot_join_or_resize_a_group(run):
                   for cid in ("chatcmpl-a1", "chatcmpl-a2", "chatcmpl-b1")}
         assert groups["chatcmpl-a1"] == groups["chatcmpl-a2"] != groups["chatcmpl-b1"]
 
-        results = await _post(store, {"group_id": "g", "rewards": [{"completion_id": "chatcmpl-a1", "reward": 1.0},
+        results = await post(store, {"group_id": "g", "rewards": [{"completion_id": "chatcmpl-a1", "reward": 1.0},
                                                                    {"completion_id": "chatcmpl-a2", "reward": 0.0}]},
                               GRADER)
         assert [r["status"] for r in results] == ["recorded", "recorded"]

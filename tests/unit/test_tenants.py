@@ -12,17 +12,13 @@ from serve_rft.explorer.engine.experience_log import ExperienceLog, Sampled
 from serve_rft.explorer.http import rewards_api
 from serve_rft.explorer.http.auth import ApiKeys
 from serve_rft.explorer.http.openai_request import check_against_store
-from serve_rft.explorer.http.protocol import ApiError, parse_reward_body
+from serve_rft.explorer.http.protocol import ApiError
 from serve_rft.types import SamplingInfo
+from tests.support.rewards_flow import NullMetrics, post, rewards
 
 KEYS = ApiKeys(["inf"], ["adm"], ["rew"], {"alice": (["a-inf"], ["a-rew"]), "mallory": (["m-inf"], ["m-rew"])})
 DEFAULT, ALICE, MALLORY, ADMIN = (KEYS.check("/v1/rewards", f"Bearer {k}") for k in ("rew", "a-rew", "m-rew", "adm"))
 SAMPLING = SamplingInfo(temperature=1.0, top_p=1.0, max_tokens=2)
-
-
-class _Metrics:
-    def served(self, *args, **kwargs):
-        pass
 
 
 def _choices(n: int) -> list[Sampled]:
@@ -31,16 +27,8 @@ def _choices(n: int) -> list[Sampled]:
 
 async def _log(store, tenant: str, cid: str, n: int = 1, **ctx) -> None:
     """Log a completion as a replica does for a request of ``tenant`` with these extensions."""
-    xlog = ExperienceLog(store, "r0", _Metrics(), store_wait_s=2.0)
+    xlog = ExperienceLog(store, "r0", NullMetrics(), store_wait_s=2.0)
     assert await xlog.log(RequestContext(tenant=tenant, **ctx), cid, [1, 2, 3], _choices(n), SAMPLING, 0) == n
-
-
-async def _post(store, body, who) -> list[dict]:
-    return await rewards_api.post_rewards(store, parse_reward_body(body), who)
-
-
-async def _rewards(store, cid: str) -> list:
-    return [c.reward for c in await store.choices(cid)]
 
 
 @pytest.fixture
@@ -65,14 +53,14 @@ def test_another_tenants_conversation_with_the_same_id_takes_none_of_its_reward(
         await _log(store, "alice", "chatcmpl-a1", conversation_id="c")
         await _log(store, "alice", "chatcmpl-a2", conversation_id="c")
         await _log(store, "mallory", "chatcmpl-m1", conversation_id="c")
-        results = await _post(store, {"conversation_id": "c", "reward": 1.0, "discount": 0.5}, ALICE)
+        results = await post(store, {"conversation_id": "c", "reward": 1.0, "discount": 0.5}, ALICE)
         assert [(r["completion_id"], r["reward"]) for r in results] == [("chatcmpl-a1", 0.5), ("chatcmpl-a2", 1.0)]
-        assert await _rewards(store, "chatcmpl-m1") == [None]
+        assert await rewards(store, "chatcmpl-m1") == [None]
         # mallory's own conversation "c" is hers alone; the default tenant has none of that name
-        results = await _post(store, {"conversation_id": "c", "reward": 0.2}, MALLORY)
+        results = await post(store, {"conversation_id": "c", "reward": 0.2}, MALLORY)
         assert [r["completion_id"] for r in results] == ["chatcmpl-m1"]
         with pytest.raises(ApiError) as e:
-            await _post(store, {"conversation_id": "c", "reward": 1.0}, DEFAULT)
+            await post(store, {"conversation_id": "c", "reward": 1.0}, DEFAULT)
         assert e.value.status == 404
     run(go)
 
@@ -87,9 +75,9 @@ def test_another_tenant_cannot_fix_the_size_of_a_group_with_the_same_id(run):
         await _log(store, "alice", "chatcmpl-a2", group_id="g", group_size=2)
         assert (await store.get_experience("chatcmpl-a1", 0)).group_id != (await store.get_experience(
             "chatcmpl-m", 0)).group_id  # the trainer never puts them in one group
-        await _post(store, {"completion_id": "chatcmpl-a1", "reward": 1.0}, ALICE)
+        await post(store, {"completion_id": "chatcmpl-a1", "reward": 1.0}, ALICE)
         assert (await store.counts()).ready == 0  # held for its second member, not a singleton
-        await _post(store, {"completion_id": "chatcmpl-a2", "reward": 0.0}, ALICE)
+        await post(store, {"completion_id": "chatcmpl-a2", "reward": 0.0}, ALICE)
         entries = await store.ready.read_ready("t0", 10, block_ms=10)
         assert sorted(e.experience.completion_id for e in entries) == ["chatcmpl-a1", "chatcmpl-a2"]
         assert {e.experience.group_id for e in entries} == {"t:alice/g"}
@@ -120,18 +108,18 @@ def test_another_tenants_completion_is_not_found_in_every_reward_form_and_nothin
                 "group": {"group_id": "g", "rewards": [{"completion_id": "chatcmpl-a", "reward": 1.0}]}}[form]
         for who in (MALLORY, DEFAULT):
             try:
-                results = await _post(store, body, who)
+                results = await post(store, body, who)
             except ApiError as e:  # a `rewards` list is refused whole
                 assert (e.status, e.body()["error"]["code"]) == (404, "not_found")
             else:
                 assert [(r["status_code"], r["error"]["code"]) for r in results] == [(404, "not_found")]
-            assert await _rewards(store, "chatcmpl-a") == [None]
+            assert await rewards(store, "chatcmpl-a") == [None]
         # the answer is the one a completion that never existed gets
         await _log(store, "mallory", "chatcmpl-m")
-        assert (await _post(store, {"completion_id": "chatcmpl-nope", "reward": 1.0}, ALICE))[0]["error"] == \
-            {**(await _post(store, {"completion_id": "chatcmpl-m", "reward": 1.0}, ALICE))[0]["error"],
+        assert (await post(store, {"completion_id": "chatcmpl-nope", "reward": 1.0}, ALICE))[0]["error"] == \
+            {**(await post(store, {"completion_id": "chatcmpl-m", "reward": 1.0}, ALICE))[0]["error"],
              "message": "no choice 0 in completion 'chatcmpl-nope'"}
-        assert [r["status"] for r in await _post(store, body, ALICE)] == ["recorded"]
+        assert [r["status"] for r in await post(store, body, ALICE)] == ["recorded"]
     run(go)
 
 
@@ -146,7 +134,7 @@ def test_experience_reads_reach_the_own_tenant_and_admin_reaches_all(run):
             assert e.value.status == 404 and e.value.message == f"no completion {cid!r}"
         assert (await rewards_api.describe_completion(store, "chatcmpl-a", ADMIN))["tenant"] == "alice"
         assert (await rewards_api.describe_completion(store, "chatcmpl-d", ADMIN))["tenant"] == "default"
-        results = await _post(store, {"completion_id": "chatcmpl-a", "reward": 1.0}, ADMIN)
+        results = await post(store, {"completion_id": "chatcmpl-a", "reward": 1.0}, ADMIN)
         assert results[0]["status"] == "recorded"
     run(go)
 

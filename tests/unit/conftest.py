@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 
 import pytest
@@ -16,3 +17,20 @@ def store_factory(redis_server):
     def make(**kw):
         return ExperienceStore(redis_server.url, prefix=f"t{uuid.uuid4().hex[:8]}", **kw)
     return make
+
+
+@pytest.fixture
+def run(redis_server):
+    """``run(test)``: awaits ``test(store)`` on a fresh `ExperienceStore` (its own key prefix, at
+    most 3 turns a conversation), closed after (the tenant and key-ownership tests)."""
+    from serve_rft.buffer.store import ExperienceStore
+
+    def go(test):
+        async def main():
+            store = ExperienceStore(redis_server.url, prefix=f"r{uuid.uuid4().hex[:8]}", max_conversation_turns=3)
+            try:
+                await test(store)
+            finally:
+                await store.close()
+        asyncio.run(main())
+    return go

@@ -3,12 +3,9 @@ tenant cannot join a conversation or a group, size it or take a share of its rew
 creating key's flow and the tenant's reward and admin keys' rewards still work (the explorer's
 log, the store and the rewards API as the routes call them)."""
 
-import asyncio
-import uuid
 
 import pytest
 
-from serve_rft.buffer.store import ExperienceStore
 from serve_rft.explorer.engine.engine_tap import RequestContext
 from serve_rft.explorer.engine.experience_log import ExperienceLog, Sampled
 from serve_rft.explorer.http import rewards_api
@@ -36,20 +33,6 @@ async def _request(store, who, cid: str, n: int = 1, **ext) -> None:
     xlog = ExperienceLog(store, "r0", NullMetrics(), store_wait_s=2.0)
     choices = [Sampled(i, token_ids=[5, 6], logprobs=[-0.1, -0.2], finish_reason="length") for i in range(n)]
     assert await xlog.log(_ctx(who, **ext), cid, [1, 2, 3], choices, SAMPLING, 0) == n
-
-
-@pytest.fixture
-def run(redis_server):
-    """Runs ``test(store)`` on a fresh store (its own key prefix, at most 3 turns a conversation)."""
-    def go(test):
-        async def main():
-            store = ExperienceStore(redis_server.url, prefix=f"k{uuid.uuid4().hex[:8]}", max_conversation_turns=3)
-            try:
-                await test(store)
-            finally:
-                await store.close()
-        asyncio.run(main())
-    return go
 
 
 def test_keys_of_one_tenant_are_owners_of_their_ids():

@@ -1,12 +1,9 @@
 """Tenants against a real redis-server: no key reaches another tenant's completions, groups or
 conversations (the explorer's log, the store and the rewards API as the routes call them)."""
 
-import asyncio
-import uuid
 
 import pytest
 
-from serve_rft.buffer.store import ExperienceStore
 from serve_rft.explorer.engine.engine_tap import RequestContext, cache_salt
 from serve_rft.explorer.engine.experience_log import ExperienceLog, Sampled
 from serve_rft.explorer.http import rewards_api
@@ -29,20 +26,6 @@ async def _log(store, tenant: str, cid: str, n: int = 1, **ctx) -> None:
     """Log a completion as a replica does for a request of ``tenant`` with these extensions."""
     xlog = ExperienceLog(store, "r0", NullMetrics(), store_wait_s=2.0)
     assert await xlog.log(RequestContext(tenant=tenant, **ctx), cid, [1, 2, 3], _choices(n), SAMPLING, 0) == n
-
-
-@pytest.fixture
-def run(redis_server):
-    """Runs ``test(store)`` on a fresh store (its own key prefix, at most 3 turns a conversation)."""
-    def go(test):
-        async def main():
-            store = ExperienceStore(redis_server.url, prefix=f"t{uuid.uuid4().hex[:8]}", max_conversation_turns=3)
-            try:
-                await test(store)
-            finally:
-                await store.close()
-        asyncio.run(main())
-    return go
 
 
 def test_another_tenants_conversation_with_the_same_id_takes_none_of_its_reward(run):

@@ -149,6 +149,27 @@ class QuotaBuckets:
             redis.exceptions.RedisError: Redis unreachable or refusing.
             TimeoutError: Redis took longer than ``timeout_s``.
         """
+        allowed, wait_ms, which = await self.call(
+            self._take, [self.key(scope, identity)],
+            [repr(float(rates.requests_per_s)), repr(float(rates.request_burst)),
+             repr(float(rates.bytes_per_s)), repr(float(rates.bytes_burst)), str(int(cost_bytes))])
+        if allowed:
+            return Decision(True)
+        return Decision(False, int(wait_ms) / 1000.0, LIMITS[int(which)], too_large=int(which) == 3)
+
+    def script(self, source: str):
+        """A Lua script registered on this client (for `call`)."""
+        return self.redis.register_script(source)
+
+    async def call(self, script, keys: list[str], args: list):
+        """Run ``script`` with the bounds of `take`: at most ``timeout_s`` for a free connection,
+        then at most ``timeout_s`` for Redis.
+
+        Raises:
+            QuotaBusy: no connection came free within ``timeout_s`` (nothing was asked of Redis).
+            redis.exceptions.RedisError: Redis unreachable or refusing.
+            TimeoutError: Redis took longer than ``timeout_s``.
+        """
         try:
             async with asyncio.timeout(self.timeout_s):
                 await self._slots.acquire()
@@ -156,16 +177,9 @@ class QuotaBuckets:
             raise QuotaBusy(f"no quota connection free within {self.timeout_s} s") from None
         try:
             async with asyncio.timeout(self.timeout_s):
-                allowed, wait_ms, which = await self._take(
-                    keys=[self.key(scope, identity)],
-                    args=[repr(float(rates.requests_per_s)), repr(float(rates.request_burst)),
-                          repr(float(rates.bytes_per_s)), repr(float(rates.bytes_burst)),
-                          str(int(cost_bytes))])
+                return await script(keys=keys, args=args)
         finally:
             self._slots.release()
-        if allowed:
-            return Decision(True)
-        return Decision(False, int(wait_ms) / 1000.0, LIMITS[int(which)], too_large=int(which) == 3)
 
     async def close(self) -> None:
         await self.redis.aclose()

@@ -117,6 +117,15 @@ class StoreCounts:
     redis_restarts: int = 0
 
 
+@dataclass(frozen=True)
+class TenantBytes:
+    """What a tenant keeps in the store (`serve_rft.buffer.ledger`): ``bytes`` now, and
+    ``next_free_s`` seconds until the first of it expires (None: it keeps nothing)."""
+
+    bytes: int
+    next_free_s: float | None
+
+
 @dataclass
 class ChoiceState:
     """One choice as `GET /v1/experiences/{completion_id}` shows it."""

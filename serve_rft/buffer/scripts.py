@@ -5,11 +5,13 @@ Redis node (not Redis Cluster). Schema: `serve_rft.buffer.store`. The trainer's 
 ready stream are in `serve_rft.buffer.scripts_ready`.
 """
 
+from serve_rft.buffer import ledger
+
 # Shared Lua helpers of a completion's record: its choices' states and its shared fields are
 # fields of ``P:cmp:{cid}`` (one key per completion). A record an earlier schema wrote keeps them
 # in keys of their own (``P:st:{cid}``, ``P:pr:{cid}``), still read and written there, so a store
 # written before an upgrade is served, rewarded and trained as it was.
-COMPLETION_HELPERS = """
+COMPLETION_HELPERS = ledger.HELPERS + """
 -- The hash of a completion's choice states, rewards, infos and versions: its record, or the
 -- P:st key an earlier schema kept them in
 local function state_key(P, cid)
@@ -25,9 +27,13 @@ end
 
 -- Keep completion cid's record (st: its `state_key`) at least ttl s from now, and the reward infos
 -- it names (info{j} = '@'..h: the JSON once in P:info:{h}) at least as long as the record
+-- (and the tenant's ledger with them: serve_rft.buffer.ledger)
 local function keep_for(P, st, cid, ttl)
   if redis.call('TTL', st) < ttl then redis.call('EXPIRE', st, ttl) end
   local left = redis.call('TTL', st)
+  local tenant = redis.call('HGET', P..':cmp:'..cid, 'tenant')
+  local until_s = ledger_now() + left
+  ledger_keep(P, tenant, cid, until_s)
   local n = tonumber(redis.call('HGET', P..':cmp:'..cid, 'n') or '') or 0
   if n == 0 then return end
   local fields = {}
@@ -36,6 +42,7 @@ local function keep_for(P, st, cid, ttl)
     if ref and string.sub(ref, 1, 1) == '@' then
       local k = P..':info:'..string.sub(ref, 2)
       if redis.call('TTL', k) < left then redis.call('EXPIRE', k, left) end
+      ledger_keep(P, tenant, 'i:'..string.sub(ref, 2), until_s)
     end
   end
 end
@@ -186,7 +193,7 @@ local function complete(P, gid)
 end
 """
 
-LOG = """
+LOG = ledger.HELPERS + """
 -- ARGV: P, ttl_pending, ttl_long, max_turns, then the completions' heads: one MessagePack array
 -- (Redis's bundled cmsgpack) of {cid, n, gid, group_size, now, deadline, conv (the key of its
 -- turn list under P, '' for none), version, tenant, conversation index (the key under P of the set
@@ -245,6 +252,11 @@ local function log_one(c, a)
     pending[#pending + 1] = c[6]
     pending[#pending + 1] = cid..':'..i
   end
+  -- the tenant's ledger: the record as long as it is kept, the experiences while pending
+  local now, exp_bytes = ledger_now(), 0
+  for i = 0, n - 1 do exp_bytes = exp_bytes + #ARGV[a + 1 + i] + CHOICE_OVERHEAD end
+  ledger_add(P, c[9], cid, #ARGV[a] + #gid + #conv + RECORD_OVERHEAD, now + ttl_l)
+  ledger_add(P, c[9], cid..':e', exp_bytes, now + ttl_p)
   return n
 end
 local out, logged, a = {}, 0, 6
@@ -315,11 +327,18 @@ if ver and created then
 end
 local ttl = tonumber(ARGV[8])
 redis.call('HSET', st, 'r'..i, ARGV[4], i, 'rewarded')
+local owner, now_s = redis.call('HGET', cmp, 'tenant'), ledger_now()
 if ARGV[5] ~= '' then
   local ik = P..':info:'..ARGV[10]
-  if redis.call('EXISTS', ik) == 0 then redis.call('SET', ik, ARGV[5], 'EX', ttl) end
+  if redis.call('EXISTS', ik) == 0 then
+    redis.call('SET', ik, ARGV[5], 'EX', ttl)
+    ledger_add(P, owner, 'i:'..ARGV[10], #ARGV[5] + #ik, now_s + ttl)
+  end
   redis.call('HSET', st, 'info'..i, '@'..ARGV[10])
 end
+-- the tenant's ledger: the reward's fields with the record, the experiences kept from now
+ledger_add(P, owner, cid, #ARGV[4] + REWARD_OVERHEAD, now_s + ttl)
+ledger_keep(P, owner, cid..':e', now_s + ttl)
 -- the record (with the shared fields) is kept as long as its longest-kept choice, its infos as long
 keep_for(P, st, cid, ttl)
 redis.call('EXPIRE', ek, ttl)

@@ -83,6 +83,9 @@ key                    type    meaning
                                ``trained_ttl_s``.
 ``P:sync:rollout``     string  The synchronizer's rollout (incumbent, candidate, pins, rejected
                                and quarantined versions) as JSON, for its restart.
+``P:tled:{t}``,        zset,   The bytes tenant ``t`` keeps in the store, with when each
+``P:tsz:{t}``,         hash,   part expires (`serve_rft.buffer.ledger`); `tenant_bytes` reads
+``P:tbytes``           hash    them.
 =====================  ======  =============================================================
 
 Groups (GRPO compares the answers of one group): a completion with ``n`` choices is a group of
@@ -115,12 +118,12 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import OutOfMemoryError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from serve_rft.buffer import scripts
+from serve_rft.buffer import ledger, scripts
 from serve_rft.buffer.log_batch import LOG_BATCH_ITEMS, CompletionLog
 from serve_rft.buffer.ready import SWEEP_BATCH, ReadyStream
 from serve_rft.buffer.records import (ChoiceState, ConversationFull, GroupSizeConflict, RewardConflict,
                                       RewardExpired, RewardNotFinite, RewardOutOfRange, StoreCounts, StoreFull,
-                                      UnknownChoice, conversation_index, conversation_key, experience_from)
+                                      TenantBytes, UnknownChoice, conversation_index, conversation_key, experience_from)
 from serve_rft.config.service import DEFAULT_TENANT
 from serve_rft.types import Experience
 
@@ -179,6 +182,7 @@ class ExperienceStore:
         self._log = self.redis.register_script(scripts.LOG)
         self._reward = self.redis.register_script(scripts.REWARD)
         self._sweep = self.redis.register_script(scripts.SWEEP)
+        self._tenant_bytes = self.redis.register_script(ledger.TENANT_BYTES)
         self.ready = ReadyStream(self.redis, self._reader, prefix, trained_ttl_s, self.sweep)
         self.completions = CompletionLog(self._log, prefix, reward_timeout_s, self._long_ttl(),
                                          max_conversation_turns, log_batch_items)
@@ -430,6 +434,16 @@ class ExperienceStore:
             expired, released = expired + int(e), released + int(r)
             if int(e) < SWEEP_BATCH and int(r) < SWEEP_BATCH and int(shed) < SWEEP_BATCH:
                 return expired, released
+
+    async def tenant_bytes(self, *tenants: str) -> dict[str, TenantBytes]:
+        """The bytes each of ``tenants`` keeps in the store now (none named: every tenant that
+        keeps any), taking what expired off their ledgers (`serve_rft.buffer.ledger`).
+
+        Raises:
+            redis.exceptions.RedisError: the store is unreachable.
+        """
+        rows = await self._tenant_bytes(args=[self.p, *tenants])
+        return {t: TenantBytes(int(b), float(nxt) if float(nxt) >= 0 else None) for t, b, nxt in rows}
 
     async def counts(self) -> StoreCounts:
         await self.sweep()

@@ -34,14 +34,6 @@ def _env_tenants() -> dict:
     return json.loads(raw) if raw else {}
 
 
-class TenantKeys(StrictSection):
-    """The keys of one tenant: its inference keys and its reward keys (a grader's)."""
-
-    api_keys: list[str] = Field(default_factory=list, repr=False, description="The tenant's inference keys.")
-    reward_keys: list[str] = Field(default_factory=list, repr=False, description="The tenant's reward keys: "
-                                   "POST /v1/rewards and GET /v1/experiences/{id} of its own completions.")
-
-
 class ScopeQuota(StrictSection):
     """One scope's per-key token buckets (`serve_rft.buffer.quota`): a request takes one request
     token and its body's bytes in byte tokens; a key short of either gets 429 with Retry-After.
@@ -78,6 +70,64 @@ class ScopeQuota(StrictSection):
         return self.bytes_burst or max(1, math.ceil(self.bytes_per_s))
 
 
+class CostQuota(StrictSection):
+    """What one caller may hold of the engines (`serve_rft.buffer.usage`): requests in flight at
+    once, and a token budget a request takes up front (its prompt's tokens, estimated by its body
+    bytes, plus ``n x max_tokens``) and gets back at its end for what it did not use. 0: that
+    dimension is unlimited. Applies to chat and completions."""
+
+    max_in_flight: int = Field(
+        0, ge=0, le=1_000_000, description="Chat and completion requests in flight at once (streams "
+        "included, until they end); one more gets 429 code in_flight_limit_exceeded; 0: unlimited.")
+    tokens_per_s: float = Field(
+        0.0, ge=0, le=1e9, description="Tokens per second (prompt + generated), sustained: the token "
+        "budget's refill rate; 0: unlimited.")
+    tokens_burst: int = Field(
+        0, ge=0, le=2**40, description="The token budget's size, tokens; 0: one minute's worth, "
+        "ceil(60 x tokens_per_s). A request whose up-front cost exceeds it is refused (413, code "
+        "tokens_over_quota): lower n or max_tokens.")
+
+    @property
+    def limited(self) -> bool:
+        """Whether either dimension has a limit."""
+        return self.max_in_flight > 0 or self.tokens_per_s > 0
+
+    @property
+    def tokens_capacity(self) -> int:
+        """The token budget's size: ``tokens_burst``, or one minute's worth when 0, tokens."""
+        return self.tokens_burst or max(1, math.ceil(60 * self.tokens_per_s))
+
+
+class TenantQuota(CostQuota):
+    """`CostQuota` for all keys of one tenant together, and the bytes its experiences, records and
+    reward infos may keep in the store (`serve_rft.buffer.usage`)."""
+
+    max_stored_bytes: int = Field(
+        0, ge=0, le=2**44, description="Bytes the tenant's experiences, completion records and reward "
+        "infos may keep in the store at once, bytes (serve_rft_tenant_stored_bytes); at it, the tenant's "
+        "chat, completions and rewards get 429 code storage_quota_exceeded with Retry-After until some "
+        "expire; other tenants are unaffected; 0: unlimited.")
+
+    @property
+    def limited(self) -> bool:
+        return super().limited or self.max_stored_bytes > 0
+
+
+class TenantKeys(StrictSection):
+    """The keys of one tenant: its inference keys and its reward keys (a grader's)."""
+
+    api_keys: list[str] = Field(default_factory=list, repr=False, description="The tenant's inference keys.")
+    reward_keys: list[str] = Field(default_factory=list, repr=False, description="The tenant's reward keys: "
+                                   "POST /v1/rewards and GET /v1/experiences/{id} of its own completions.")
+    quota: TenantQuota | None = Field(None, description="This tenant's own limits, all its keys together "
+                                      "(default: service.quotas.per_tenant).")
+    key_quota: CostQuota | None = Field(None, description="The limits of each key of this tenant (default: "
+                                        "service.quotas.per_key).")
+    scope_quotas: dict[Literal["inference", "rewards", "admin"], ScopeQuota] = Field(
+        default_factory=dict, description="The request and byte buckets of each key of this tenant, by "
+        "scope (default: service.quotas.inference / rewards / admin).")
+
+
 class QuotasConfig(StrictSection):
     """Per-key quotas by the scope of the route (`serve_rft.explorer.http.auth`): a key's chat,
     completions and models requests draw on its inference buckets, its rewards on its rewards
@@ -93,6 +143,15 @@ class QuotasConfig(StrictSection):
                                 "GET /v1/experiences/{id}, per key.")
     admin: ScopeQuota = Field(default_factory=ScopeQuota, description="Admin routes (status, "
                               "sync operations, API document), per key; unlimited by default.")
+    per_key: CostQuota = Field(default_factory=CostQuota, description="Requests in flight and token "
+                               "budget of each key (chat and completions); unlimited by default.")
+    per_tenant: TenantQuota = Field(default_factory=TenantQuota, description="Requests in flight, token "
+                                    "budget and stored bytes of each tenant, all its keys together; "
+                                    "unlimited by default.")
+    lease_s: float = Field(
+        60.0, ge=5.0, le=3600.0, description="A request in flight holds its slot by a lease its replica "
+        "renews every lease_s / 3 while it runs; a replica that dies leaves its slots taken at most this "
+        "long, s.")
     timeout_s: float = Field(
         0.25, gt=0, le=5.0, description="Bound of one quota check's wait for a free connection (the "
         "replica keeps explorer.max_ongoing_requests; none free in time: 429 quota_check_busy) and of its "
@@ -106,7 +165,8 @@ class QuotasConfig(StrictSection):
     @property
     def limited(self) -> bool:
         """Whether any scope has a limit."""
-        return self.inference.limited or self.rewards.limited or self.admin.limited
+        return (self.inference.limited or self.rewards.limited or self.admin.limited
+                or self.per_key.limited or self.per_tenant.limited)
 
 
 class ServiceConfig(StrictSection):

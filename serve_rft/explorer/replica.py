@@ -37,6 +37,7 @@ from serve_rft.explorer.http.app import REPLICA_HEADER, VERSION_HEADER, app
 from serve_rft.explorer.http.auth import ApiKeys
 from serve_rft.explorer.http.openai_routes import OpenAIRoutes
 from serve_rft.explorer.http.protocol import ApiError
+from serve_rft.explorer.http.costs import CostCheck
 from serve_rft.explorer.http.quota import QuotaCheck
 from serve_rft.explorer.weight_swap import WeightSwap
 from serve_rft.observability.explorer_metrics import ExplorerMetrics
@@ -86,6 +87,10 @@ class ExplorerReplica(OpenAIRoutes, AdminRoutes):
                                                   lora_rank=lora_rank)
         self.metrics = ExplorerMetrics(self.replica_id)
         self.quota = QuotaCheck.from_config(self.cfg, self.api_keys, self.metrics)
+        self.costs = CostCheck(self.cfg.service.quotas, self.quota.buckets, self.cfg.buffer.key_prefix,
+                               self.cfg.explorer.max_model_len, self.metrics, replicas=self.quota.local.replicas,
+                               store=self.store, store_wait_s=self.cfg.buffer.store_wait_s,
+                               tenants=self.cfg.service.tenants)
         self.experience_log = ExperienceLog(self.store, self.replica_id, self.metrics, self.cfg.buffer.store_wait_s)
         self.serving = build_serving(self.cfg, EngineTap(self.engine, self.experience_log, self.metrics.first_token),
                                      model_path)
@@ -120,6 +125,7 @@ class ExplorerReplica(OpenAIRoutes, AdminRoutes):
         while True:
             try:
                 self.metrics.store_counts(await self.store.counts())
+                self.metrics.stored_bytes(await self.store.tenant_bytes(*self.api_keys.tenant_names()))
             except RedisError:  # the store retries on its own; next beat
                 pass
             await asyncio.sleep(period_s)

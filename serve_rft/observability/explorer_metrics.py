@@ -43,10 +43,17 @@ class ExplorerMetrics:
         self.experiences = Gauge("serve_rft_experiences",
                                  description="Store counts by state (each replica reports the same "
                                  "store: aggregate with max by (state)).", tag_keys=("replica", "state"))
+        self.tenant_bytes = Gauge("serve_rft_tenant_stored_bytes",
+                                  description="Bytes each tenant's experiences, completion records and "
+                                  "reward infos keep in the store (serve_rft.buffer.ledger; each replica "
+                                  "reports the same store: aggregate with max by (tenant)).",
+                                  tag_keys=("replica", "tenant"))
         self.throttled = Counter("serve_rft_throttled_total",
                                  description="Requests refused by a per-key quota (429, or 413 for a "
                                  "body over the byte burst), by scope (inference / rewards / admin) "
-                                 "and limit (requests / bytes; busy: no quota connection free in time).",
+                                 "and limit (requests / bytes; busy: no quota connection free in time; "
+                                 "key_in_flight / tenant_in_flight / key_tokens / tenant_tokens: what a "
+                                 "request costs; tenant_storage: the tenant's stored bytes).",
                                  tag_keys=("replica", "scope", "limit"))
         self.quota_unchecked = Counter("serve_rft_quota_unchecked_total",
                                        description="Requests not checked against the shared buckets "
@@ -85,6 +92,12 @@ class ExplorerMetrics:
     def reward_results(self, results: list[dict]) -> None:
         for r in results:
             self.rewards.inc(tags={**self.tags, "result": str(r.get("status", "unknown"))})
+
+    def stored_bytes(self, tenants: dict) -> None:
+        """Set the stored-bytes gauge from `serve_rft.buffer.store.ExperienceStore.tenant_bytes`
+        (a tenant that keeps nothing is reported 0)."""
+        for tenant, kept in tenants.items():
+            self.tenant_bytes.set(float(kept.bytes), tags={**self.tags, "tenant": tenant})
 
     def store_counts(self, counts) -> None:
         """Set the state gauges from a `StoreCounts`."""

@@ -22,7 +22,15 @@ stack = stack_fixture("run-keep", ["synchronizer.sync_style=trainer_driven", "sy
                                    "trainer.max_staleness=1", "explorer.tool_strict_level=parameter",
                                    "service.admin_keys=[x]", "service.api_keys=[inference-key]",
                                    "service.reward_keys=[reward-key,quota-hog-key]",
-                                   "service.tenants={alice: {api_keys: [alice-key], reward_keys: [alice-grader]}}",
+                                   "service.tenants={alice: {api_keys: [alice-key], reward_keys: [alice-grader]}, "
+                                   # carol's own limits (what a request costs): one request in flight
+                                   # per key, 40 kB kept in the store
+                                   "carol: {api_keys: [carol-1, carol-2], reward_keys: [carol-grader], "
+                                   "key_quota: {max_in_flight: 1}, quota: {max_stored_bytes: 40000}}, "
+                                   # dave's inference buckets: a burst of 5, then 1 per 100 s
+                                   "dave: {api_keys: [dave-1], scope_quotas: {inference: "
+                                   "{requests_per_s: 0.01, request_burst: 5}}}, "
+                                   "erin: {api_keys: [erin-1, erin-2], reward_keys: [erin-grader]}}",
                                    # the rewards byte quota: 1 MiB at once, 256 KiB/s per key; the other
                                    # tests' reward bodies (under 1 KB each, 6 users at most: tens of KB/s) never reach it
                                    "service.quotas.rewards.bytes_per_s=262144",
@@ -344,3 +352,140 @@ def test_schemathesis_with_api_keys_no_key_is_401_everywhere_and_the_admin_key_f
     assert {"POST /v1/chat/completions", "POST /v1/rewards", "GET /v1/status"} <= set(served), served
     assert any(label.startswith("POST /v1/sync") for label in refused), refused
     assert httpx.get(f"{u}/health").status_code == 200
+
+
+def test_a_key_at_its_in_flight_limit_and_a_tenant_at_its_stored_bytes_are_refused_while_others_are_served(stack):
+    """What a request costs (service.tenants.carol.key_quota / quota): of 6 requests carol-1 sends
+    at once, one holds its one slot and the others get 429 in_flight_limit_exceeded while carol-2 (same
+    tenant, its own slot) is served; a stream whose client leaves frees its slot. Then carol logs
+    answers until her 40 kB of stored bytes are reached: her chat and rewards get 429
+    storage_quota_exceeded with a Retry-After, while alice's chat is served and logged.
+    Fails with the cost check off (`CostCheck.admit` returning None: no 429; `check_storage`
+    returning at once: carol is never refused)."""
+    u = stack.url
+    one, two = ({"Authorization": f"Bearer carol-{i}"} for i in (1, 2))
+    body = {"model": "serve-rft", "messages": [{"role": "user", "content": "q"}], "max_tokens": 2}
+
+    async def at_once() -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=u, timeout=120) as client:
+            asked = {**body, "max_tokens": 100, "ignore_eos": True}
+            return await asyncio.gather(*(client.post("/v1/chat/completions", json=asked, headers=h)
+                                          for h in [one] * 6 + [two]))
+
+    answers = asyncio.run(at_once())
+    codes = [r.status_code for r in answers[:6]]
+    assert codes.count(200) >= 1 and codes.count(429) >= 1 and set(codes) == {200, 429}, codes
+    for r in answers[:6]:
+        if r.status_code == 429:
+            assert r.json()["error"]["code"] == "in_flight_limit_exceeded" and r.headers["retry-after"] == "1"
+    assert answers[6].status_code == 200, answers[6].text  # carol-2: its own slot
+    # a stream whose client goes away after its first chunk frees its slot as it ends
+    long = {**body, "max_tokens": 1000, "ignore_eos": True, "stream": True, "temperature": 1.0}
+    with httpx.stream("POST", f"{u}/v1/chat/completions", json=long, headers=one, timeout=120) as held:
+        assert held.status_code == 200
+        next(held.iter_lines())
+    deadline = time.monotonic() + 30
+    while (r := httpx.post(f"{u}/v1/chat/completions", json=body, headers=one, timeout=60)).status_code == 429:
+        assert time.monotonic() < deadline, r.text
+        time.sleep(0.5)
+    assert r.status_code == 200, r.text
+    big = {**body, "n": 4, "max_tokens": 100, "ignore_eos": True, "temperature": 1.0}
+    ids = []
+    for _ in range(40):  # ~4 x 100 tokens x ~20 bytes kept per answer: a few requests reach 40 kB
+        r = httpx.post(f"{u}/v1/chat/completions", json=big, headers=two, timeout=120)
+        if r.status_code != 200:
+            break
+        ids.append(r.json()["id"])
+    assert r.status_code == 429 and r.json()["error"]["code"] == "storage_quota_exceeded", r.text
+    assert 1 <= int(r.headers["retry-after"]) <= 3600 and len(ids) >= 2, (r.headers, ids)
+    grader = {"Authorization": "Bearer carol-grader"}
+    r = httpx.post(f"{u}/v1/rewards", json={"completion_id": ids[0], "choice_index": 0, "reward": 1.0},
+                   headers=grader)
+    assert r.status_code == 429 and r.json()["error"]["code"] == "storage_quota_exceeded", r.text
+    alice = httpx.post(f"{u}/v1/chat/completions", json=body, headers={"Authorization": "Bearer alice-key"},
+                       timeout=60)
+    assert alice.status_code == 200, alice.text
+    r = httpx.get(f"{u}/v1/experiences/{alice.json()['id']}", headers={"Authorization": "Bearer alice-grader"})
+    assert r.status_code == 200 and r.json()["choices"][0]["state"] == "pending", r.text
+
+
+def test_256_concurrent_requests_of_a_slow_key_get_exactly_its_burst_through(stack):
+    """dave-1 may make 5 requests at once, then one per 100 s: of 256 sent at once, exactly 5 are
+    served and every other one is refused with 429 (none waved through because the replicas' quota
+    connections ran out or Redis was slow: such a request would pass on the replica's share, and
+    more than 5 would be served)."""
+    async def burst() -> list[httpx.Response]:
+        limits = httpx.Limits(max_connections=256)
+        async with httpx.AsyncClient(base_url=stack.url, timeout=120, limits=limits) as client:
+            return await asyncio.gather(*(client.get("/v1/models", headers={"Authorization": "Bearer dave-1"})
+                                          for _ in range(256)))
+
+    answers = asyncio.run(burst())
+    codes = [r.status_code for r in answers]
+    assert codes.count(200) == 5 and codes.count(429) == 251, {c: codes.count(c) for c in set(codes)}
+    assert {r.json()["error"]["code"] for r in answers if r.status_code == 429} <= \
+        {"rate_limit_exceeded", "quota_check_busy"}
+
+
+def test_another_key_of_the_tenant_cannot_resize_join_or_share_a_keys_group_and_conversation(stack):
+    """erin-1's group_id "g" (size 2) and conversation "c" are its own: erin-2 naming the same ids
+    gets groups and turns of its own (a size of 3 is no conflict, and erin-1's size stays 2); the
+    tenant's grader, asked to reward conversation "c", gets 409 ambiguous_conversation until it
+    names one of erin-1's turns, and then rewards erin-1's turns alone."""
+    u = stack.url
+    one, two = ({"Authorization": f"Bearer erin-{i}"} for i in (1, 2))
+    grader = {"Authorization": "Bearer erin-grader"}
+
+    def chat(headers, **extra) -> str:
+        r = httpx.post(f"{u}/v1/chat/completions", headers=headers, timeout=60,
+                       json={"messages": [{"role": "user", "content": "q"}], "max_tokens": 2, **extra})
+        assert r.status_code == 200, r.text
+        return r.json()["id"]
+
+    chat(one, group_id="g", group_size=2)
+    chat(two, group_id="g", group_size=3)  # its own group "g": no 409
+    chat(one, group_id="g", group_size=2)  # erin-1's size is still 2
+    mine = [chat(one, conversation_id="c"), chat(one, conversation_id="c")]
+    theirs = chat(two, conversation_id="c")
+    r = httpx.post(f"{u}/v1/rewards", json={"conversation_id": "c", "reward": 1.0}, headers=grader)
+    assert r.status_code == 409 and r.json()["error"]["code"] == "ambiguous_conversation", r.text
+    r = httpx.post(f"{u}/v1/rewards", json={"conversation_id": "c", "completion_id": mine[1], "reward": 1.0},
+                   headers=grader)
+    assert r.status_code == 200, r.text
+    assert sorted(x["completion_id"] for x in r.json()["data"]) == sorted(mine), r.text
+    r = httpx.get(f"{u}/v1/experiences/{theirs}", headers=grader)
+    assert r.status_code == 200 and r.json()["choices"][0]["reward"] is None, r.text
+
+
+def test_a_conversation_reward_with_a_16_kib_info_over_512_choices_stores_it_once(stack):
+    """The review's 65 MiB case at an eighth of its size: 32 turns x 16 choices rewarded at once
+    with a 16 KiB info grow Redis by well under 1 MiB (one copy per choice would be 8 MiB), and
+    the tenant's ledger is charged about one info, not 512."""
+    from tests.support.stack_checks import open_store
+
+    u = stack.url
+    one, grader = {"Authorization": "Bearer erin-1"}, {"Authorization": "Bearer erin-grader"}
+    for _ in range(32):
+        r = httpx.post(f"{u}/v1/chat/completions", headers=one, timeout=120, json={
+            "messages": [{"role": "user", "content": "q"}], "max_tokens": 1, "n": 16, "conversation_id": "big"})
+        assert r.status_code == 200, r.text
+    info = {"note": "x" * 16_000}
+
+    async def go() -> tuple[int, int, httpx.Response]:
+        s = open_store(stack)
+        try:
+            before = int((await s.redis.info("memory"))["used_memory"])
+            kept = (await s.tenant_bytes("erin"))["erin"].bytes
+            async with httpx.AsyncClient(base_url=u, timeout=120) as http:
+                r = await http.post("/v1/rewards", headers=grader,
+                                    json={"conversation_id": "big", "reward": 1.0, "info": info})
+            grew = int((await s.redis.info("memory"))["used_memory"]) - before
+            charged = (await s.tenant_bytes("erin"))["erin"].bytes - kept
+        finally:
+            await s.close()
+        return grew, charged, r
+
+    grew, charged, r = asyncio.run(go())
+    assert r.status_code == 200 and len(r.json()["data"]) == 512, r.text[:300]
+    assert grew < 1 << 20, grew
+    assert len(json.dumps(info)) <= charged < len(json.dumps(info)) + 512 * 100, charged

@@ -71,7 +71,8 @@ def test_config_show_prints_the_resolved_config_with_secrets_redacted(tmp_path, 
     assert shown["explorer"]["num_replicas"] == 3
     assert shown["buffer"]["redis_url"] == "redis://10.0.0.5:6379/0"
     assert shown["service"]["admin_keys"] == ["<redacted>"]
-    assert shown["service"]["tenants"]["acme"] == {"api_keys": ["<redacted>"], "reward_keys": ["<redacted>"]}
+    assert shown["service"]["tenants"]["acme"] == {"api_keys": ["<redacted>"], "reward_keys": ["<redacted>"],
+                                                   "quota": None, "key_quota": None, "scope_quotas": {}}
     assert shown["service"]["api_keys"] == []
 
 

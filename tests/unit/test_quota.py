@@ -29,7 +29,7 @@ from serve_rft.config.service import QuotasConfig
 from serve_rft.explorer.http.auth import ApiKeys
 from serve_rft.explorer.http.body import read_body
 from serve_rft.explorer.http.protocol import ApiError
-from serve_rft.explorer.http.quota import PAUSE_AFTER_FAILURE_S, QuotaCheck
+from serve_rft.explorer.http.quota import AWAY_AFTER_S, PAUSE_AFTER_FAILURE_S, QuotaCheck
 
 SLACK = 0.01
 """s: the client's monotonic clock against the Redis server's ``TIME`` over one test."""
@@ -318,10 +318,12 @@ class CountingBuckets(QuotaBuckets):
 
 def test_redis_away_holds_each_key_to_this_replicas_share_then_redis_is_tried_again():
     """A Redis that accepts the connection and never answers (a listening socket nobody reads):
-    after ``timeout_s`` the check falls back to the replica's share (1 request/s with a burst of 4
-    over 2 replicas: a burst of 2 at 0.5/s), counted as unchecked, and pauses Redis; every key,
-    not only the one whose check failed, is held to its share meanwhile; after
-    ``PAUSE_AFTER_FAILURE_S`` (on the check's clock, stepped by the test) Redis is tried again."""
+    a check that times out within ``AWAY_AFTER_S`` of the last answer is a busy one (429
+    ``quota_check_busy``, nothing passes); once nothing was answered for ``AWAY_AFTER_S`` the
+    check falls back to the replica's share (1 request/s with a burst of 4 over 2 replicas: a
+    burst of 2 at 0.5/s), counted as unchecked, and pauses Redis; every key, not only the one whose
+    check failed, is held to its share meanwhile; after ``PAUSE_AFTER_FAILURE_S`` (on the check's
+    clock, stepped by the test) Redis is tried again."""
     silent = socket.socket()
     silent.bind(("127.0.0.1", 0))
     silent.listen(8)
@@ -340,8 +342,10 @@ def test_redis_away_holds_each_key_to_this_replicas_share_then_redis_is_tried_ag
 
     async def go():
         t0 = time.monotonic()
-        first = await attempt("inf")  # tries Redis, times out: the share decides
+        slow = await attempt("inf")  # times out, but the check was just set up: busy, not away
         took = time.monotonic() - t0
+        clock.now += AWAY_AFTER_S  # no answer for AWAY_AFTER_S
+        first = await attempt("inf")  # tries Redis, times out: away, the share decides
         paused = [await attempt("inf"), await attempt("inf"), await attempt("inf2"), await attempt("inf2"),
                   await attempt("inf2")]
         tries = [buckets.takes]
@@ -349,18 +353,20 @@ def test_redis_away_holds_each_key_to_this_replicas_share_then_redis_is_tried_ag
         again = await attempt("inf")
         tries.append(buckets.takes)
         await check.close()
-        return first, paused, again, took, tries
+        return slow, first, paused, again, took, tries
 
     try:
-        first, paused, again, took, tries = run(go())
+        slow, first, paused, again, took, tries = run(go())
     finally:
         silent.close()
     refused = (429, "rate_limit_exceeded", 2)  # one request at 0.5/s
+    assert slow == (429, "quota_check_busy", 1)
     assert first == "ok" and paused == ["ok", refused, "ok", "ok", refused]
-    assert again == "ok" and tries == [1, 2]  # tried once, paused, tried again (and failed again)
+    assert again == "ok" and tries == [2, 3]  # tried twice, paused, tried again (and failed again)
     assert took < 10.0  # bounded by the timeout, not hung (no speed target)
     unchecked = [c for c in metrics.calls if c[1] is None]
     assert len(unchecked) == 7 and ("inference", "requests") in metrics.calls
+    assert metrics.calls[0] == ("inference", "busy")
 
 
 def _config_256(redis_url, prefix, **over):
@@ -407,10 +413,12 @@ def test_256_concurrent_checks_of_a_1_per_s_key_let_its_burst_through(redis_serv
     assert metrics.calls.count(("inference", "requests")) == 256 - passed
 
 
-def test_a_slow_redis_holds_keys_to_the_replicas_share(redis_server, prefix):
+def test_a_slow_redis_is_busy_at_first_then_holds_keys_to_the_replicas_share(redis_server, prefix):
     """Redis paused (``CLIENT PAUSE``) past the check's timeout: 256 concurrent checks of a key at
-    1 request/s with a burst of 1 on one replica pass its share's burst (1, plus what refilled
-    while they ran), not every request."""
+    1 request/s with a burst of 1 on one replica, right after an answered check, are refused as
+    busy (429 ``quota_check_busy``: a replica whose own loop is slow looks the same, and must not
+    pass anything); once nothing was answered for ``AWAY_AFTER_S``, 256 more pass the share's
+    burst (1, plus what refilled while they ran), not every request."""
     import redis
 
     metrics = Metrics()
@@ -419,18 +427,36 @@ def test_a_slow_redis_holds_keys_to_the_replicas_share(redis_server, prefix):
     check = QuotaCheck.from_config(cfg, KEYS, metrics)
     admin = redis.Redis.from_url(redis_server.url)
 
-    async def go():
-        out = await _concurrent(check, 256)
-        await check.close()
-        return out
+    async def wave(n):
+        async def one():
+            try:
+                await check.check(_request("/v1/chat/completions", "inf"))
+                return "ok"
+            except ApiError as e:
+                return e.code
+        t0 = time.monotonic()
+        out = await asyncio.gather(*(one() for _ in range(n)))
+        return out, time.monotonic() - t0
 
-    admin.execute_command("CLIENT", "PAUSE", 1500, "ALL")  # past every check's 0.2 s
+    async def go():
+        await check.check(_request("/v1/chat/completions", "inf2"))  # answered: Redis is there
+        answered = time.monotonic()
+        admin.execute_command("CLIENT", "PAUSE", 4000, "ALL")  # past every check below
+        first, _ = await wave(256)
+        await asyncio.sleep(max(0.0, answered + AWAY_AFTER_S + 0.2 - time.monotonic()))
+        second, elapsed = await wave(256)
+        await check.close()
+        return first, second, elapsed
+
     try:
-        passed, elapsed = run(go())
+        first, second, elapsed = run(go())
     finally:
         admin.execute_command("CLIENT", "UNPAUSE")
         admin.close()
+    assert set(first) == {"quota_check_busy"}, {c: first.count(c) for c in set(first)}
+    passed = second.count("ok")
     assert 1 <= passed <= 1 + math.floor(elapsed), (passed, elapsed)
+    assert set(second) == {"ok", "rate_limit_exceeded"}
     assert len([c for c in metrics.calls if c[1] is None]) == 256
 
 
@@ -553,3 +579,32 @@ def test_the_quota_still_refuses_when_redis_is_past_maxmemory(tmp_path, prefix):
         assert d[2].limit == "requests" and d[2].wait_s > 900
     finally:
         server.stop()
+
+
+def test_a_tenants_own_buckets_hold_its_keys_and_no_other_keys(redis_server, prefix):
+    """``service.tenants.<t>.scope_quotas``: dave's keys get his 1-request burst on the inference
+    scope; a key of the default tenant (no inference quota) is never held."""
+    from serve_rft.config import Config
+
+    cfg = Config.model_validate({"buffer": {"redis_url": redis_server.url, "key_prefix": prefix}, "service": {
+        "api_keys": ["inf"], "tenants": {"dave": {"api_keys": ["d1"], "scope_quotas": {
+            "inference": {"requests_per_s": 0.01, "request_burst": 1}}}}}})
+    keys = ApiKeys.from_config(cfg.service)
+    check = QuotaCheck.from_config(cfg, keys, Metrics())
+
+    def asked(key):
+        r = _request("/v1/chat/completions", key)
+        r.state.identity = keys.check("/v1/chat/completions", f"Bearer {key}")
+        return r
+
+    async def go():
+        await check.check(asked("d1"))
+        with pytest.raises(ApiError) as e:
+            await check.check(asked("d1"))
+        for _ in range(3):
+            await check.check(asked("inf"))
+        await check.close()
+        return e.value
+
+    e = run(go())
+    assert e.status == 429 and e.body()["error"]["code"] == "rate_limit_exceeded"

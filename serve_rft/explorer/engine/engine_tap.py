@@ -62,6 +62,9 @@ class RequestContext:
             experiences and namespaces the group and conversation ids; salts the prefix cache.
         owner: the caller's key (`serve_rft.explorer.http.auth.Identity.owner`; '' without
             keys): the group and conversation ids are its own within the tenant's.
+        prompt_tokens, generated_tokens: what the engine used so far: the prompt's tokens and
+            every answer's, counted as they come (what the caller's token budget is settled
+            with: `serve_rft.explorer.http.costs`).
     """
 
     store: bool | None = None
@@ -77,6 +80,8 @@ class RequestContext:
     user: str | None = None
     tenant: str = DEFAULT_TENANT
     owner: str = ""
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
 
 
 CURRENT: ContextVar[RequestContext | None] = ContextVar("serve_rft_request", default=None)
@@ -166,11 +171,15 @@ class EngineTap:
         choices: dict[int, Sampled] = {}
         first = True
         async for ro in stream:
+            if not ctx.prompt_tokens:
+                ctx.prompt_tokens = len(ro.prompt_token_ids or ())
             for out in ro.outputs:
                 c = choices.get(out.index)
                 if c is None:
                     c = choices[out.index] = Sampled(out.index, pinned=self._engine.adapter_sync)
+                before = len(c.token_ids)
                 c.add(out, replace=cumulative)
+                ctx.generated_tokens += len(c.token_ids) - before
                 if first and out.token_ids:
                     first = False
                     if streamed and self._on_first_token is not None:

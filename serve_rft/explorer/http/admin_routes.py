@@ -4,7 +4,7 @@ class's bases); each route is a thin shim over `serve_rft.explorer.http.rewards_
 `ExperienceStore` or the `Synchronizer` actor (`serve_rft.explorer.http.sync_api`), and refusals are
 raised as `ApiError` (answered by `serve_rft.explorer.http.app`).
 
-Uses of the replica: ``cfg``, ``store``, ``sync`` (the synchronizer's handle), ``metrics``.
+Uses of the replica: ``cfg``, ``store``, ``sync`` (the synchronizer's handle), ``metrics``, ``costs``.
 """
 
 from __future__ import annotations
@@ -50,7 +50,8 @@ class AdminRoutes:
     async def _rewards(self, request: Request) -> JSONResponse:
         """Raises:
             ApiError: 422 a malformed reward request, 504 the store did not answer in time
-                (retry: items already recorded answer duplicate).
+                (retry: items already recorded answer duplicate), 429 the caller's tenant keeps
+                its limit of stored bytes (`serve_rft.explorer.http.costs.CostCheck.check_storage`).
         """
         try:
             req = parse_reward_body(await read_json(request))
@@ -58,6 +59,7 @@ class AdminRoutes:
             raise ApiError.invalid(e, 422) from None
         except ValueError as e:
             raise ApiError(422, str(e)) from None
+        await self.costs.check_storage(identity_of(request).tenant, "rewards")
         try:
             results = await asyncio.wait_for(rewards_api.post_rewards(self.store, req, identity_of(request)),
                                              self.cfg.buffer.store_wait_s)

@@ -141,6 +141,11 @@ class ApiKeys:
         extra = tenants.pop(DEFAULT_TENANT, ((), ()))
         return cls([*service.api_keys, *extra[0]], service.admin_keys, [*service.reward_keys, *extra[1]], tenants)
 
+    def tenant_names(self) -> list[str]:
+        """Every tenant a configured key belongs to (the default tenant always: admin keys and a
+        service without keys log to it), sorted."""
+        return sorted({t or DEFAULT_TENANT for _, _, t in self._keys} | {DEFAULT_TENANT})
+
     @property
     def enabled(self) -> bool:
         """Whether any key is configured (with none, every path is open)."""

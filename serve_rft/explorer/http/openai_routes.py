@@ -9,7 +9,7 @@ the tap that logs each answer as experiences before the answer ends
 (`serve_rft.explorer.engine.engine_tap`). Every answer carries the replica and its policy version in
 headers. ``/v1/responses`` is not served (404, with the reason).
 
-Uses of the replica: ``cfg``, ``swap``, ``serving``, ``metrics``, ``replica_id``, ``cpu`` (its
+Uses of the replica: ``cfg``, ``swap``, ``serving``, ``metrics``, ``costs``, ``replica_id``, ``cpu`` (its
 tokenizer thread), ``store`` and ``headers(version)``.
 """
 
@@ -21,6 +21,7 @@ from collections.abc import AsyncIterator
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.background import BackgroundTask
 
 from serve_rft.explorer.engine.engine_tap import CURRENT, RequestContext
 from serve_rft.explorer.http.app import AUTHORIZED, app
@@ -31,6 +32,17 @@ from serve_rft.explorer.http.openai_request import check_against_store, parse_re
 from serve_rft.explorer.http.protocol import ApiError
 
 ROUTES = {"chat": "chat", "completion": "completions"}
+
+
+def answer_bound(req) -> int | None:
+    """The most tokens one answer of vLLM request ``req`` may have (``max_completion_tokens`` or
+    ``max_tokens``; None: up to the context length)."""
+    return getattr(req, "max_completion_tokens", None) or getattr(req, "max_tokens", None)
+
+
+def used_tokens(ctx: RequestContext) -> int:
+    """Tokens a request used so far: its prompt's and every answer's (`RequestContext`)."""
+    return ctx.prompt_tokens + ctx.generated_tokens
 
 
 class OpenAIRoutes:
@@ -79,7 +91,8 @@ class OpenAIRoutes:
         """Raises:
             ApiError: 503 this replica is out of rotation or its engine died (HAProxy re-sends
                 it), 400 / 413 from the request, 409 its group / conversation ids (the store's
-                record of them: `check_against_store`).
+                record of them: `check_against_store`), 429 / 413 what it may use is beyond its
+                key's or tenant's limits (`serve_rft.explorer.http.costs`).
         """
         await self._admit(request)
         raw = await read_body(request)
@@ -89,6 +102,19 @@ class OpenAIRoutes:
         who = identity_of(request)
         ctx.t0, ctx.tenant, ctx.owner = t0, who.tenant, who.owner
         await check_against_store(self.store, ctx, self.cfg.buffer.store_wait_s)
+        await self.costs.check_storage(who.tenant, "inference")
+        lease = await self.costs.admit(who.owner, who.tenant, len(raw), req.n or 1, answer_bound(req))
+        try:
+            response = await self._generate(req, ctx, kind, t0, lease)
+        except BaseException:
+            self.costs.settle_soon(lease, used_tokens(ctx))  # cancelled: no await may finish here
+            raise
+        if not isinstance(response, StreamingResponse):
+            await self.costs.settle(lease, used_tokens(ctx))
+        return response
+
+    async def _generate(self, req, ctx: RequestContext, kind: str, t0: float, lease):
+        """The answer of vLLM's serving classes to ``req``; a stream settles ``lease`` when it ends."""
         from vllm.entrypoints.serve.engine.protocol import ErrorResponse
         from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
         from vllm.exceptions import VLLMClientError
@@ -105,8 +131,9 @@ class OpenAIRoutes:
                                  time.perf_counter() - t0)
                 return JSONResponse(result.model_dump(), status_code=result.error.code)
             if isinstance(result, AsyncIterator):
-                return StreamingResponse(self._stream(result, ctx, kind, t0), media_type="text/event-stream",
-                                         headers=self.headers(ctx.version))
+                return StreamingResponse(self._stream(result, ctx, kind, t0, lease),
+                                         media_type="text/event-stream", headers=self.headers(ctx.version),
+                                         background=BackgroundTask(self._settle_stream, lease, ctx))
         except EngineDeadError:  # nothing was sent: HAProxy re-sends a 503 to another replica,
             self.swap.record(self.swap.version, False, time.perf_counter() - t0)  # Serve replaces this
             raise ApiError(503, f"replica {self.replica_id}'s engine died; retry on another replica",
@@ -122,6 +149,11 @@ class OpenAIRoutes:
             CURRENT.reset(token)
         self.swap.record(ctx.version, True, time.perf_counter() - t0)
         return JSONResponse(result.model_dump(), headers=self.headers(ctx.version))
+
+    async def _settle_stream(self, lease, ctx: RequestContext) -> None:
+        """A stream's response ended (its body sent, or its client gone): settle its lease if
+        the stream did not (it never started)."""
+        await self.costs.settle(lease, used_tokens(ctx))
 
     async def _admit(self, request: Request) -> None:
         """Serve, hold (no other replica serves, or HAProxy could not re-send this request: wait for
@@ -144,15 +176,20 @@ class OpenAIRoutes:
                            "drained); retry on another replica", type_="service_unavailable",
                            code="replica_draining", retry_after=1)
 
-    async def _stream(self, chunks: AsyncIterator[str], ctx: RequestContext, kind: str, t0: float
+    async def _stream(self, chunks: AsyncIterator[str], ctx: RequestContext, kind: str, t0: float, lease
                       ) -> AsyncIterator[str]:
         """vLLM's SSE chunks, passed on; records the request when the stream ends (a stream that
         ends without the engine finishing it carried vLLM's in-band error: a failure). A client
         that goes away ends it without a record. The request's context is set again here: vLLM
-        builds the chunks (their ``system_fingerprint``) in the task that sends them."""
+        builds the chunks (their ``system_fingerprint``) in the task that sends them. Its quota
+        lease is settled when it ends, however it ends (the response's background task settles
+        one whose stream never started)."""
         CURRENT.set(ctx)
-        async for chunk in chunks:
-            yield chunk
+        try:
+            async for chunk in chunks:
+                yield chunk
+        finally:  # a client that went away cancels this generator: settled in a task of its own
+            self.costs.settle_soon(lease, used_tokens(ctx))
         ok = ctx.finished
         self.metrics.request(f"{ROUTES[kind]}_stream" if kind == "completion" else "chat_stream",
                              200 if ok else 500, time.perf_counter() - t0)

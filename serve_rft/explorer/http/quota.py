@@ -13,8 +13,9 @@ https://platform.openai.com/docs/guides/error-codes, "429 - Rate limit reached f
 body's shape as OpenAI sends it is quoted in github.com/Huanshere/VideoLingo/issues/34). A body
 larger than the byte burst can never fit: 413 ``body_over_quota``.
 
-Redis away: fail safe. While the shared buckets cannot be reached (unreachable, refusing, or one
-check slower than ``quotas.timeout_s``) each replica holds every key to its share of the quota
+Redis away: fail safe. While the shared buckets cannot be reached (unreachable or refusing, or
+slower than ``quotas.timeout_s`` with no check answered for `AWAY_AFTER_S`; one slow check while
+others are answered is a busy replica: 429 ``quota_check_busy``) each replica holds every key to its share of the quota
 (the quota divided by the replicas, `serve_rft.buffer.quota.LocalBuckets`) from memory, counted
 (``serve_rft_quota_unchecked_total``: not checked against the shared buckets); after a failure the
 replica stays on its share for a second before trying Redis again, so an outage adds at most one
@@ -32,6 +33,7 @@ import math
 import time
 
 from redis.exceptions import RedisError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 from starlette.requests import Request
 
 from serve_rft.buffer.quota import LocalBuckets, QuotaBuckets, QuotaBusy, Rates, key_identity
@@ -43,6 +45,39 @@ log = logging.getLogger("serve_rft.explorer.http.quota")
 PAUSE_AFTER_FAILURE_S = 1.0
 """After a failed check, requests are held to the replica's share this long before Redis is tried
 again, s."""
+AWAY_AFTER_S = 2.0
+"""A check that times out finds Redis away only when no check of this replica got an answer for
+this long; before that it is a busy check (429 ``quota_check_busy``), s."""
+
+
+class RedisHealth:
+    """Whether a failed check means Redis is away: unreachable or refusing, at once; slower than
+    ``quotas.timeout_s``, only once no check got an answer for `AWAY_AFTER_S`. A replica whose own
+    event loop is slow (starved of CPU, hundreds of requests at once) times out while Redis answers
+    its other checks; that replica is busy, and its checks must not pass on its share.
+
+    Args:
+        clock: monotonic seconds (it starts as if Redis had just answered).
+    """
+
+    def __init__(self, clock):
+        self.clock, self.last_answer = clock, clock()
+
+    def answered(self) -> None:
+        """A check got Redis's answer now."""
+        self.last_answer = self.clock()
+
+    def away(self, e: Exception) -> bool:
+        """Whether ``e`` (a failed check's error) means Redis is away (else: busy)."""
+        slow = isinstance(e, (TimeoutError, RedisTimeoutError))
+        return not slow or self.clock() - self.last_answer >= AWAY_AFTER_S
+
+
+def busy(scope: str, metrics) -> ApiError:
+    """The 429 of a check that found no quota connection free, or no answer, in time (counted)."""
+    metrics.quota(scope, "busy")
+    return ApiError(429, "This replica's quota checks are all in use; please try again in 1s.",
+                    type_="requests", code="quota_check_busy", retry_after=1)
 
 
 def bearer_key(authorization: str | None) -> str | None:
@@ -81,13 +116,16 @@ class QuotaCheck:
         metrics: has ``quota(scope, limit)`` (`serve_rft.observability.explorer_metrics`).
         replicas: the divisor of a key's share while Redis is away.
         clock: monotonic seconds (the pause and the replica's share).
+        tenant_scopes: tenant -> scope -> its own ``ScopeQuota`` (``service.tenants.<t>.scope_quotas``).
     """
 
     def __init__(self, quotas, keys: ApiKeys, buckets: QuotaBuckets | None, metrics, replicas: int = 1,
-                 clock=time.monotonic):
+                 clock=time.monotonic, tenant_scopes: dict | None = None):
         self.quotas, self.keys, self.buckets, self.metrics = quotas, keys, buckets, metrics
+        self.tenant_scopes = tenant_scopes or {}
         self.local = LocalBuckets(replicas, clock)
         self.clock = clock
+        self.health = RedisHealth(clock)
         self._paused_until = 0.0
 
     @classmethod
@@ -100,15 +138,20 @@ class QuotaCheck:
         or Serve, and the largest count keeps the replicas together within the quota (with
         fewer running, a key gets less than its quota during the outage, never more)."""
         quotas, ecfg = cfg.service.quotas, cfg.explorer
-        on = keys.enabled and quotas.limited
+        tenants = cfg.service.tenants
+        tiers = [q for t in tenants.values() for q in (t.quota, t.key_quota, *t.scope_quotas.values())
+                 if q is not None]
+        on = keys.enabled and (quotas.limited or any(q.limited for q in tiers))
         buckets = QuotaBuckets(cfg.buffer.redis_url, cfg.buffer.key_prefix, quotas.timeout_s,
                                max_connections=ecfg.max_ongoing_requests) if on else None
         replicas = ecfg.autoscaling.max_replicas if ecfg.autoscaling is not None else ecfg.num_replicas
-        return cls(quotas, keys, buckets, metrics, replicas=replicas)
+        own = {name: t.scope_quotas for name, t in tenants.items() if t.scope_quotas}
+        return cls(quotas, keys, buckets, metrics, replicas=replicas, tenant_scopes=own)
 
-    def rates(self, scope: str) -> Rates:
-        """The limits of ``scope`` from the config."""
-        q = self.quotas.scope(scope)
+    def rates(self, scope: str, tenant: str | None = None) -> Rates:
+        """The limits of ``scope`` for a key of ``tenant``: the tenant's own (``service.tenants.
+        <tenant>.scope_quotas``), else the service's."""
+        q = self.tenant_scopes.get(tenant, {}).get(scope) or self.quotas.scope(scope)
         return Rates(q.requests_per_s, q.request_capacity, q.bytes_per_s, q.bytes_capacity)
 
     async def check(self, request: Request) -> None:
@@ -124,7 +167,8 @@ class QuotaCheck:
         key = bearer_key(request.headers.get("authorization"))
         if self.buckets is None or scope is None or key is None or not self.keys.enabled:
             return
-        rates = self.rates(scope)
+        who = getattr(request.state, "identity", None)
+        rates = self.rates(scope, who.tenant if who is not None else None)
         if not rates.limited:
             return
         cost = await body_bytes(request) if rates.bytes_per_s > 0 else 0
@@ -134,11 +178,12 @@ class QuotaCheck:
         else:
             try:
                 decision = await self.buckets.take(scope, identity, rates, cost)
+                self.health.answered()
             except QuotaBusy:
-                self.metrics.quota(scope, "busy")
-                raise ApiError(429, "This replica's quota checks are all in use; please try again in 1s.",
-                               type_="requests", code="quota_check_busy", retry_after=1) from None
+                raise busy(scope, self.metrics) from None
             except (RedisError, TimeoutError) as e:
+                if not self.health.away(e):
+                    raise busy(scope, self.metrics) from None
                 self._paused_until = self.clock() + PAUSE_AFTER_FAILURE_S
                 log.warning("quota store unreachable (%r); keys are held to this replica's share for %.0f s",
                             e, PAUSE_AFTER_FAILURE_S)

@@ -425,6 +425,22 @@ def test_256_concurrent_requests_of_a_slow_key_get_exactly_its_burst_through(sta
     assert codes.count(200) == 5 and codes.count(429) == 251, {c: codes.count(c) for c in set(codes)}
     assert {r.json()["error"]["code"] for r in answers if r.status_code == 429} <= \
         {"rate_limit_exceeded", "quota_check_busy"}
+    # the replicas' metrics count the 251 refusals, and no request checked against a share alone
+    deadline, refused, unchecked = time.monotonic() + 60, 0.0, None
+    while time.monotonic() < deadline:
+        text = httpx.get(stack.metrics_url, timeout=10).text
+        refused = _metric_sum(text, "ray_serve_rft_throttled_total", 'scope="inference"')
+        unchecked = _metric_sum(text, "ray_serve_rft_quota_unchecked_total", "")
+        if refused >= 251:
+            break
+        time.sleep(2)
+    assert refused >= 251 and unchecked == 0, (refused, unchecked)
+
+
+def _metric_sum(text: str, name: str, having: str) -> float:
+    """The sum of the samples of ``name`` whose labels contain ``having`` (Prometheus text)."""
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name + "{") and having in line)
 
 
 def test_another_key_of_the_tenant_cannot_resize_join_or_share_a_keys_group_and_conversation(stack):

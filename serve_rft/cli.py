@@ -38,7 +38,8 @@ ConfigOpt = typer.Option(None, "--config", "-c", metavar="FILE",
 SetOpt = typer.Option([], "--set", "-s", metavar="SECTION.FIELD=VALUE",
                       help="Set a config field, e.g. trainer.lr=5e-4 (repeatable; wins over the file "
                       "and the environment).")
-ModelOpt = typer.Option(None, "--model", "-m", help="A Hugging Face model directory (default: embedded).")
+ModelOpt = typer.Option(None, "--model", "-m", help="A Hugging Face model directory or hub id "
+                        "(owner/name, from the Hugging Face cache or downloaded; default: the embedded model).")
 PortOpt = typer.Option(None, "--port", "-p", help="HTTP port (0: pick a free one).")
 HostOpt = typer.Option(None, "--host", help="Address to bind (service.host). Other than loopback it needs "
                        "API keys or service.allow_unauthenticated=true.")
@@ -67,7 +68,7 @@ def _config(config: Optional[Path], sets: list[str], model: Optional[str] = None
     try:
         return load_config(config, overrides)
     except Exception as e:  # a config error is the user's: one line, no traceback, no value given
-        console.print(f"[red]config error:[/red] {escape(explain(e))}", highlight=False)
+        console.print(f"[red]config error:[/red] {escape(explain(e))}", highlight=False, soft_wrap=True)
         raise typer.Exit(2) from None
 
 
@@ -112,7 +113,7 @@ def _runnable(cfg: Config, mode: Mode = Mode.both) -> Config:
         preflight(cfg)
         check_mode(cfg, mode.value)
     except ValueError as e:
-        console.print(f"[red]config error:[/red] {escape(str(e))}", highlight=False)
+        console.print(f"[red]config error:[/red] {escape(str(e))}", highlight=False, soft_wrap=True)
         raise typer.Exit(2) from None
     return cfg
 
@@ -182,9 +183,9 @@ def config_show(config: Optional[Path] = ConfigOpt, sets: list[str] = SetOpt) ->
 @config_cli.command("validate", help="Load the run config and run the checks of serve-rft up before it "
                     "starts anything (every field and rule, exposure without keys, CUDA for "
                     "trainer.device=cuda or nccl, explorer.engine_args). Exit 0: valid; 2: not, with the reason.")
-def config_validate(config: Optional[Path] = ConfigOpt, sets: list[str] = SetOpt,
+def config_validate(config: Optional[Path] = ConfigOpt, sets: list[str] = SetOpt, model: Optional[str] = ModelOpt,
                     mode: Mode = typer.Option(Mode.both, help="The --mode of serve-rft up to check.")) -> None:
-    _runnable(_config(config, sets), mode)
+    _runnable(_config(config, sets, model), mode)
     console.print("config valid", highlight=False)
 
 

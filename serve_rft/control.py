@@ -20,9 +20,18 @@ def preflight(cfg: Config) -> None:
         ValueError: ``trainer.device=cuda`` or ``sync_method=nccl`` without CUDA (the message
             says what to use instead); ``explorer.engine_args`` names no vLLM engine argument;
             ``trainer.algorithm`` names no algorithm or ``trainer.algorithm_args`` are not its
-            settings.
+            settings; ``model.path`` is neither a model directory nor a hub id that is cached or
+            can be downloaded (`serve_rft.model.embedded.resolve_model_path`).
     """
     import pydantic
+
+    if cfg.model.path:
+        from serve_rft.model.embedded import resolve_model_path
+
+        try:
+            resolve_model_path(cfg.model.path, cfg.model.cache_dir)
+        except FileNotFoundError as e:
+            raise ValueError(f"model.path: {e}") from None
 
     from serve_rft.trainer.algorithms import get_algorithm
 

@@ -70,8 +70,9 @@ def check_known(engine_args: dict[str, Any]) -> None:
 class ModelConfig(StrictSection):
     path: str | None = Field(
         None,
-        description="A Hugging Face model directory. None: build (once) and use the embedded "
-        "default model under `cache_dir`.",
+        description="A Hugging Face model directory, or a hub id (owner/name) resolved through the "
+        "Hugging Face cache, downloaded only when not cached and HF_HUB_OFFLINE is not set. None: "
+        "build (once) and use the embedded default model under `cache_dir`.",
     )
     cache_dir: str = Field(
         default_factory=lambda: os.environ.get(

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import sysconfig
 import tempfile
@@ -171,15 +172,58 @@ def ensure_embedded_model(cache_dir: str | Path, seed: int = 0) -> Path:
     return target
 
 
+HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,95}/[A-Za-z0-9][A-Za-z0-9_.-]{0,95}")
+"""A Hugging Face hub model id (``owner/name``), matched whole, as ``vllm serve MODEL`` takes one."""
+
+
 def resolve_model_path(path: str | None, cache_dir: str | Path) -> Path:
-    """The model directory to serve and train: ``path`` if given, else the embedded model.
+    """The model directory to serve and train: ``path`` if given (a local directory, or a hub id
+    ``owner/name`` that is not one), else the embedded model.
+
+    A hub id resolves as ``vllm serve`` resolves it, through ``huggingface_hub``'s cache
+    (``HF_HUB_CACHE`` / ``HF_HOME``): the cached snapshot when there is one; else it is downloaded,
+    unless the machine is offline (``HF_HUB_OFFLINE=1``: huggingface_hub's own switch). Nothing
+    else in the service downloads anything.
 
     Raises:
-        FileNotFoundError: ``path`` is given but has no ``config.json``.
+        FileNotFoundError: ``path`` is neither a model directory (one with ``config.json``) nor
+            a hub id that is cached or can be downloaded (the message is one line, and says which).
     """
-    if path:
-        p = Path(path).expanduser().resolve()
+    if not path:
+        return ensure_embedded_model(cache_dir)
+    p = Path(path).expanduser()
+    if p.exists() or not HUB_ID.fullmatch(path):
+        p = p.resolve()
         if not (p / "config.json").exists():
             raise FileNotFoundError(f"{p} is not a Hugging Face model directory (no config.json)")
         return p
-    return ensure_embedded_model(cache_dir)
+    return _hub_snapshot(path)
+
+
+def _hub_snapshot(repo_id: str, hub_cache: str | Path | None = None) -> Path:
+    """The directory of hub model ``repo_id``'s snapshot: cached (in ``hub_cache``, default
+    huggingface_hub's), else downloaded when online.
+
+    Raises:
+        FileNotFoundError: not cached and offline, not found on the hub, or unreachable.
+    """
+    from huggingface_hub import is_offline_mode, snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
+    offline = is_offline_mode() or os.environ.get("HF_HUB_OFFLINE", "").upper() in {"1", "ON", "YES", "TRUE"}
+    try:
+        snapshot = Path(snapshot_download(repo_id, cache_dir=hub_cache, local_files_only=True))
+    except LocalEntryNotFoundError:
+        if offline:
+            raise FileNotFoundError(f"{repo_id} is not a model directory and not in the Hugging Face cache, "
+                                    "and HF_HUB_OFFLINE is set: download it first (`hf download "
+                                    f"{repo_id}`) or pass its directory") from None
+        try:
+            snapshot = Path(snapshot_download(repo_id, cache_dir=hub_cache))
+        except (HfHubHTTPError, LocalEntryNotFoundError, OSError) as e:
+            raise FileNotFoundError(f"{repo_id} is not a model directory and could not be downloaded from "
+                                    f"the Hugging Face hub ({type(e).__name__}: "
+                                    f"{str(e).splitlines()[0] if str(e) else ''})") from None
+    if not (snapshot / "config.json").exists():
+        raise FileNotFoundError(f"{repo_id}'s snapshot {snapshot} has no config.json: not a model")
+    return snapshot

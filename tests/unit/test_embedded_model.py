@@ -61,3 +61,53 @@ def test_the_chat_template_renders_tools_calls_and_results_as_qwen25_does(embedd
     plain = tok.apply_chat_template([{"role": "system", "content": "s"}, {"role": "user", "content": "hi"}],
                                     tokenize=False, add_generation_prompt=True)
     assert plain == "<|im_start|>system\ns<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+
+
+def _hub_cache(embedded_model, root, repo_id="acme/tiny-chat"):
+    """A Hugging Face hub cache (its on-disk layout: models--{owner}--{name}/refs/main naming a
+    snapshot folder) holding the embedded model as ``repo_id``: what `hf download` leaves."""
+    import shutil
+
+    revision = "0123456789abcdef0123456789abcdef01234567"
+    repo = root / ("models--" + repo_id.replace("/", "--"))
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(revision)
+    shutil.copytree(embedded_model, repo / "snapshots" / revision)
+    return repo / "snapshots" / revision
+
+
+def test_a_hub_id_resolves_to_its_cached_snapshot_offline(embedded_model, tmp_path, monkeypatch):
+    import pytest
+
+    from serve_rft.model.embedded import _hub_snapshot
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    snapshot = _hub_cache(embedded_model, tmp_path)
+    assert _hub_snapshot("acme/tiny-chat", tmp_path) == snapshot
+    with pytest.raises(FileNotFoundError) as e:
+        _hub_snapshot("acme/not-cached", tmp_path)
+    assert "HF_HUB_OFFLINE" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_serve_rft_takes_a_hub_id_as_vllm_serve_does_and_refuses_a_bad_model_in_one_line(embedded_model, tmp_path):
+    """``serve-rft config validate --model owner/name`` with the model in the hub cache: valid
+    (exit 0); an id that is not cached (offline) or a directory without a model: one line, exit 2,
+    before anything starts."""
+    import os
+    import subprocess
+    import sys
+
+    _hub_cache(embedded_model, tmp_path / "hub")
+    env = {**os.environ, "HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1"}
+
+    def validate(model):
+        return subprocess.run([sys.executable, "-m", "serve_rft.cli", "config", "validate", "--model", model],
+                              env=env, capture_output=True, text=True, timeout=120)
+
+    ok = validate("acme/tiny-chat")
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    for bad in ("acme/not-cached", str(tmp_path)):
+        out = validate(bad)
+        assert out.returncode == 2, out.stdout + out.stderr
+        lines = [ln for ln in (out.stdout + out.stderr).splitlines() if ln.strip()]
+        assert len(lines) == 1 and "model.path" in lines[0], lines

@@ -20,6 +20,7 @@ import pytest
 
 from serve_rft.buffer.redis_server import start_redis
 from serve_rft.buffer.store import ExperienceStore
+from serve_rft.trainer.publishing.state import trained_lists
 from tests.support.load import get_status
 from tests.support.stack import start_stack
 
@@ -189,11 +190,43 @@ def test_train_mode_joins_and_trains_what_serve_mode_collected(stack, trainer_st
     assert st["trainer"]["pid"] > 0 and st["trainer"]["error"] is None
 
 
+def _trained_by(stack) -> dict[str, int]:
+    """``member -> version`` from the ``trained`` lists of the kept trainer states (each entry a
+    state trained, with that state's version). Raises AssertionError: an entry listed twice."""
+    root = stack.run_dir / "trainer_state"
+    for attempt in range(5):
+        try:
+            rows = trained_lists(root)
+            break
+        except FileNotFoundError:  # a state pruned while read: read again
+            if attempt == 4:
+                raise
+            time.sleep(0.2)
+    out: dict[str, int] = {}
+    for _sid, member, version in rows:
+        assert member not in out, f"{member} trained by v{out[member]} and v{version}"
+        out[member] = version
+    return out
+
+
 def test_a_trainer_killed_mid_run_resumes_and_loses_or_repeats_nothing(stack, trainer_stack):
     """SIGKILL the trainer while it holds delivered, unacknowledged entries, under traffic.
     Its restarted process must account for exactly those entries: the ones a saved state
     covers are acknowledged, the rest are trained again; afterwards every rewarded experience
-    is trained and counted once."""
+    is trained and counted once.
+
+    Trained once, per entry: each saved trainer state lists the entries it trained with its
+    version (`trained_lists`). Read at the kill and at the end, no entry is listed twice, and
+    the store records, for every entry the dead process's states list, that same version as the
+    one that trained it (a restarted trainer that trained such an entry again would acknowledge
+    it with its own, later version). Counts alone cannot see that: ``resume_acked +
+    redelivered == held`` holds as well when the restart retrains everything.
+
+    Shown to fail with the resume's acknowledgement of covered entries removed
+    (`Publishing._resume` without ``ledger.add`` / ``ack_entries``) and, so that the kill lands
+    between a save and its acknowledgement, a 5 s sleep added there in `Publishing._publish`:
+    the counts' assert passed, and the last assert failed with four entries the dead process
+    had saved as trained by v2 that the store recorded as trained by v3."""
     stop = threading.Event()
     ids: list[str] = []
     errors: list[str] = []
@@ -217,6 +250,7 @@ def test_a_trainer_killed_mid_run_resumes_and_loses_or_repeats_nothing(stack, tr
             os.kill(old_pid, signal.SIGKILL)
             time.sleep(0.5)  # nothing acks for a dead process: what is pending now was in its hands
             at_kill = _delivered(stack)
+            saved = _trained_by(stack)  # what the dead process's kept states trained
             new = _wait(lambda: (t := _status(stack)["trainer"]).get("pid", old_pid) != old_pid
                         and t["resumed_from"] is not None and t, 180, "Ray to restart the trainer")
             if at_kill:
@@ -239,6 +273,15 @@ def test_a_trainer_killed_mid_run_resumes_and_loses_or_repeats_nothing(stack, tr
     assert c.trained == c.rewarded and c.stale_dropped == 0, c  # none lost, each counted once
     assert {ch["state"] for cid in ids for ch in _states(stack, cid)} == {"trained"}
     assert _status(stack)["policy_version"] > old_version
+    # trained once, per entry: one version per entry across every state read, and the store's
+    # record of the version that trained each entry the killed process saved is that version
+    later = _trained_by(stack)
+    twice = {m: (saved[m], later[m]) for m in saved.keys() & later.keys() if saved[m] != later[m]}
+    assert saved and not twice, twice
+    choices = {cid: _states(stack, cid) for cid in {m.rsplit(":", 1)[0] for m in saved}}
+    recorded = {m: choices[m.rsplit(":", 1)[0]][int(m.rsplit(":", 1)[1])]["trained_version"] for m in saved}
+    moved = {m: (v, recorded[m]) for m, v in saved.items() if recorded[m] != v}
+    assert not moved, f"entries a saved state covers were trained again (saved, store): {moved}"
 
 
 def test_poison_entries_and_a_lost_acknowledgement_neither_halt_nor_retrain(stack, trainer_stack):

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import random
 import time
 
 import httpx
@@ -489,12 +491,22 @@ def test_reward_forms_groups_conversations_and_experience_states(stack):
 
 def test_fuzzed_requests_get_4xx_never_5xx_and_the_service_survives(stack):
     """Hypothesis-generated bodies (wrong types, missing fields, out-of-bounds n / max_tokens,
-    NaN and inf, unknown ids, junk bytes) against chat and rewards: every answer is 2xx or a
-    4xx with the OpenAI error JSON, never a 5xx, and the service keeps serving."""
-    from hypothesis import HealthCheck, given, settings
+    NaN and inf, unknown ids, junk bytes) against chat, rewards and the operator routes
+    (``/v1/sync/*``, with the admin key): every answer is 2xx or a 4xx with the OpenAI error
+    JSON, never a 5xx, and the service keeps serving. JSON bodies are sent with their
+    ``content-type: application/json``.
+
+    Randomized: the seed is ``SERVE_RFT_FUZZ_SEED`` if set, else drawn, and printed (pytest shows
+    it with a failure; set it to replay that run). The operator bodies never name a version an
+    operator could pin or roll back to (non-negative ints below 10**6 are left out: a pin or a
+    rollback would change the shared stack's rollout for the tests after this one); pauses and
+    unpins they may send are undone at the end."""
+    from hypothesis import HealthCheck, given, seed, settings
     from hypothesis import strategies as st
 
     u = stack.url
+    fuzz_seed = int(os.environ.get("SERVE_RFT_FUZZ_SEED") or random.randrange(2**32))
+    print(f"fuzz seed: {fuzz_seed} (SERVE_RFT_FUZZ_SEED={fuzz_seed} replays this run)")
     junk = st.one_of(st.none(), st.booleans(), st.integers(-10**12, 10**12), st.text(max_size=20),
                      st.floats(allow_nan=True, allow_infinity=True), st.lists(st.integers(), max_size=3),
                      st.dictionaries(st.text(max_size=5), st.integers(), max_size=3))
@@ -520,29 +532,51 @@ def test_fuzzed_requests_get_4xx_never_5xx_and_the_service_survives(stack):
         optional={"n": st.integers(1, 3), "stream": st.booleans(), "logprobs": st.booleans(),
                   "top_logprobs": st.integers(0, 5), "temperature": st.floats(0, 2),
                   "group_id": st.text(min_size=1, max_size=8)})
+    # no version an operator could act on (see the docstring); booleans and floats are no version
+    # (the operator bodies are strict: sync_api._Body)
+    not_a_version = junk.filter(lambda v: not (type(v) is int and 0 <= v < 10**6))
+    operator = st.fixed_dictionaries({}, optional={
+        "version": not_a_version, "paused": junk, "drained": junk, "extra": junk})
+    replica_id = st.text(alphabet="abcdefghijklmnopqrstuvwxyz0123456789-_", min_size=1, max_size=12)
     bodies = st.one_of(st.tuples(st.just("/v1/chat/completions"), chat),
                        st.tuples(st.just("/v1/chat/completions"), valid_chat),
                        st.tuples(st.just("/v1/rewards"), reward),
-                       st.tuples(st.sampled_from(["/v1/chat/completions", "/v1/rewards"]),
+                       st.tuples(st.sampled_from(["/v1/sync/pin", "/v1/sync/rollback", "/v1/sync/promotion"]),
+                                 operator),
+                       st.tuples(replica_id.map(lambda r: f"/v1/sync/replicas/fuzz-{r}/drain"), operator),
+                       st.tuples(st.sampled_from(["/v1/chat/completions", "/v1/rewards", "/v1/sync/pin",
+                                                  "/v1/sync/rollback", "/v1/sync/promotion"]),
                                  st.binary(max_size=64)))
-    seen: list[int] = []
+    seen: list[tuple[str, int]] = []
 
-    @settings(max_examples=60, deadline=None, derandomize=True,
-              suppress_health_check=list(HealthCheck))
+    @seed(fuzz_seed)
+    @settings(max_examples=80, deadline=None, database=None, suppress_health_check=list(HealthCheck))
     @given(bodies)
     def check(case):
         path, body = case
-        kw = {"content": body} if isinstance(body, bytes) else {
-            "content": json.dumps(body, allow_nan=True), "headers": {"content-type": "application/json"}}
-        r = httpx.post(f"{u}{path}", timeout=120, headers=ADMIN, **{k: v for k, v in kw.items() if k != "headers"})
-        seen.append(r.status_code)
-        assert r.status_code < 500, (path, body, r.status_code, r.text[:300])
+        headers = dict(ADMIN)
+        if isinstance(body, bytes):
+            content = body
+        else:
+            content = json.dumps(body, allow_nan=True)
+            headers["content-type"] = "application/json"
+        r = httpx.post(f"{u}{path}", timeout=120, headers=headers, content=content)
+        seen.append((path, r.status_code))
+        assert r.status_code < 500, (fuzz_seed, path, body, r.status_code, r.text[:300])
         if r.status_code >= 400:
             err = r.json()["error"]
-            assert err["message"] and "type" in err, r.text
+            assert err["message"] and "type" in err, (fuzz_seed, r.text)
 
-    check()
-    assert any(s >= 400 for s in seen) and any(s == 200 for s in seen), seen
+    try:
+        check()
+    finally:  # what the operator bodies may have changed: a pause, an unpin (no pin: none is valid)
+        httpx.post(f"{u}/v1/sync/promotion", json={"paused": False}, headers=ADMIN, timeout=60)
+    codes = [c for _, c in seen]
+    assert any(c >= 400 for c in codes) and any(c == 200 for c in codes), (fuzz_seed, seen)
+    # the operator routes were reached past the key check (their own answers, not 401 / 403)
+    assert any(p.startswith("/v1/sync/") and c not in (401, 403) for p, c in seen), (fuzz_seed, seen)
+    ro = httpx.get(f"{u}/v1/sync/rollout", headers=ADMIN, timeout=60).json()
+    assert ro["pinned"] is None and not ro["promotion_paused"], ro
     assert httpx.get(f"{u}/health").status_code == 200
     client = openai.OpenAI(base_url=f"{u}/v1", api_key="x", max_retries=0)
     assert client.chat.completions.create(model="serve-rft", messages=[{"role": "user", "content": "ok"}],
@@ -670,10 +704,6 @@ def test_replica_log_records_reach_their_files_not_memory(stack):
     from pathlib import Path
 
     ids = [r["id"] for r in get_status(stack.url)["replicas"]]
-    for _ in range(6):
-        r = httpx.post(f"{stack.url}/v1/chat/completions", timeout=120, json={
-            "model": "serve-rft", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
-        assert r.status_code == 200, r.text
 
     def logged() -> int:
         n = 0
@@ -684,10 +714,16 @@ def test_replica_log_records_reach_their_files_not_memory(stack):
             n += Path(files[-1]).read_text(errors="replace").count("POST /v1/chat/completions 200")
         return n
 
+    before = logged()  # the earlier tests' requests: only this test's six are counted
+    for _ in range(6):
+        r = httpx.post(f"{stack.url}/v1/chat/completions", timeout=120, json={
+            "model": "serve-rft", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
+        assert r.status_code == 200, r.text
+
     deadline = time.time() + 30
-    while logged() < 6 and time.time() < deadline:
+    while logged() - before < 6 and time.time() < deadline:
         time.sleep(0.5)
-    assert logged() >= 6
+    assert logged() - before >= 6, (before, logged())
 
 
 def test_the_stacks_ray_workers_record_no_task_events(stack):

@@ -35,8 +35,12 @@ def test_a_bad_candidate_is_rolled_back_and_a_good_one_promoted(stack):
     kinds = [(e["kind"], e["version"]) for e in result["timeline"]]
     assert kinds.index(("rolled_back", bad)) < kinds.index(("promoted", good)), kinds
     ro = httpx.get(f"{stack.url}/v1/sync/rollout", headers=ADMIN).json()
-    assert next(v for v in ro["versions"] if v["version"] == bad)["rejected"] if any(
-        v["version"] == bad for v in ro["versions"]) else True
+    listed = {v["version"]: v for v in ro["versions"]}  # the newest 10 versions
+    if bad in listed:
+        assert listed[bad]["rejected"], listed[bad]
+    else:  # absent only because it is older than every version listed
+        assert bad < min(listed), (bad, sorted(listed))
+    assert all(r["policy_version"] != bad for r in get_status(stack.url, ADMIN)["replicas"] if r["alive"])
     # the trainer took the incumbent's weights back, verified by the version's probe, and trained on
     trainer = get_status(stack.url, ADMIN)["trainer"]
     assert trainer["resets"] >= 1 and trainer["error"] is None, trainer
@@ -45,6 +49,14 @@ def test_a_bad_candidate_is_rolled_back_and_a_good_one_promoted(stack):
 
 
 def test_operator_pins_rolls_back_and_pauses(stack):
+    """The operator's routes: a pin to v0 moves every replica there; a rollback to a version
+    below the incumbent makes it the incumbent, rejects the one rolled back from, and every
+    replica answers with it; pauses toggle (that a pause holds a candidate on its canary, and a
+    resume lets it roll: tests/integration/test_synchronizer_restart.py).
+
+    Shown to fail with the rollback skipped (`Rollout.rollback` returning before it changes
+    anything): the answer still named the old incumbent (``assert ... 18 == 0``, a rollback from
+    v18 to v0)."""
     u = stack.url
     ro = httpx.get(f"{u}/v1/sync/rollout", headers=ADMIN).json()
     incumbent = ro["incumbent"]
@@ -60,8 +72,28 @@ def test_operator_pins_rolls_back_and_pauses(stack):
     else:
         pytest.fail(f"pin to v0 not applied: {st['replicas']}")
     assert httpx.post(f"{u}/v1/sync/pin", json={"version": None}, headers=ADMIN).status_code == 200
-    r = httpx.post(f"{u}/v1/sync/rollback", json={"version": incumbent}, headers=ADMIN)
-    assert r.status_code == 200 and r.json()["incumbent"] == incumbent
+    # a rollback to an earlier version than the incumbent (the newest loadable one below it; the
+    # initial weights, v0, are always loadable): it becomes the incumbent, every version above it
+    # is rejected, the incumbent among them, and the replicas serve it, as their answers' version
+    # header says (a version the trainer publishes after the rollback may roll as usual)
+    assert incumbent > 0, ro  # the scenario promoted a version: there is one to roll back from
+    ro = httpx.get(f"{u}/v1/sync/rollout", headers=ADMIN).json()
+    earlier = max(v for v in ro["loadable"] if v < incumbent)
+    r = httpx.post(f"{u}/v1/sync/rollback", json={"version": earlier}, headers=ADMIN)
+    assert r.status_code == 200 and r.json()["incumbent"] == earlier and incumbent in r.json()["rejected"], r.text
+    rejected = set(r.json()["rejected"])
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        live = [r["policy_version"] for r in get_status(u, ADMIN)["replicas"] if r["alive"]]
+        if earlier in live and not rejected & set(live):
+            break
+        time.sleep(0.5)
+    else:
+        pytest.fail(f"rollback to v{earlier} not applied: {live} (rejected {sorted(rejected)})")
+    served = {int(httpx.post(f"{u}/v1/chat/completions", headers=ADMIN, timeout=120, json={
+        "model": "serve-rft", "messages": [{"role": "user", "content": f"after rollback {k}"}],
+        "max_tokens": 2}).headers["x-serve-rft-policy-version"]) for k in range(4)}
+    assert earlier in served and not served & rejected, (earlier, served, sorted(rejected))
     assert httpx.post(f"{u}/v1/sync/promotion", json={"paused": True}, headers=ADMIN).json()["promotion_paused"]
     assert not httpx.post(f"{u}/v1/sync/promotion", json={"paused": False}, headers=ADMIN).json()["promotion_paused"]
     assert httpx.post(f"{u}/v1/sync/replicas/nope/drain", json={"drained": True}, headers=ADMIN).status_code == 404

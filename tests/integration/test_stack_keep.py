@@ -37,7 +37,18 @@ stack = stack_fixture("run-keep", ["synchronizer.sync_style=trainer_driven", "sy
                                    "service.quotas.rewards.bytes_burst=1048576"])
 
 
-def test_keep_mode_requests_span_versions_and_none_fail(stack):
+@pytest.fixture(scope="module")
+def old_completion(stack) -> tuple[str, int]:
+    """``(completion id, policy version)`` of a chat answer (two choices) made before the
+    module's training moves versions on (the first test asks for it), left unrewarded until
+    test_max_staleness_drops_old_experiences_and_status_shows_staleness rewards it."""
+    r = httpx.post(f"{stack.url}/v1/chat/completions", headers=ADMIN, timeout=120, json={
+        "model": "serve-rft", "messages": [{"role": "user", "content": "old"}], "max_tokens": 4, "n": 2})
+    assert r.status_code == 200, r.text
+    return r.json()["id"], int(r.headers["x-serve-rft-policy-version"])
+
+
+def test_keep_mode_requests_span_versions_and_none_fail(stack, old_completion):
     long_ids: list[str] = []
     failures: list[str] = []
 
@@ -75,10 +86,41 @@ def test_keep_mode_requests_span_versions_and_none_fail(stack):
     assert st["sync_style"] == "trainer_driven"
 
 
-def test_max_staleness_drops_old_experiences_and_status_shows_staleness(stack):
+def test_max_staleness_drops_old_experiences_and_status_shows_staleness(stack, old_completion):
     """With max_staleness=1 nothing older than one version behind is trained; what was dropped
-    is counted; `/v1/status` shows the staleness distribution of what was trained."""
+    is counted; `/v1/status` shows the staleness distribution of what was trained.
+
+    A drop is forced: the answer of `old_completion`, generated before the first test's training
+    moved the versions on by at least two, is rewarded now (with two fresh rewarded answers, so
+    the trainer's next batch is full at once): both its choices end ``stale-dropped``, never
+    trained, and the drop counters move by at least two.
+
+    Shown to fail with the staleness drops disabled (`ExperienceFeed.drop_stale` and
+    `ExperienceFeed.shed_stale` returning before dropping): ``AssertionError: (0, ['trained',
+    'trained'])``, the v0 answer's choices trained."""
+    cid, version = old_completion
+    if get_status(stack.url, ADMIN)["policy_version"] - version <= 1:  # run alone: move versions on
+        check_training_rolls_new_versions(stack)
+    before = get_status(stack.url, ADMIN)
+    r = httpx.post(f"{stack.url}/v1/rewards", json={"completion_id": cid, "rewards": [1.0, 0.0]}, headers=ADMIN)
+    assert r.status_code == 200, r.text
+    for _ in range(2):
+        fresh = httpx.post(f"{stack.url}/v1/chat/completions", headers=ADMIN, timeout=120, json={
+            "model": "serve-rft", "messages": [{"role": "user", "content": "new"}], "max_tokens": 4, "n": 4})
+        assert fresh.status_code == 200, fresh.text
+        r = httpx.post(f"{stack.url}/v1/rewards", headers=ADMIN,
+                       json={"completion_id": fresh.json()["id"], "rewards": [0.0, 1.0, 0.5, 0.25]})
+        assert r.status_code == 200, r.text
+    deadline = time.monotonic() + 60
+    while True:
+        states = [c["state"] for c in httpx.get(f"{stack.url}/v1/experiences/{cid}", headers=ADMIN,
+                                                timeout=60).json()["choices"]]
+        if all(s not in ("pending", "rewarded", "ready") for s in states) or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert states == ["stale-dropped", "stale-dropped"], (version, states)
     st = get_status(stack.url, ADMIN)
+    assert st["trainer"]["stale_dropped"] >= before["trainer"]["stale_dropped"] + 2, (before["trainer"], st["trainer"])
     trained = {int(k): v for k, v in st["trainer"]["staleness_trained"].items()}
     assert trained and sum(trained.values()) > 0, st["trainer"]
     assert max(trained) <= 1, trained

@@ -1,16 +1,17 @@
 """The synchronizer survives being killed: Ray restarts it, it rebuilds the latest version from
 the trainer and the replicas' state from their next polls (a replica it does not know registers
 again with its handles), grants nothing until syncs in flight renewed their leases, and in-flight
-calls are retried."""
+calls are retried; with its store it takes back its saved rollout (an open canary, a pin)."""
 
 from __future__ import annotations
 
 import time
+import uuid
 
 import pytest
 import ray
 
-from serve_rft.config import SynchronizerConfig
+from serve_rft.config import BufferConfig, SynchronizerConfig
 from serve_rft.synchronizer.actor import NAMESPACE, get_or_create_synchronizer
 from serve_rft.trainer.actor import TRAINER_NAME
 from serve_rft.types import PublishedVersion
@@ -47,6 +48,23 @@ def _poll(sync, rid, version=0):
     return ray.get(sync.poll.remote(rid, version, 0, 0.1))
 
 
+def _kill_and_wait_restart(sync) -> None:
+    """Kill the actor (Ray restarts it) and return once the new instance answers with a fresh
+    membership (it knows no replica yet)."""
+    old_pid = ray.get(sync.status.remote())["synchronizer"]["pid"]
+    ray.kill(sync, no_restart=False)
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            st = ray.get(sync.status.remote(), timeout=10)
+            if st["replicas"] == [] and st["synchronizer"]["pid"] != old_pid:
+                return
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            pass
+        assert time.monotonic() < deadline, "synchronizer did not restart"
+        time.sleep(0.2)
+
+
 def test_restarted_synchronizer_rebuilds_and_keeps_rolling(ray_local):
     trainer = _StandInTrainer.options(name=TRAINER_NAME, namespace=NAMESPACE).remote()
     sync = get_or_create_synchronizer(CFG)
@@ -58,17 +76,7 @@ def test_restarted_synchronizer_rebuilds_and_keeps_rolling(ray_local):
     reply = _poll(sync, "r0")
     assert reply.order is not None and reply.order.version == 3
 
-    ray.kill(sync, no_restart=False)
-    deadline = time.monotonic() + 60
-    while True:  # until the restarted instance answers (with a fresh state)
-        try:
-            st = ray.get(sync.status.remote(), timeout=10)
-            if st["replicas"] == []:
-                break
-        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
-            pass
-        assert time.monotonic() < deadline, "synchronizer did not restart"
-        time.sleep(0.2)
+    _kill_and_wait_restart(sync)  # until the restarted instance answers (with a fresh state)
     # replicas it does not know are asked to register again (with the handles they hold)
     assert _poll(sync, "r1").known is False
     for rid in ("r1", "r2"):
@@ -87,6 +95,78 @@ def test_restarted_synchronizer_rebuilds_and_keeps_rolling(ray_local):
     ray.get(sync.publish.remote(3, handle))  # a retried publish is idempotent
     st = ray.get(sync.status.remote())
     assert st["policy_version"] == 3 and len(st["replicas"]) == 3
+
+
+# a short window with no rewards ends, at once, in the undecided verdict (promote): only a pause
+# holds a candidate on its one canary
+CANARY_CFG = SynchronizerConfig(sync_style="trainer_driven", lease_s=2.0, rollout="canary",
+                                canary={"replicas": 1, "window_s": 1.0, "reward_wait_s": 0.0,
+                                        "undecided": "promote"})
+
+
+def test_a_pause_holds_the_rollout_and_a_restart_takes_back_the_canary_and_the_pin(ray_local, redis_server):
+    """The canary synchronizer with its store (the session's redis-server); no trainer runs, so
+    the saved rollout is the only source of what a restarted instance knows.
+
+    A pause stops the rollout: v1 published while paused goes to its one canary (r0) and, its
+    window over, no further: r1 stays on v0, before and after a restart; resumed, v1 is promoted
+    and r1 is ordered to it. Killed with the canary open (and paused), the restarted instance,
+    once the replicas registered again (as a replica does when its poll finds itself unknown;
+    that rebuilds the state), has the same candidate, window start and pause. Killed again after
+    an operator's pin, it has the pin back, and the pin holds: a newly published v2 does not
+    roll, r1 is moved down to the pinned v0 instead.
+
+    Shown to fail with the restore disabled (`ExperienceStore.load_rollout` made to return None):
+    ``{'candidate': None} != {'candidate': 1}`` (the window and the pause lost as well) right
+    after the first restart; with only the pin left out of `Rollout.restore`: ``assert (None ==
+    0)`` after the second; with the pause ignored by `Rollout.decide`: v1 was promoted while
+    paused (``incumbent 1, candidate None``) once its window was over."""
+    buffer = BufferConfig(redis_url=redis_server.url, key_prefix=f"sr{uuid.uuid4().hex[:8]}")
+    sync = get_or_create_synchronizer(CANARY_CFG, buffer)
+    h1 = {"method": "checkpoint", "path": "/ckpt/v000001"}
+
+    def register_all(r1_version=0, r1_handle=None):  # what each replica does when its poll finds itself unknown
+        ray.get(sync.register.remote("r0", 1, BASE, h1))
+        ray.get(sync.register.remote("r1", r1_version, BASE, r1_handle))
+        ray.get(sync.register.remote("r2", 0, BASE))
+
+    for rid in ("r0", "r1", "r2"):
+        ray.get(sync.register.remote(rid, 0, BASE))
+    ray.get(sync.pause_promotion.remote(True))
+    ray.get(sync.publish.remote(1, h1))
+    assert _poll(sync, "r0").order.version == 1  # the one canary slot
+    ray.get(sync.synced.remote("r0", 1, None, h1))  # its window opens
+    time.sleep(CANARY_CFG.canary.window_s + 1.5)  # the window is over; the monitor judged since
+    before = ray.get(sync.rollout.remote())
+    assert before["candidate"] == 1 and before["incumbent"] == 0 and before["verdicts"] == [], before
+    assert _poll(sync, "r1").order is None  # paused: v1 goes no further than its canary
+
+    _kill_and_wait_restart(sync)
+    register_all()
+    after = ray.get(sync.rollout.remote())
+    assert {k: after[k] for k in ("candidate", "incumbent", "canary_window", "promotion_paused")} == {
+        "candidate": 1, "incumbent": 0, "canary_window": before["canary_window"], "promotion_paused": True}
+    time.sleep(CANARY_CFG.lease_s / 2 + 1.1)  # past the restarted instance's hold, and a monitor period
+    assert _poll(sync, "r1").order is None  # still paused after the restart
+
+    ray.get(sync.pause_promotion.remote(False))
+    deadline = time.monotonic() + 10
+    while ray.get(sync.rollout.remote())["incumbent"] != 1:  # the next monitor period's verdict
+        assert time.monotonic() < deadline, ray.get(sync.rollout.remote())
+        time.sleep(0.2)
+    reply = _poll(sync, "r1")
+    assert reply.order is not None and reply.order.version == 1  # resumed: v1 rolls on
+
+    ray.get(sync.synced.remote("r1", 1, None, h1))
+    ray.get(sync.pin.remote(0))
+    _kill_and_wait_restart(sync)
+    register_all(1, h1)
+    after = ray.get(sync.rollout.remote())
+    assert after["pinned"] == 0 and after["candidate"] is None, after
+    ray.get(sync.publish.remote(2, {"method": "checkpoint", "path": "/ckpt/v000002"}))
+    time.sleep(CANARY_CFG.lease_s / 2 + 0.1)  # past the restarted instance's hold on grants
+    reply = _poll(sync, "r1", 1)
+    assert reply.order is not None and reply.order.version == 0  # pinned: not the new v2
 
 
 def test_states_are_exported_as_prometheus_metrics(monkeypatch):

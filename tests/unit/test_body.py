@@ -17,7 +17,10 @@ def test_hostile_json_is_a_400(raw):
 
 
 def test_depth_at_the_bound_parses():
-    assert parse_json(b"[" * MAX_JSON_DEPTH + b"]" * MAX_JSON_DEPTH) is not None
+    expected: list = []
+    for _ in range(MAX_JSON_DEPTH - 1):
+        expected = [expected]
+    assert parse_json(b"[" * MAX_JSON_DEPTH + b"]" * MAX_JSON_DEPTH) == expected
 
 
 class _Req:
@@ -69,13 +72,18 @@ def test_a_lone_surrogate_anywhere_is_a_400_naming_where(raw, param):
     assert e.value.status == 400 and e.value.param == param and "not valid Unicode" in e.value.message
 
 
-@pytest.mark.parametrize("raw", [b'{"a": "\\ud83d\\ude00"}', b'{"a": "\\\\ud800"}', b'{"a": "\\u00e9\\u4e2d"}',
-                                 '{"a": "\u00e9"}'.encode("utf-16")])
-def test_valid_unicode_parses(raw):
+@pytest.mark.parametrize("raw,value", [
+    (b'{"a": "\\ud83d\\ude00"}', "\U0001F600"),  # a surrogate pair: one code point
+    (b'{"a": "\\\\ud800"}', "\\ud800"),  # an escaped backslash: the six characters, no escape
+    (b'{"a": "\\u00e9\\u4e2d"}', "\u00e9\u4e2d"),
+    ('{"a": "\u00e9"}'.encode("utf-16"), "\u00e9"),
+])
+def test_valid_unicode_parses(raw, value):
     import json
 
     parsed = parse_json(raw)
-    json.dumps(parsed, ensure_ascii=False).encode("utf-8")  # what storing it does
+    assert parsed == {"a": value}
+    assert json.loads(json.dumps(parsed, ensure_ascii=False).encode("utf-8")) == {"a": value}  # stored and read back
 
 
 @pytest.mark.parametrize("raw", [

@@ -21,7 +21,8 @@ def preflight(cfg: Config) -> None:
             says what to use instead); ``explorer.engine_args`` names no vLLM engine argument;
             ``trainer.algorithm`` names no algorithm or ``trainer.algorithm_args`` are not its
             settings; ``model.path`` is neither a model directory nor a hub id that is cached or
-            can be downloaded (`serve_rft.model.embedded.resolve_model_path`).
+            can be downloaded (`serve_rft.model.embedded.resolve_model_path`); a tracker of
+            ``trainer.loggers`` is not installed.
     """
     import pydantic
 
@@ -39,6 +40,10 @@ def preflight(cfg: Config) -> None:
         get_algorithm(cfg.trainer)
     except pydantic.ValidationError as e:
         raise ValueError(f"trainer.algorithm_args of {cfg.trainer.algorithm}: {e}") from None
+    if cfg.trainer.enabled and cfg.trainer.loggers:
+        from serve_rft.observability.trackers import check_available
+
+        check_available(cfg.trainer.loggers)
     if cfg.explorer.engine_args:
         from serve_rft.config.explorer import check_known
 

@@ -170,6 +170,11 @@ class TrainerConfig(StrictSection):
         "trainer actor coordinates them: published versions are gathered bucket by bucket, trainer "
         "states saved with torch.distributed.checkpoint (serve_rft/trainer/sharding/sharded_policy.py). "
         "Full fine-tuning or LoRA (the adapter sharded with its layers), CHECKPOINT or MEMORY sync, so far.")
+    loggers: list[Literal["tensorboard", "wandb", "mlflow"]] = Field(
+        default_factory=list, description="Experiment trackers each training step's statistics go to "
+        "(serve_rft/observability/trackers.py): tensorboard, wandb (offline unless WANDB_MODE says "
+        "otherwise), mlflow (a local file store unless MLFLOW_TRACKING_URI says otherwise); runs under "
+        "<service.run_dir>/tracking. Each needs its extra: pip install 'serve-rft[tensorboard]'.")
     label_selector: dict[str, str] | None = Field(
         None, description="Ray node labels the trainer actor must run on (Ray's label_selector, "
         "e.g. {serve-rft.io/role: trainer}: the node group started with that label; "

@@ -82,6 +82,12 @@ class Trainer:
         self.publishing = Publishing(self.cfg, self.state_root, model_path, self.feed)
         self.started = False
         self.rank_pids: list[int] = []  # trainer.num_workers > 1: the rank actors' processes
+        self.trackers = None
+        if self.cfg.trainer.loggers:  # experiment trackers: the step statistics as training curves
+            from serve_rft.observability.trackers import StepTrackers
+
+            self.trackers = StepTrackers(self.cfg.trainer.loggers, Path(self.cfg.service.run_dir) / "tracking",
+                                         Path(self.cfg.service.run_dir).name, self.cfg.model_dump(mode="json"))
         self._task = asyncio.get_running_loop().create_task(self._run())
 
     async def start(self) -> None:
@@ -195,6 +201,8 @@ class Trainer:
             self.metrics.step(stats)
             self.last_stats = stats
             steps_log.info("%s", json.dumps({k: v for k, v in stats.items() if isinstance(v, (int, float, str))}))
+            if self.trackers is not None:
+                self.trackers.log(stats, pub.step_num)
             await sync.set_trainer.remote(ComponentState.RUNNING.value, pub.step_num)
 
     async def _skipped(self, batch: list[RewardedExperience], stats: dict) -> None:

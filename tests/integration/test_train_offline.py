@@ -4,11 +4,13 @@ mode, §2.1): no explorer runs.
 A run directory's embedded redis-server holds rewarded experiences (written through the store's
 own code, then stopped); ``serve-rft up --mode train --max-steps 1`` restarts that redis-server
 from its AOF, trains, publishes, saves its state and exits; a second run resumes from that state.
+Both runs log their steps to TensorBoard (``trainer.loggers``), read back at the end.
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 import subprocess
 import sys
 
@@ -51,7 +53,8 @@ def _train(run_dir) -> str:
     proc = subprocess.run(
         [sys.executable, "-m", "serve_rft.cli", "up", "--mode", "train", "--max-steps", "1",
          "--set", f"service.run_dir={run_dir}", "--set", "trainer.min_batch_size=4",
-         "--set", "trainer.batch_size=16", "--set", "trainer.batch_wait_s=0.5"],
+         "--set", "trainer.batch_size=16", "--set", "trainer.batch_wait_s=0.5",
+         "--set", "trainer.loggers=[tensorboard]"],
         capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc.stdout + proc.stderr
@@ -86,3 +89,11 @@ def test_train_only_on_a_store_collected_earlier_then_resume(tmp_path):
     counts, versions = _counts(tmp_path)
     assert (counts.trained, counts.ready, counts.rewarded) == (32, 0, 32)
     assert versions == [3, 3, 3, 3]
+    # trainer.loggers: each run's step statistics in TensorBoard, read back
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(tmp_path / "tracking" / "tensorboard" / tmp_path.name))
+    acc.Reload()
+    loss = acc.Scalars("trainer/loss")
+    assert [e.step for e in loss] == [1, 3] and all(math.isfinite(e.value) for e in loss), loss
+    assert [e.value for e in acc.Scalars("trainer/policy_version")] == [1.0, 3.0]

@@ -11,6 +11,7 @@ import httpx
 import openai
 import pytest
 
+from serve_rft.client import RewardClient, RewardError
 from tests.support.load import get_status, live_replicas
 from tests.support.stack import stack_fixture
 from tests.support.stack_checks import ADMIN, check_training_rolls_new_versions, read_experience
@@ -492,7 +493,6 @@ def test_another_key_of_the_tenant_cannot_resize_join_or_share_a_keys_group_and_
     names one of erin-1's turns, and then rewards erin-1's turns alone."""
     u = stack.url
     one, two = ({"Authorization": f"Bearer erin-{i}"} for i in (1, 2))
-    grader = {"Authorization": "Bearer erin-grader"}
 
     def chat(headers, **extra) -> str:
         r = httpx.post(f"{u}/v1/chat/completions", headers=headers, timeout=60,
@@ -505,14 +505,13 @@ def test_another_key_of_the_tenant_cannot_resize_join_or_share_a_keys_group_and_
     chat(one, group_id="g", group_size=2)  # erin-1's size is still 2
     mine = [chat(one, conversation_id="c"), chat(one, conversation_id="c")]
     theirs = chat(two, conversation_id="c")
-    r = httpx.post(f"{u}/v1/rewards", json={"conversation_id": "c", "reward": 1.0}, headers=grader)
-    assert r.status_code == 409 and r.json()["error"]["code"] == "ambiguous_conversation", r.text
-    r = httpx.post(f"{u}/v1/rewards", json={"conversation_id": "c", "completion_id": mine[1], "reward": 1.0},
-                   headers=grader)
-    assert r.status_code == 200, r.text
-    assert sorted(x["completion_id"] for x in r.json()["data"]) == sorted(mine), r.text
-    r = httpx.get(f"{u}/v1/experiences/{theirs}", headers=grader)
-    assert r.status_code == 200 and r.json()["choices"][0]["reward"] is None, r.text
+    with RewardClient(u, api_key="erin-grader") as client:  # the grader's client (serve_rft.client)
+        with pytest.raises(RewardError) as e:
+            client.reward_conversation("c", 1.0)
+        assert (e.value.status, e.value.code) == (409, "ambiguous_conversation")
+        done = client.reward_conversation("c", 1.0, completion_id=mine[1])
+        assert sorted(x["completion_id"] for x in done["data"]) == sorted(mine), done
+        assert client.experience(theirs)["choices"][0]["reward"] is None
 
 
 def test_a_conversation_reward_with_a_16_kib_info_over_512_choices_stores_it_once(stack):

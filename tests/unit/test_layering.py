@@ -13,7 +13,7 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[2] / "serve_rft"
 
 FLOORS = [
-    {"config", "types", "names", "proc", "model", "demo"},  # ground: settings, records, names, prctl
+    {"config", "types", "names", "proc", "model", "demo", "client"},  # ground: settings, records, names, prctl, the rewards client
     {"buffer", "observability", "weights"},         # the experience store, metrics, weight sync
     {"explorer", "trainer", "synchronizer"},        # the runtime roles, side by side (ROLES)
     {"control"},                                    # creates the synchronizer and trainer actors

@@ -21,6 +21,9 @@ key                 type    meaning
 Each key expires a second after the last member it holds, as every key of the store has a TTL.
 ==================  ======  ===============================================================
 
+The store keeps the ledger only where a limit is configured (``tenant_ledger`` of
+`serve_rft.buffer.store.ExperienceStore`): it costs about 400 bytes of Redis per completion.
+
 The bytes are the values written (JSON, token ids, reward fields) plus ``RECORD_OVERHEAD`` per
 completion and ``CHOICE_OVERHEAD`` per choice for keys and fields: an estimate of what Redis
 holds (its per-key overhead varies with the encoding), close enough to bound a tenant's share.

@@ -233,7 +233,8 @@ class EncodedCompletion:
     Attributes:
         head: MessagePack array of strings: cid, n, gid, group_size, now (unix s), reward
             deadline (unix s), conversation key ('' for none), oldest policy version, tenant,
-            conversation index ('' for none: `serve_rft.buffer.records.conversation_index`).
+            conversation index ('' for none: `serve_rft.buffer.records.conversation_index`),
+            '1' to charge it to its tenant's ledger (`serve_rft.buffer.ledger`), else ''.
         json: its shared fields' JSON object, then each choice's JSON without them (``1 + n``).
     ``len()`` is its size in bytes (what `LogBatcher` bounds).
     """
@@ -259,11 +260,13 @@ class CompletionLog:
         long_ttl_s: seconds a completion's record outlives its reward window (integer, >= 1).
         max_conversation_turns: turns a conversation may have.
         max_items: completions per LOG call at most.
+        tenant_ledger: charge each completion to its tenant's ledger (`serve_rft.buffer.ledger`).
     """
 
     def __init__(self, log_script, prefix: str, reward_timeout_s: float, long_ttl_s: int,
-                 max_conversation_turns: int, max_items: int = LOG_BATCH_ITEMS):
+                 max_conversation_turns: int, max_items: int = LOG_BATCH_ITEMS, tenant_ledger: bool = False):
         self._log, self.p, self.reward_timeout_s = log_script, prefix, reward_timeout_s
+        self.tenant_ledger = tenant_ledger
         self.long_ttl_s, self.max_conversation_turns = long_ttl_s, max_conversation_turns
         self.batcher = LogBatcher(self._write_log_batch, max_items=max_items)
 
@@ -319,7 +322,8 @@ class CompletionLog:
         index = conversation_index(tenant, conversation_id) if conversation_id and owner else ""
         to_json = e0.__pydantic_serializer__.to_json
         head = msgpack.packb([cid, str(len(exps)), gid, str(group_size), repr(now), repr(now + self.reward_timeout_s),
-                              conv, str(min(e.min_version for e in exps)), tenant, index])
+                              conv, str(min(e.min_version for e in exps)), tenant, index,
+                              "1" if self.tenant_ledger else ""])
         return EncodedCompletion(head, [to_json(e0, include=shared), *[to_json(e, exclude=shared) for e in exps]])
 
     async def _write_log_batch(self, items: list[EncodedCompletion]) -> list:

@@ -197,7 +197,8 @@ LOG = ledger.HELPERS + """
 -- ARGV: P, ttl_pending, ttl_long, max_turns, then the completions' heads: one MessagePack array
 -- (Redis's bundled cmsgpack) of {cid, n, gid, group_size, now, deadline, conv (the key of its
 -- turn list under P, '' for none), version, tenant, conversation index (the key under P of the set
--- of its tenant's turn lists of that id, '' for none; absent from older callers)}, every field a
+-- of its tenant's turn lists of that id, '' for none; absent from older callers), '1' to charge it to
+-- its tenant's ledger (absent or '': not)}, every field a
 -- string; then, from ARGV[6],
 -- each completion's JSON in the heads' order: its shared fields (the prompt's token ids once per
 -- completion) and its n choices without them. The JSON stays in ARGV: Lua copies it once, not
@@ -253,10 +254,12 @@ local function log_one(c, a)
     pending[#pending + 1] = cid..':'..i
   end
   -- the tenant's ledger: the record as long as it is kept, the experiences while pending
-  local now, exp_bytes = ledger_now(), 0
-  for i = 0, n - 1 do exp_bytes = exp_bytes + #ARGV[a + 1 + i] + CHOICE_OVERHEAD end
-  ledger_add(P, c[9], cid, #ARGV[a] + #gid + #conv + RECORD_OVERHEAD, now + ttl_l)
-  ledger_add(P, c[9], cid..':e', exp_bytes, now + ttl_p)
+  if c[11] == '1' then
+    local now, exp_bytes = ledger_now(), 0
+    for i = 0, n - 1 do exp_bytes = exp_bytes + #ARGV[a + 1 + i] + CHOICE_OVERHEAD end
+    ledger_add(P, c[9], cid, #ARGV[a] + #gid + #conv + RECORD_OVERHEAD, now + ttl_l)
+    ledger_add(P, c[9], cid..':e', exp_bytes, now + ttl_p)
+  end
   return n
 end
 local out, logged, a = {}, 0, 6
@@ -281,7 +284,7 @@ ALLOW_OOM = "#!lua flags=allow-oom\n"
 
 REWARD = GROUP_HELPERS + """
 -- ARGV: P, cid, i, reward, info, now, group_timeout_s, ttl_rewarded, tenant ('' any: an admin),
--- info_ref
+-- info_ref, '1' to charge what it stores to the completion's tenant's ledger (absent or '': not)
 -- info: the reward's info JSON ('' none), stored once as P:info:{info_ref} (info_ref: a digest of
 -- it) however many choices a request rewards with it; the choice's info{i} names it ('@'..info_ref)
 -- A completion of another tenant than `tenant` answers 404, as one never logged (a record
@@ -327,18 +330,20 @@ if ver and created then
 end
 local ttl = tonumber(ARGV[8])
 redis.call('HSET', st, 'r'..i, ARGV[4], i, 'rewarded')
-local owner, now_s = redis.call('HGET', cmp, 'tenant'), ledger_now()
+local owner, now_s, charged = redis.call('HGET', cmp, 'tenant'), ledger_now(), ARGV[11] == '1'
 if ARGV[5] ~= '' then
   local ik = P..':info:'..ARGV[10]
   if redis.call('EXISTS', ik) == 0 then
     redis.call('SET', ik, ARGV[5], 'EX', ttl)
-    ledger_add(P, owner, 'i:'..ARGV[10], #ARGV[5] + #ik, now_s + ttl)
+    if charged then ledger_add(P, owner, 'i:'..ARGV[10], #ARGV[5] + #ik, now_s + ttl) end
   end
   redis.call('HSET', st, 'info'..i, '@'..ARGV[10])
 end
 -- the tenant's ledger: the reward's fields with the record, the experiences kept from now
-ledger_add(P, owner, cid, #ARGV[4] + REWARD_OVERHEAD, now_s + ttl)
-ledger_keep(P, owner, cid..':e', now_s + ttl)
+if charged then
+  ledger_add(P, owner, cid, #ARGV[4] + REWARD_OVERHEAD, now_s + ttl)
+  ledger_keep(P, owner, cid..':e', now_s + ttl)
+end
 -- the record (with the shared fields) is kept as long as its longest-kept choice, its infos as long
 keep_for(P, st, cid, ttl)
 redis.call('EXPIRE', ek, ttl)

@@ -153,13 +153,17 @@ class ExperienceStore:
             request past it; a turn that raced past that check is logged outside the list).
         log_batch_items: completions one LOG script call writes at most (`log_experiences`
             batches concurrent callers, `serve_rft.buffer.log_batch`).
+        tenant_ledger: charge what each tenant's completions and rewards store to its ledger
+            (`serve_rft.buffer.ledger`; what ``per_tenant.max_stored_bytes`` is checked against):
+            on where a stored-bytes limit is configured, off elsewhere (it costs ~370 bytes of
+            Redis per completion).
     """
 
     def __init__(self, url: str, prefix: str = "srft", reward_timeout_s: float = 3600.0,
                  trained_ttl_s: float = 86400.0, group_timeout_s: float = 60.0,
                  reconnect_s: float = 30.0, max_ready: int | None = None,
                  reward_range: tuple[float, float] | None = None, max_conversation_turns: int = 256,
-                 log_batch_items: int = LOG_BATCH_ITEMS):
+                 log_batch_items: int = LOG_BATCH_ITEMS, tenant_ledger: bool = False):
         # A Redis restart (AOF reload) must not kill a replica's logging or the trainer's loop:
         # redis-py retries a command on a dropped connection with exponential backoff for
         # about ``reconnect_s`` seconds, then raises; a reply later than SOCKET_TIMEOUT_S is
@@ -184,15 +188,17 @@ class ExperienceStore:
         self._sweep = self.redis.register_script(scripts.SWEEP)
         self._tenant_bytes = self.redis.register_script(ledger.TENANT_BYTES)
         self.ready = ReadyStream(self.redis, self._reader, prefix, trained_ttl_s, self.sweep)
+        self.tenant_ledger = tenant_ledger
         self.completions = CompletionLog(self._log, prefix, reward_timeout_s, self._long_ttl(),
-                                         max_conversation_turns, log_batch_items)
+                                         max_conversation_turns, log_batch_items, tenant_ledger)
 
     @classmethod
-    def from_config(cls, buffer_cfg) -> "ExperienceStore":
+    def from_config(cls, buffer_cfg, tenant_ledger: bool = False) -> "ExperienceStore":
         """A store for a `serve_rft.config.BufferConfig` (its ``redis_url`` must be set)."""
         return cls(buffer_cfg.redis_url, buffer_cfg.key_prefix, buffer_cfg.reward_timeout_s,
                    buffer_cfg.trained_ttl_s, buffer_cfg.group_timeout_s, buffer_cfg.reconnect_s,
-                   buffer_cfg.max_ready, tuple(buffer_cfg.reward_range), buffer_cfg.max_conversation_turns)
+                   buffer_cfg.max_ready, tuple(buffer_cfg.reward_range), buffer_cfg.max_conversation_turns,
+                   tenant_ledger=tenant_ledger)
 
     def _k(self, *parts: str) -> str:
         return ":".join((self.p, *parts))
@@ -272,7 +278,7 @@ class ExperienceStore:
             status, prev = await self._reward(args=[
                 self.p, completion_id, str(choice_index), repr(float(reward)), text, time.time(),
                 self.group_timeout_s, max(1, math.ceil(self.reward_timeout_s + self.trained_ttl_s)),
-                tenant or "", hashlib.sha256(text.encode()).hexdigest()[:32]])
+                tenant or "", hashlib.sha256(text.encode()).hexdigest()[:32], "1" if self.tenant_ledger else ""])
         except OutOfMemoryError:
             raise StoreFull("the experience store is full (maxmemory); the reward was not "
                             "recorded: retry later") from None

@@ -162,6 +162,12 @@ class QuotasConfig(StrictSection):
         """The quota of scope ``name`` (inference / rewards / admin)."""
         return getattr(self, name)
 
+    def stores_limited(self, tenants: dict) -> bool:
+        """Whether any tenant's stored bytes are limited (``per_tenant`` or a tenant's own
+        ``quota``, of ``service.tenants``): the store keeps the tenants' ledger then."""
+        own = [t.quota.max_stored_bytes for t in tenants.values() if t.quota is not None]
+        return bool(self.per_tenant.max_stored_bytes or any(own))
+
     @property
     def limited(self) -> bool:
         """Whether any scope has a limit."""

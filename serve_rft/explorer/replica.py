@@ -78,7 +78,9 @@ class ExplorerReplica(OpenAIRoutes, AdminRoutes):
         self.replica_id = context.replica_id.unique_id
         # request bodies are parsed and validated here, off the event loop, in arrival order
         self.cpu = ThreadPoolExecutor(max_workers=1, thread_name_prefix="parse")
-        self.store = ExperienceStore.from_config(self.cfg.buffer)
+        service = self.cfg.service
+        self.store = ExperienceStore.from_config(  # the tenants' ledger where stored bytes are limited
+            self.cfg.buffer, tenant_ledger=self.api_keys.enabled and service.quotas.stores_limited(service.tenants))
         self.sync = ensure_control(self.cfg, model_path)  # `serve deploy`: nobody else starts them
         transfer = method_class(self.cfg.synchronizer.sync_method).engine_transfer
         lora_rank = self.cfg.trainer.lora.vllm_max_lora_rank() if self.cfg.adapter_sync else None
@@ -125,7 +127,8 @@ class ExplorerReplica(OpenAIRoutes, AdminRoutes):
         while True:
             try:
                 self.metrics.store_counts(await self.store.counts())
-                self.metrics.stored_bytes(await self.store.tenant_bytes(*self.api_keys.tenant_names()))
+                if self.store.tenant_ledger:
+                    self.metrics.stored_bytes(await self.store.tenant_bytes(*self.api_keys.tenant_names()))
             except RedisError:  # the store retries on its own; next beat
                 pass
             await asyncio.sleep(period_s)

@@ -300,7 +300,7 @@ def test_a_tenant_at_its_stored_bytes_is_refused_until_they_expire_and_another_t
     async def go():
         m = Metrics()
         store = ExperienceStore(redis_server.url, prefix=f"s{uuid.uuid4().hex[:8]}", reward_timeout_s=1.0,
-                                trained_ttl_s=1.0)
+                                trained_ttl_s=1.0, tenant_ledger=True)
         cfg = QuotasConfig.model_validate({"per_tenant": {"max_stored_bytes": 600}})
         buckets = QuotaBuckets(redis_server.url, store.p)
         check = CostCheck(cfg, buckets, store.p, max_model_len=64, metrics=m, store=store)

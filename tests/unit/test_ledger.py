@@ -29,7 +29,7 @@ async def _log(store, tenant: str, cid: str, n: int = 1, **ctx) -> None:
 
 
 def _store(redis_server, **kw) -> ExperienceStore:
-    return ExperienceStore(redis_server.url, prefix=f"l{uuid.uuid4().hex[:8]}", **kw)
+    return ExperienceStore(redis_server.url, prefix=f"l{uuid.uuid4().hex[:8]}", tenant_ledger=True, **kw)
 
 
 async def _written(store, cid: str, n: int) -> tuple[int, int]:
@@ -99,5 +99,18 @@ def test_a_conversation_rewards_info_is_charged_once_however_many_turns_and_choi
         assert len(results) == 32
         grew = (await store.tenant_bytes("alice"))["alice"].bytes - logged
         assert len(json.dumps(info)) <= grew < len(json.dumps(info)) + 32 * 200, grew
+        await store.close()
+    asyncio.run(go())
+
+
+def test_without_a_stored_bytes_limit_the_store_keeps_no_ledger(redis_server):
+    """The ledger costs Redis memory per completion: a store without it (the default, where no
+    tenant's stored bytes are limited) writes none of its keys when logging and rewarding."""
+    async def go():
+        store = ExperienceStore(redis_server.url, prefix=f"n{uuid.uuid4().hex[:8]}")
+        await _log(store, "alice", "chatcmpl-a", n=2)
+        assert await store.post_reward("chatcmpl-a", 0, 1.0, info={"x": 1}, tenant="alice")
+        keys = [k async for k in store.redis.scan_iter(match=f"{store.p}:t*")]
+        assert keys == [] and (await store.tenant_bytes("alice"))["alice"].bytes == 0
         await store.close()
     asyncio.run(go())

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 
+from serve_rft.explorer.http.app import REPLICA_HEADER, VERSION_HEADER
 from tests.support.load import get_status
 from tests.support.stack import stack_fixture
 from tests.support.stack_checks import check_served_logprobs, check_training_rolls_new_versions
@@ -34,7 +35,10 @@ def test_memory_method_rolls_versions_without_failures(stack):
 
 def test_a_replaced_replica_loads_the_latest_version_before_serving(stack):
     """Kill one replica's actor: Ray Serve starts a new one, which loads the latest (MEMORY)
-    version before it takes traffic; requests keep succeeding meanwhile."""
+    version before it takes traffic: its first answers (told by the replica header) carry the
+    incumbent's version or a later one, never the base weights'; requests keep succeeding
+    meanwhile. A replica that served before its first load (`WeightSwap.start`) would answer with
+    version 0 here."""
     import subprocess
     import sys
     import time
@@ -61,18 +65,24 @@ def test_a_replaced_replica_loads_the_latest_version_before_serving(stack):
     ok = failed = 0
     deadline = time.monotonic() + 300
     new = None
+    answers: list[tuple[str, int]] = []  # (replica, policy version) of every answer, in order
     with httpx.Client(base_url=stack.url, timeout=60) as c:
-        while time.monotonic() < deadline and new is None:
+        while time.monotonic() < deadline and (new is None or
+                                               sum(rid == new["id"] for rid, _ in answers) < 3):
             r = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
                                                       "max_tokens": 4})
             ok, failed = ok + (r.status_code == 200), failed + (r.status_code != 200)
-            st = c.get("/v1/status").json()
-            fresh = [x for x in st["replicas"] if x["id"] not in old_ids and x["state"] == "RUNNING"]
-            if fresh:
-                new = fresh[0]
-            time.sleep(0.5)
+            if r.status_code == 200:
+                answers.append((r.headers[REPLICA_HEADER], int(r.headers[VERSION_HEADER])))
+            if new is None:
+                st = c.get("/v1/status").json()
+                fresh = [x for x in st["replicas"] if x["id"] not in old_ids and x["state"] == "RUNNING"]
+                new = fresh[0] if fresh else None
+            time.sleep(0.2)
     assert new is not None, "no replacement replica registered"
     assert new["policy_version"] >= latest, (new, latest)
+    firsts = [v for rid, v in answers if rid == new["id"]]
+    assert len(firsts) >= 3 and min(firsts) >= latest, (firsts, latest)
     assert failed == 0 and ok > 0
 
 

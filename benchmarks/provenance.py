@@ -59,7 +59,8 @@ def machine() -> dict:
 
 
 def code_version(root: Path = ROOT) -> dict:
-    """The measured code: ``serve_rft`` (the version in ``root``'s pyproject.toml) and
+    """The measured code: ``serve_rft`` (the version in ``root``'s pyproject.toml, None where
+    ``root`` has none, as a ``git archive`` of the package alone) and
     ``source_sha256``, the digest of every file under ``serve_rft/`` (caches left out), each file's
     path relative to ``root`` and its bytes, in path order. Uncommitted edits change it."""
     digest = hashlib.sha256()
@@ -67,7 +68,8 @@ def code_version(root: Path = ROOT) -> dict:
         if path.is_file() and "__pycache__" not in path.parts and path.suffix != ".pyc":
             digest.update(path.relative_to(root).as_posix().encode() + b"\0")
             digest.update(path.read_bytes() + b"\0")
-    version = tomllib.loads((root / "pyproject.toml").read_text())["project"]["version"]
+    pyproject = root / "pyproject.toml"
+    version = tomllib.loads(pyproject.read_text())["project"]["version"] if pyproject.exists() else None
     return {"serve_rft": version, "source_sha256": digest.hexdigest()}
 
 

@@ -28,7 +28,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from plain_vllm import pct  # noqa: E402
-from provenance import command, machine  # noqa: E402
+from provenance import record  # noqa: E402
 
 
 def _sync_windows(events: list[dict]) -> list[tuple[float, float]]:
@@ -135,8 +135,7 @@ def main() -> None:
         run_dir.mkdir(parents=True)                 # have another schema (WRONGTYPE in the scripts)
         results.append(run_mode(mode, a.duration, a.users, a.rate, run_dir, a.ingress))
         print(json.dumps(results[-1], indent=2), flush=True)
-    out = {"command": command(), "machine": machine(),
-           "results": results}
+    out = {**record(), "ingress": a.ingress, "results": results}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(out, indent=2))
     bad = [r for r in results if r["failed"] or r["rolling_syncs"] < 10 or r["min_running_replicas_sampled"] < 1]

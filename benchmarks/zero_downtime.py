@@ -133,7 +133,15 @@ def main() -> None:
         run_dir = Path(a.run_dir).resolve() / mode
         shutil.rmtree(run_dir, ignore_errors=True)  # a fresh store: an earlier run's Redis data may
         run_dir.mkdir(parents=True)                 # have another schema (WRONGTYPE in the scripts)
-        results.append(run_mode(mode, a.duration, a.users, a.rate, run_dir, a.ingress))
+        # each mode starts from this process's environment as the first did: a ServiceStack
+        # leaves the variables it set (RAY_SERVE_HAPROXY_BINARY_PATH naming the HAProxy wrapper
+        # its stop removed), and a second HAProxy stack in the same process then finds no binary
+        environ = dict(os.environ)
+        try:
+            results.append(run_mode(mode, a.duration, a.users, a.rate, run_dir, a.ingress))
+        finally:
+            os.environ.clear()
+            os.environ.update(environ)
         print(json.dumps(results[-1], indent=2), flush=True)
     out = {**record(), "ingress": a.ingress, "results": results}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)

@@ -62,8 +62,6 @@ NOT_REGENERATED: dict[str, str] = {
     "nucleus_mask_cpu.json": _MACHINE,
     "ramp.json": _LIVE,
     "ramp_proxy.json": _LIVE,
-    "redis_parser.json": _MACHINE,
-    "script_args.json": _MACHINE,
     "soak.json": "an hour of the live service; not rerun: " + _MACHINE,
     "staleness.json": _LIVE + " (it records the date)",
     "sync_cost.json": _LIVE,
@@ -71,7 +69,6 @@ NOT_REGENERATED: dict[str, str] = {
     "tied_head_reload.json": _MACHINE,
     "vs_vllm.json": _LIVE,
     "vs_vllm_proxy.json": _LIVE,
-    "zero_downtime.json": _LIVE,
     "zero_downtime_proxy.json": _LIVE + (" (its recorded command lacks the --ingress proxy the Performance page "
                                          "gives it, and the result does not record its ingress)"),
     **{name: _TRAINER for name in (

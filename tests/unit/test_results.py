@@ -61,7 +61,6 @@ NOT_REGENERATED: dict[str, str] = {
     "learning_run2.json": _LIVE,
     "learning_vs_baseline.json": _LIVE + " (it records the date)",
     "modes.json": _LIVE,
-    "nucleus_mask_cpu.json": "CPU timing of the trainer's nucleus mask; not rerun yet: " + _MACHINE,
     "ramp.json": _LIVE,
     "ramp_proxy.json": _LIVE,
     "soak.json": "an hour of the live service; not rerun: " + _MACHINE,

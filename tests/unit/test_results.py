@@ -56,7 +56,9 @@ NOT_REGENERATED: dict[str, str] = {
     "gap_profile.json": _LIVE,
     "gap_profile_logprobs.json": _LIVE,
     "gap_profile_proxy.json": _LIVE,
-    "gcs_task_events.json": "a local Ray cluster's GCS memory over 2 x 20,000 actor calls; not rerun: " + _MACHINE,
+    "gcs_task_events.json": ("a local Ray cluster per cap (4) over 2 x 20,000 actor calls, and its figures are quoted "
+                             "in serve_rft/synchronizer/actor.py and launcher.py (a rerun with new figures changes "
+                             "the package); not rerun: " + _MACHINE),
     "learning.json": _LIVE,
     "learning_run2.json": _LIVE,
     "learning_vs_baseline.json": _LIVE + " (it records the date)",
@@ -67,7 +69,9 @@ NOT_REGENERATED: dict[str, str] = {
     "staleness.json": _LIVE + " (it records the date)",
     "sync_cost.json": _LIVE,
     "tap_logprobs_ab.json": _LIVE,
-    "tied_head_reload.json": "a vLLM-CPU engine run with reloads; not rerun yet: " + _MACHINE,
+    "tied_head_reload.json": ("a vLLM-CPU engine run with reloads, and its figures are quoted in "
+                              "serve_rft/explorer/engine/worker_ext.py (a rerun with new figures changes the "
+                              "package); not rerun: " + _MACHINE),
     "vs_vllm.json": _LIVE,
     "vs_vllm_proxy.json": _LIVE,
     "zero_downtime_proxy.json": _LIVE + (" (its recorded command lacks the --ingress proxy the Performance page "

@@ -136,7 +136,7 @@ def main() -> None:
     res = asyncio.run(run(base, a.rank, a.repeats, a.requests, a.max_tokens))
     res = {"command": ".venv/bin/python benchmarks/adapter_sync.py" + (f" --model {a.model}" if a.model else "")
            + f" --rank {a.rank} --repeats {a.repeats} --requests {a.requests} --max-tokens {a.max_tokens}"
-           f" --out {a.out}", "model": base, **res}
+           f" --out {a.out}", "model": Path(base).name, **res}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(res, indent=2))
     print(json.dumps({k: v for k, v in res.items() if not isinstance(v, dict)} |

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import xxhash
 
-from provenance import command, machine  # benchmarks/ (the script's folder)
+from provenance import record  # benchmarks/ (the script's folder)
 
 
 def gbps(fn, data, reps: int) -> float:
@@ -37,7 +37,7 @@ def main() -> None:
     data = np.random.default_rng(0).integers(0, 256, size=a.bytes, dtype=np.uint8)
     rows = {"xxh3_64": round(gbps(xxhash.xxh3_64_hexdigest, data, a.reps), 2),
             "crc32_zlib": round(gbps(zlib.crc32, data, a.reps), 2)}
-    out = {"command": command(), "machine": machine(),
+    out = {**record(),
            "bytes": a.bytes, "reps": a.reps, "gb_per_s": rows}
     print(json.dumps(out))
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)

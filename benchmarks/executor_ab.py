@@ -96,7 +96,7 @@ def main() -> None:
     summary = {v: {k: statistics.median(x[k] for x in runs if x["variant"] == v)
                    for k in ("startup_seconds", "chats_per_s", "chat_p50_s", "versions_published", "stack_cpu_s")}
                for v in VARIANTS}
-    result = {"command": command(), "machine": machine(), "model": model,
+    result = {"command": command(), "machine": machine(), "model": Path(model).name,
               "users": a.users, "duration_s": a.duration, "median": summary, "runs": runs}
     Path(a.out).write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(summary, indent=2))

@@ -6,11 +6,16 @@ the store), so every ratio is against ``redis-benchmark``'s XADD rate measured i
 runs alternate between the versions (``--pairs`` pairs per durability, the order flipping each
 pair) so the machine's drift falls on both. The other revision's ``serve_rft`` is exported with
 ``git archive REV serve_rft`` and put first on ``PYTHONPATH`` (the benchmark records which source
-it imported). Pooled per version and durability: the median / min / max over all rounds of the
-experiences/s, the XADD rate, their ratio, and Redis's CPU per 1,000 experiences.
+it imported, by its ``code_version``). Pooled per version and durability: the median / min / max
+over all rounds of the experiences/s, the XADD rate, their ratio, and Redis's CPU per 1,000
+experiences.
 
     .venv/bin/python benchmarks/log_ab.py --before REV [--pairs 2] [--rounds 3]
-        [--durability always everysec] [--out benchmarks/results/store_log_ab.json]
+        [--durability always everysec] [--out runs/log_ab.json]
+
+Its result names the earlier code by REV, so it is a record of a change, not a figure of today's
+code: it stays out of ``benchmarks/results/`` (tests/unit/test_results.py); the changelog says
+what such a comparison showed.
 """
 
 from __future__ import annotations
@@ -56,7 +61,7 @@ def main() -> None:
     ap.add_argument("--pairs", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--durability", nargs="+", choices=["always", "everysec"], default=["always", "everysec"])
-    ap.add_argument("--out", default="benchmarks/results/store_log_ab.json")
+    ap.add_argument("--out", default="runs/log_ab.json")
     a = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         before = export(a.before, Path(tmp) / "before")
@@ -71,6 +76,7 @@ def main() -> None:
                     print(d, side, p, json.dumps(runs[side][-1]["ratio"]), flush=True)
             result[d] = {side: pooled(rs) for side, rs in runs.items()}
         result["load_average_1min_at_end"] = os.getloadavg()[0]
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(result, indent=2))
     for d in a.durability:
         for side in ("before", "after"):

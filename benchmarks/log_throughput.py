@@ -21,10 +21,10 @@ functions by own time (cProfile, one extra round, not timed).
 
     .venv/bin/python benchmarks/log_throughput.py --rounds 3 --durability always --out always.json
 
-(`benchmarks/results/store_log_vs_xadd.json` pools such runs, its ``command`` says how.)
+(`benchmarks/results/log_throughput_always.json` and ``..._everysec.json`` are such runs.)
 
-The store measured is the ``serve_rft`` package Python imports (recorded in the JSON as
-``serve_rft_source``): to measure another version of it, put that version's source first on
+The store measured is the ``serve_rft`` package Python imports (its ``code_version`` in the JSON
+is that package's): to measure another version of it, put that version's source first on
 ``PYTHONPATH`` (``git archive <rev> serve_rft | tar -x -C /tmp/rev`` and
 ``PYTHONPATH=/tmp/rev``).
 """
@@ -52,7 +52,7 @@ from serve_rft.buffer.store import ExperienceStore
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from store_throughput import _experience  # (the same experience as the store benchmark)
-from provenance import command, machine  # noqa: E402
+from provenance import code_version, command, date, machine  # noqa: E402
 
 
 def _redis_cpu_s(port: int) -> float:
@@ -159,7 +159,7 @@ def main() -> None:
     ap.add_argument("--durability", choices=["everysec", "always"], default="always",
                     help="the AOF's appendfsync (buffer.durability), both sides")
     ap.add_argument("--profile", action="store_true", help="add cProfile's top functions of one extra round")
-    ap.add_argument("--out", default="benchmarks/results/store_log_vs_xadd.json")
+    ap.add_argument("--out", default="benchmarks/results/log_throughput_always.json")
     a = ap.parse_args()
 
     value_bytes = len(_experience("chatcmpl-size", 0, a.prompt_tokens, a.response_tokens).model_dump_json())
@@ -193,14 +193,17 @@ def main() -> None:
             server.stop()
     out = {
         "command": command(), "args": vars(a), "machine": machine(),
+        "code_version": code_version(Path(serve_rft.__file__).resolve().parents[1]), "date": date(),
         "load_average_1min_at_start_and_end": [load0, os.getloadavg()[0]],
-        "serve_rft_source": str(Path(serve_rft.__file__).parent),
         "durability": a.durability,
         "clients": a.clients,
         "experience_json_bytes": value_bytes,
         "xadd_per_s": _summary([r["xadd_per_s"] for r in rounds]),
         "store_experiences_per_s": _summary([r["store"]["experiences_per_s"] for r in rounds]),
         "ratio": _summary([r["ratio"] for r in rounds]),
+        "redis_cpu_ms_per_1000": _summary([r["store"]["redis_cpu_ms_per_1000"] for r in rounds]),
+        "python_cpu_ms_per_1000": _summary([r["store"]["python_cpu_ms_per_1000"] for r in rounds]),
+        "xadd_redis_cpu_ms_per_1000": _summary([r["xadd_redis_cpu_ms_per_1000"] for r in rounds]),
         "log_call_latency": latency,
         "rounds": rounds,
     }

@@ -14,7 +14,11 @@ import argparse
 import asyncio
 import json
 import random
+import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from provenance import record  # noqa: E402  (benchmarks/, the script's folder)
 
 
 def main() -> None:
@@ -57,9 +61,7 @@ def main() -> None:
             row["max_abs_diff_ignoring_top_p"] = agreement(v, trainer_logprobs(model, v, apply_top_p=False))["max_abs_diff"]
         rows.append(row)
         print(row, flush=True)
-    out = {"command": "python benchmarks/logprob_agreement.py " + " ".join(
-               f"--{k.replace('_', '-')} {v}" for k, v in vars(a).items() if k != "out" and v is not None),
-           "model": model_path, "dtype": "float32", "results": rows,
+    out = {**record(), "model": Path(model_path).name, "dtype": "float32", "results": rows,
            "max_abs_diff_overall": max(r["max_abs_diff"] for r in rows),
            "tokens_overall": sum(r["tokens"] for r in rows)}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)

@@ -20,6 +20,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from provenance import record  # noqa: E402  (benchmarks/, the script's folder)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -61,7 +63,7 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps(row), flush=True)
     if args.out:
         args.out.write_text(json.dumps({
-            "command": " ".join(["benchmarks/nucleus_mask.py", *(argv if argv is not None else sys.argv[1:])]),
+            **record(None if argv is None else [__file__, *argv]),
             "device": args.device, "threads": args.threads, "rows": args.rows, "vocab": args.vocab,
             "top_p": args.top_p, "topk": NUCLEUS_TOPK, "results": rows}, indent=1))
 

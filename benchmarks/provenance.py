@@ -1,17 +1,28 @@
-"""What every benchmark result records about how it was made: the command that reproduces it and
-the machine it ran on. Each benchmark's JSON carries both (``"command"``, ``"machine"``), so a
-figure in the docs can be traced to its run and compared only with runs of the same machine."""
+"""What every benchmark result records about how it was made: the command that reproduces it, the
+machine it ran on, the version of the code it measured and the date. A result's JSON carries them
+as `REQUIRED` names (`record` gives all four), so a figure in the docs can be traced to its run,
+compared only with runs of the same machine, and told apart from a figure of other code.
+
+The code version is the package's version and a SHA-256 digest of the files of ``serve_rft/``
+(`code_version`), not a git id: it needs no git, and equal digests mean the same code was measured.
+``python benchmarks/provenance.py`` prints today's, to compare with a result's."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import platform
 import shlex
 import sys
+import time
+import tomllib
 from importlib import metadata
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+REQUIRED = ("command", "machine", "code_version", "date")
+"""The provenance every result in ``benchmarks/results/`` carries (tests/unit/test_results.py)."""
 
 PACKAGES = {"vllm": "vllm", "ray": "ray", "torch": "torch", "redis": "redis-py", "transformers": "transformers"}
 """Import name -> key in the result: the packages whose versions a result depends on. Those
@@ -45,3 +56,33 @@ def machine() -> dict:
             "cpu_model": model, "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
             "platform": platform.platform(), "python": platform.python_version(), **versions,
             "load_average_1min": round(os.getloadavg()[0], 2)}
+
+
+def code_version(root: Path = ROOT) -> dict:
+    """The measured code: ``serve_rft`` (the version in ``root``'s pyproject.toml, None where
+    ``root`` has none, as a ``git archive`` of the package alone) and
+    ``source_sha256``, the digest of every file under ``serve_rft/`` (caches left out), each file's
+    path relative to ``root`` and its bytes, in path order. Uncommitted edits change it."""
+    digest = hashlib.sha256()
+    for path in sorted((root / "serve_rft").rglob("*")):
+        if path.is_file() and "__pycache__" not in path.parts and path.suffix != ".pyc":
+            digest.update(path.relative_to(root).as_posix().encode() + b"\0")
+            digest.update(path.read_bytes() + b"\0")
+    pyproject = root / "pyproject.toml"
+    version = tomllib.loads(pyproject.read_text())["project"]["version"] if pyproject.exists() else None
+    return {"serve_rft": version, "source_sha256": digest.hexdigest()}
+
+
+def date() -> str:
+    """Today in UTC, ``YYYY-MM-DD``."""
+    return time.strftime("%Y-%m-%d", time.gmtime())
+
+
+def record(argv: list[str] | None = None) -> dict:
+    """All of `REQUIRED`: ``{"command": ..., "machine": ..., "code_version": ..., "date": ...}``,
+    to spread first into a result's JSON."""
+    return {"command": command(argv), "machine": machine(), "code_version": code_version(), "date": date()}
+
+
+if __name__ == "__main__":
+    print(json.dumps(code_version(), indent=1))

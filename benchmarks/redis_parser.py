@@ -30,7 +30,7 @@ from redis._parsers import _AsyncHiredisParser, _AsyncRESP3Parser
 
 from serve_rft.buffer.redis_server import start_redis
 
-from provenance import command, machine  # benchmarks/ (the script's folder)
+from provenance import record  # benchmarks/ (the script's folder)
 
 PARSERS = {"hiredis": _AsyncHiredisParser, "python": _AsyncRESP3Parser}
 
@@ -84,7 +84,7 @@ def main() -> None:
             server.stop()
     kinds = [k for k in rows[0] if k not in ("round", "parser")]
     summary = {p: {k: statistics.median(r[k] for r in rows if r["parser"] == p) for k in kinds} for p in PARSERS}
-    out = {"command": command(), "args": vars(a), "machine": machine(), "unit": "µs of Python CPU per call",
+    out = {**record(), "args": vars(a), "unit": "µs of Python CPU per call",
            "median": summary, "rounds": rows}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(out, indent=2))

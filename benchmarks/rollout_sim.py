@@ -21,6 +21,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from provenance import record  # noqa: E402  (benchmarks/, the script's folder)
 
 from serve_rft.config import SynchronizerConfig  # noqa: E402
 from serve_rft.synchronizer.simulation import Fleet  # noqa: E402
@@ -83,8 +85,8 @@ def main(argv: list[str] | None = None) -> None:
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     if args.out:
-        args.out.write_text(json.dumps({"command": " ".join(["benchmarks/rollout_sim.py", *(argv or sys.argv[1:])]),
-                                        "rows": rows}, indent=1))
+        args.out.write_text(json.dumps({**record(None if argv is None else [__file__, *argv]), "rows": rows},
+                                       indent=1))
 
 
 if __name__ == "__main__":

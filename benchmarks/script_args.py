@@ -20,7 +20,7 @@ import redis
 
 from serve_rft.buffer.redis_server import start_redis
 
-from provenance import command, machine  # benchmarks/ (the script's folder)
+from provenance import record  # benchmarks/ (the script's folder)
 
 SIZES = (1_000, 8_000, 35_000, 70_000)
 
@@ -49,7 +49,7 @@ def main() -> None:
             r.close()
         finally:
             server.stop()
-    out = {"command": command(), "args": vars(a), "machine": machine(), "rows": rows}
+    out = {**record(), "args": vars(a), "rows": rows}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(out, indent=2))
 

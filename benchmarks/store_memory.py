@@ -7,6 +7,9 @@ USAGE``.
 
     .venv/bin/python benchmarks/store_memory.py [--completions 5000] [--before REV]
         [--out benchmarks/results/store_memory.json]
+
+With ``--before`` the result names the earlier code by REV: a record of a change, kept out of
+``benchmarks/results/`` (tests/unit/test_results.py).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from serve_rft.buffer.redis_server import start_redis
 from serve_rft.buffer.store import ExperienceStore
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from provenance import code_version, command, date, machine  # noqa: E402  (benchmarks/, the script's folder)
 from other_revision import env_importing, export  # noqa: E402
 from store_throughput import _experience  # noqa: E402
 
@@ -40,7 +44,7 @@ async def _grow(url: str, completions: int) -> dict:
     per_key = {k: {"encoding": await s.redis.object("encoding", k), "memory_usage_bytes": await s.redis.memory_usage(k)}
                for k in keys}
     await s.close()
-    return {"serve_rft_source": str(Path(serve_rft.__file__).parent), "completions": completions,
+    return {"code_version": code_version(Path(serve_rft.__file__).resolve().parents[1]), "completions": completions,
             "used_memory_bytes_per_completion": (m1 - m0) / completions, "keys_per_completion": (k1 - k0) / completions,
             "one_completions_keys": per_key}
 
@@ -65,8 +69,9 @@ def main() -> None:
     if a.child:
         print(json.dumps(measure(a.completions)))
         return
-    out: dict = {"command": "python benchmarks/store_memory.py --completions "
-                 f"{a.completions}" + (f" --before {a.before}" if a.before else ""), "now": measure(a.completions)}
+    now = measure(a.completions)
+    out: dict = {"command": command(), "machine": machine(), "code_version": now["code_version"], "date": date(),
+                 "now": now}
     if a.before:
         with tempfile.TemporaryDirectory() as tmp:
             child = subprocess.run([sys.executable, __file__, "--child", "--completions", str(a.completions)],

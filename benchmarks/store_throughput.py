@@ -22,10 +22,10 @@ One Python process drives the store, as one explorer replica does; redis-benchma
 experience is realistic for the embedded model's traffic: ``--prompt-tokens`` prompt ids and
 ``--response-tokens`` response ids with their logprobs.
 
-    .venv/bin/python benchmarks/store_throughput.py --durability everysec \
-        --out benchmarks/results/store_throughput.json
-    .venv/bin/python benchmarks/store_throughput.py --durability always \
-        --out benchmarks/results/store_throughput_always.json
+    .venv/bin/python benchmarks/store_throughput.py --durability always --out runs/store_always.json
+
+`store_durability.py` runs it in alternating rounds of both settings and writes the published
+result (benchmarks/results/store_throughput_durability.json, every run in full inside).
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ from serve_rft.buffer.redis_server import start_redis
 from serve_rft.buffer.store import ExperienceStore
 from serve_rft.types import Experience, SamplingInfo
 
-from provenance import command, machine  # benchmarks/ (the script's folder)
+from provenance import code_version, command, date, machine  # benchmarks/ (the script's folder)
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -169,7 +169,7 @@ def main() -> None:
     ap.add_argument("--bench-requests", type=int, default=100000, help="redis-benchmark -n")
     ap.add_argument("--durability", choices=["everysec", "always"], default="always",
                     help="the AOF's appendfsync (buffer.durability)")
-    ap.add_argument("--out", default="benchmarks/results/store_throughput.json")
+    ap.add_argument("--out", default="runs/store_throughput.json")
     a = ap.parse_args()
 
     one = _experience("chatcmpl-size", 0, a.prompt_tokens, a.response_tokens)
@@ -194,7 +194,7 @@ def main() -> None:
         finally:
             server.stop()
     out = {
-        "command": command(), "args": vars(a), "machine": machine(),
+        "command": command(), "args": vars(a), "machine": machine(), "code_version": code_version(), "date": date(),
         "load_average_1min_at_start_and_end": [load0, os.getloadavg()[0]],
         "durability": a.durability,
         "experience_json_bytes": value_bytes,

@@ -258,7 +258,7 @@ def main() -> None:
     model = str(ensure_embedded_model(ModelConfig().cache_dir))
     work = Path(tempfile.mkdtemp(prefix="srft-vs-vllm-"))
     out: dict = {"command": command(),
-                 "args": vars(a), "model": model, "machine": machine(), "complete": False}
+                 "args": vars(a), "model": Path(model).name, "machine": machine(), "complete": False}
     ours_stats = load_config(None, a.sets).explorer.log_stats  # as our side reads the overrides
     vllm_proc, vllm_url = start_vllm(model, free_port(), work / "vllm.log", a.vllm_threads, log_stats=ours_stats)
     ours_proc = None

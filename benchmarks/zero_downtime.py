@@ -28,7 +28,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from plain_vllm import pct  # noqa: E402
-from provenance import command, machine  # noqa: E402
+from provenance import record  # noqa: E402
 
 
 def _sync_windows(events: list[dict]) -> list[tuple[float, float]]:
@@ -133,10 +133,17 @@ def main() -> None:
         run_dir = Path(a.run_dir).resolve() / mode
         shutil.rmtree(run_dir, ignore_errors=True)  # a fresh store: an earlier run's Redis data may
         run_dir.mkdir(parents=True)                 # have another schema (WRONGTYPE in the scripts)
-        results.append(run_mode(mode, a.duration, a.users, a.rate, run_dir, a.ingress))
+        # each mode starts from this process's environment as the first did: a ServiceStack
+        # leaves the variables it set (RAY_SERVE_HAPROXY_BINARY_PATH naming the HAProxy wrapper
+        # its stop removed), and a second HAProxy stack in the same process then finds no binary
+        environ = dict(os.environ)
+        try:
+            results.append(run_mode(mode, a.duration, a.users, a.rate, run_dir, a.ingress))
+        finally:
+            os.environ.clear()
+            os.environ.update(environ)
         print(json.dumps(results[-1], indent=2), flush=True)
-    out = {"command": command(), "machine": machine(),
-           "results": results}
+    out = {**record(), "ingress": a.ingress, "results": results}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(out, indent=2))
     bad = [r for r in results if r["failed"] or r["rolling_syncs"] < 10 or r["min_running_replicas_sampled"] < 1]

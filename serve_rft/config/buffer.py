@@ -57,7 +57,7 @@ class BufferConfig(StrictSection):
         "and while a background fsync is slow Redis may answer before it has even written the AOF "
         "(it postpones the write up to 2 s), so an acknowledged write can be lost in a crash of the "
         "machine or of redis-server itself (RPO about 2 s). Cost of always: "
-        "benchmarks/results/store_throughput_always.json.")
+        "benchmarks/results/store_throughput_durability.json.")
     maxmemory_mb: int | None = Field(
         2048, ge=16, description="Embedded redis-server's maxmemory (MiB) with noeviction: when full, new "
         "experiences are served but not logged (counted: unlogged, reason store_full) and rewards get "

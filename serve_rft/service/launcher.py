@@ -75,6 +75,7 @@ class ServiceStack:
         self.redis: RedisSupervisor | None = None
         self.url = ""
         self.model_path: Path | None = None
+        self.home_env_set: list[str] = []  # HAProxy folder settings this run put in os.environ
         self.started_ray = False
         self.haproxy_dirs: set[Path] = set()  # Ray's HAProxy folders of the node this process started
         self.haproxy_home: Path | None = None  # the private folder holding them (haproxy_home.py)
@@ -141,7 +142,9 @@ class ServiceStack:
                     # its files in a folder only this user enters; stats and exporter on service.host
                     self.haproxy_home = haproxy_folder(run_dir)
                     for key, value in home_env(self.haproxy_home, cfg.service.host, os.environ).items():
-                        os.environ.setdefault(key, value)
+                        if key not in os.environ:  # this run's folder and wrapper: gone with it (stop)
+                            os.environ[key] = value
+                            self.home_env_set.append(key)
                     if gone := remove_dead_haproxy_dirs():
                         log.info("removed %d folders of HAProxy instances that no longer run", len(gone))
                 else:
@@ -224,6 +227,9 @@ class ServiceStack:
                             link = Path(self.cfg.service.run_dir) / "haproxy"
                             if link.is_symlink():
                                 link.unlink()
+                        for key in self.home_env_set:  # a next start in this process names its own
+                            os.environ.pop(key, None)
+                        self.home_env_set.clear()
         finally:
             if self.redis is not None:
                 with _timed("redis-server"):

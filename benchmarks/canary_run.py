@@ -126,10 +126,13 @@ def main(argv: list[str] | None = None) -> None:
     quiet_env()
     cfg = load_config(None, [*CANARY_OVERRIDES, "service.port=0", f"service.run_dir={args.run_dir}",
                              "trainer.min_batch_size=8", "trainer.batch_wait_s=1.0"])
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from provenance import record  # the script's folder: benchmarks/provenance.py
+
+    provenance = record(None if argv is None else [__file__, *argv])
     with ServiceStack(cfg) as stack:
-        result = scenario(stack.url, users=args.users)
-    result["command"] = " ".join(["benchmarks/canary_run.py", *(argv if argv is not None else sys.argv[1:])])
-    print(json.dumps({k: v for k, v in result.items() if k != "timeline"}, indent=1))
+        result = {**provenance, **scenario(stack.url, users=args.users)}
+    print(json.dumps({k: v for k, v in result.items() if k not in ("timeline", "machine")}, indent=1))
     if args.out:
         args.out.write_text(json.dumps(result, indent=1))
 

@@ -44,16 +44,25 @@ def machine() -> dict:
     """Cores (logical and physical), CPU model, memory (GiB), OS, Python, the versions of
     `PACKAGES` that are installed, and the 1-minute load average when this is called (other work
     on the machine moves CPU and fsync timings)."""
-    import psutil
-
-    cpuinfo = Path("/proc/cpuinfo")
+    cpuinfo, meminfo = Path("/proc/cpuinfo"), Path("/proc/meminfo")
     lines = cpuinfo.read_text().splitlines() if cpuinfo.exists() else []
     model = next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name")),
                  platform.processor() or platform.machine())
+    # physical cores: distinct (physical id, core id) pairs of /proc/cpuinfo (stdlib only: the
+    # suite's timer runs before the venv exists)
+    cores, phys = set(), "0"
+    for ln in lines:
+        key, _, value = ln.partition(":")
+        if key.strip() == "physical id":
+            phys = value.strip()
+        elif key.strip() == "core id":
+            cores.add((phys, value.strip()))
+    mem_kb = next((int(ln.split()[1]) for ln in (meminfo.read_text().splitlines() if meminfo.exists() else [])
+                   if ln.startswith("MemTotal:")), 0)
     provided_by = metadata.packages_distributions()
     versions = {key: metadata.version(provided_by[name][0]) for name, key in PACKAGES.items() if name in provided_by}
-    return {"cpus_logical": os.cpu_count(), "cpus_physical": psutil.cpu_count(logical=False),
-            "cpu_model": model, "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
+    return {"cpus_logical": os.cpu_count(), "cpus_physical": len(cores) or None,
+            "cpu_model": model, "memory_gib": round(mem_kb / 2**20, 1),
             "platform": platform.platform(), "python": platform.python_version(), **versions,
             "load_average_1min": round(os.getloadavg()[0], 2)}
 

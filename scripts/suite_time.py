@@ -52,6 +52,14 @@ def main() -> None:
         sys.stdout.write(line)
         lines.append(line.rstrip("\n"))
     rc = proc.wait()
+    venv = ROOT / ".venv" / "bin" / "python"  # the packages the suite ran with (the install made them)
+    if venv.exists():
+        shown = subprocess.run([str(venv), "-c", "import json, sys; sys.path.insert(0, 'benchmarks'); "
+                                "from provenance import machine; print(json.dumps(machine()))"],
+                               cwd=ROOT, capture_output=True, text=True)
+        if shown.returncode == 0:
+            load = provenance["machine"]["load_average_1min"]
+            provenance["machine"] = {**json.loads(shown.stdout), "load_average_1min": load}
     result = {**provenance, "runs": "bash .ci/run", "exit_status": rc,
               "wall_s": round(time.monotonic() - t0, 1), **parse(lines)}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)

@@ -23,8 +23,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-SUN_PATH_MAX = 107
-"""Bytes of a Unix socket's path, without the closing NUL (``sun_path`` is 108 on Linux)."""
+SUN_PATH_MAX = 97
+"""Bytes of a Unix socket's path that HAProxy binds: the kernel's ``sun_path`` holds 107 (108 with
+the closing NUL), and HAProxy keeps room for the temporary name it binds first, refusing a longer
+path at start-up ("socket path ... too long (max 97)")."""
 NODE_FILE = 1 + 56 + 1 + len("metrics.sock")
 """What Ray's manager appends to the folder for its longest socket: ``/<node id>/metrics.sock``."""
 
@@ -61,9 +63,9 @@ def haproxy_folder(run_dir: Path) -> Path:
     ``run_dir/haproxy``, made if missing.
 
     A Unix socket's path holds at most `SUN_PATH_MAX` bytes and Ray adds 70 to the folder's, so a
-    run dir longer than about 29 characters cannot hold the sockets itself. Then the folder is
-    ``<temp dir>/serve-rft-<uid>/<12 hex digits of the run dir's SHA-256>`` (both levels 0700,
-    this user's) and ``run_dir/haproxy`` is a link to it.
+    run dir longer than about 19 characters cannot hold the sockets itself. Then the folder is
+    ``<temp dir>/srft-<uid>/<8 hex digits of the run dir's SHA-256>`` (both levels 0700, this
+    user's; short enough under ``/tmp`` for any uid) and ``run_dir/haproxy`` is a link to it.
 
     Raises:
         RuntimeError: a folder on the way is another user's or a link; or even the temp folder's
@@ -74,8 +76,8 @@ def haproxy_folder(run_dir: Path) -> Path:
     if len(os.fsencode(inside)) + NODE_FILE <= SUN_PATH_MAX and not inside.is_symlink():
         private_dir(inside)
         return inside
-    outer = Path(tempfile.gettempdir()).resolve() / f"serve-rft-{os.getuid()}"
-    folder = outer / hashlib.sha256(os.fsencode(run_dir)).hexdigest()[:12]
+    outer = Path(tempfile.gettempdir()).resolve() / f"srft-{os.getuid()}"
+    folder = outer / hashlib.sha256(os.fsencode(run_dir)).hexdigest()[:8]
     if len(os.fsencode(folder)) + NODE_FILE > SUN_PATH_MAX:
         raise RuntimeError(f"HAProxy's sockets in {folder} would exceed {SUN_PATH_MAX} bytes: "
                            "set TMPDIR to a shorter path")

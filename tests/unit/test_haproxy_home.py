@@ -60,7 +60,7 @@ def test_a_long_run_dir_links_to_a_private_folder_in_the_temp_dir(tmp_path):
     folder = haproxy_folder(run_dir)
     try:
         assert (run_dir / "haproxy").is_symlink() and (run_dir / "haproxy").resolve() == folder
-        assert folder.parent.name == f"serve-rft-{os.getuid()}"
+        assert folder.parent.name == f"srft-{os.getuid()}"
         assert _mode(folder) == 0o700 and _mode(folder.parent) == 0o700
         assert len(os.fsencode(folder)) + NODE_FILE <= SUN_PATH_MAX
         assert haproxy_folder(run_dir) == folder  # the same run dir: the same folder, the link kept
@@ -173,3 +173,24 @@ def test_haproxy_from_rays_template_keeps_its_door_to_its_owner(short_run_dir):
     finally:
         proc.terminate()
         proc.wait(timeout=10)
+
+
+def test_a_run_dir_whose_sockets_haproxy_would_refuse_links_to_the_temp_dir(tmp_path):
+    """HAProxy binds a Unix socket path of at most 97 bytes (the kernel's 107 less room for its
+    temporary name): a run dir whose admin socket would be 98-107 bytes long (as
+    runs/canary_run under /work/main: HAProxy refused to start, "too long (max 97)") gets the
+    folder in the temp dir, whose sockets fit."""
+    import shutil
+
+    base = Path(tempfile.mkdtemp(prefix="r", dir="/tmp"))
+    try:
+        room = 100 - NODE_FILE - len(os.fsencode(base)) - len("/haproxy") - 1
+        run_dir = base / ("d" * room)  # its own folder's sockets: 100 bytes
+        run_dir.mkdir()
+        assert len(os.fsencode(run_dir / "haproxy")) + NODE_FILE == 100 <= 107
+        folder = haproxy_folder(run_dir)
+        assert (run_dir / "haproxy").is_symlink() and folder != run_dir / "haproxy"
+        assert len(os.fsencode(folder)) + NODE_FILE <= SUN_PATH_MAX == 97
+        shutil.rmtree(folder, ignore_errors=True)
+    finally:
+        shutil.rmtree(base, ignore_errors=True)

@@ -45,7 +45,6 @@ NOT_REGENERATED: dict[str, str] = {
     "checksum_speed.json": ("a second of CPU, but its figure is quoted in serve_rft/weights/verify.py too, and a "
                             "rerun that changes the package changes the code version of every rerun result; not "
                             "rerun: " + _MACHINE),
-    "demo_report.json": _LIVE + " (it records no command either: the Performance page gives it)",
     "direct_ingress_probe.json": _LIVE,
     "executor_ab.json": _LIVE,
     "front_door_kill.json": _LIVE,

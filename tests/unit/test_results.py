@@ -41,7 +41,6 @@ NOT_REGENERATED: dict[str, str] = {
     "adapter_sync.json": _LIVE,
     "adapter_sync_half_b.json": _LIVE,
     "autoscaling_ramp.json": _LIVE,
-    "canary_run.json": _LIVE,
     "checksum_speed.json": ("a second of CPU, but its figure is quoted in serve_rft/weights/verify.py too, and a "
                             "rerun that changes the package changes the code version of every rerun result; not "
                             "rerun: " + _MACHINE),

@@ -31,7 +31,7 @@ import psutil
 import pytest
 
 from tests.support.load import (Users, every_accepted_reward_is_kept, get_status, haproxy_on, live_replicas,
-                                wait_for)
+                                settled_counts, wait_for)
 from tests.support.stack import start_stack
 
 pytestmark = pytest.mark.integration
@@ -49,7 +49,7 @@ def _status(stack) -> dict:
 
 def test_kill_9_of_a_replica_the_trainer_and_redis_in_turn_under_load(stack):
     assert stack.redis_pid and stack.redis_url
-    before = _status(stack)["experiences"]
+    before = settled_counts(stack.url)  # what earlier tests left training moves no count here
     report: dict[str, dict] = {}
     with Users(stack.url) as users:
         wait_for(lambda: _status(stack)["policy_version"] >= 1, 240, "a first trained version")
@@ -105,7 +105,7 @@ def test_kill_9_of_the_front_door_under_load(stack):
     (connection refused, or 404 for the moment the new HAProxy has no routes yet) and only then;
     rewards posted meanwhile are re-sent by the users, and every reward answered 2xx is kept."""
     port = int(stack.url.rsplit(":", 1)[1])
-    before = _status(stack)["experiences"]
+    before = settled_counts(stack.url)  # what earlier tests left training moves no count here
     with Users(stack.url, backoff_s=0.2) as users:
         wait_for(lambda: sum(c["ok"] for c in users.chats) >= 6, 120, "answers before the kill")
         old = haproxy_on(port)
@@ -143,7 +143,7 @@ def test_kill_9_of_the_serve_controller_under_load(stack):
     without it, and weight syncs go trainer -> synchronizer -> replicas without it: no chat fails,
     the same replicas serve afterwards (the new controller takes them back, it starts none), the
     versions keep rolling to every replica, every accepted reward is kept."""
-    before = _status(stack)["experiences"]
+    before = settled_counts(stack.url)  # what earlier tests left training moves no count here
     replicas = {r["id"] for r in live_replicas(_status(stack))}
     with Users(stack.url) as users:
         wait_for(lambda: sum(c["ok"] for c in users.chats) >= 6, 120, "answers before the kill")
@@ -228,7 +228,7 @@ def _timed_status(stack) -> tuple[httpx.Response, float]:
 
 
 def test_a_stuck_trainer_synchronizer_redis_and_replica_in_turn_under_load(stack):
-    before = _status(stack)["experiences"]
+    before = settled_counts(stack.url)  # what earlier tests left training moves no count here
     stalls: dict[str, dict] = {}
     with Users(stack.url) as users:
         t_start = time.time()

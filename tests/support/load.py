@@ -166,6 +166,16 @@ def wait_for(pred, timeout_s: float, what: str, period_s: float = 0.5):
     pytest.fail(f"timed out after {timeout_s} s waiting for {what() if callable(what) else what}")
 
 
+def settled_counts(url: str, settle_s: float = 300) -> dict:
+    """``/v1/status``'s ``experiences`` once nothing is ready or held: a test's starting point
+    that an earlier test's rewarded experiences, still training, do not move afterwards."""
+    def settled():
+        c = get_status(url)["experiences"]
+        return c if c and c["ready"] == 0 and c["held"] == 0 else None
+    return wait_for(settled, settle_s, "the earlier tests' rewarded experiences to be trained or dropped",
+                    period_s=2.0)
+
+
 def every_accepted_reward_is_kept(url: str, users: Users, before: dict, settle_s: float = 300) -> dict:
     """Wait until nothing is ready or held, then check each reward answered 2xx: in the store with
     its value, in a final state; the store's trained counter moved by exactly the choices in state

@@ -105,6 +105,19 @@ class Decision:
     too_large: bool = False
 
 
+class Overlap:
+    """The calls of a `QuotaBuckets` that overlapped one call: those in flight when it started and
+    those started while it ran (`QuotaBuckets.overlap`, taken just before the call)."""
+
+    def __init__(self, buckets, started: int, in_flight: int):
+        self.buckets, self.started, self.in_flight = buckets, started, in_flight
+
+    @property
+    def others(self) -> int:
+        """How many other calls overlapped it (read after it ended)."""
+        return self.in_flight + max(0, self.buckets.started - self.started - 1)
+
+
 class QuotaBusy(Exception):
     """Every connection of this client stayed in use for the whole wait: the replica is busy,
     Redis is not away (deliberately not a `RedisError`)."""
@@ -134,6 +147,8 @@ class QuotaBuckets:
         self.p = prefix
         self.timeout_s = timeout_s
         self._slots = asyncio.Semaphore(max_connections)
+        self.in_flight = 0  # calls waiting for a connection or for Redis now
+        self.started = 0  # calls ever started (with in_flight: which calls overlapped one)
         self._take = self.redis.register_script(QUOTA)
 
     def key(self, scope: str, identity: str) -> str:
@@ -157,6 +172,10 @@ class QuotaBuckets:
             return Decision(True)
         return Decision(False, int(wait_ms) / 1000.0, LIMITS[int(which)], too_large=int(which) == 3)
 
+    def overlap(self) -> "Overlap":
+        """Start counting the calls that overlap the next one (read `Overlap.others` after it)."""
+        return Overlap(self, self.started, self.in_flight)
+
     def script(self, source: str):
         """A Lua script registered on this client (for `call`)."""
         return self.redis.register_script(source)
@@ -170,16 +189,21 @@ class QuotaBuckets:
             redis.exceptions.RedisError: Redis unreachable or refusing.
             TimeoutError: Redis took longer than ``timeout_s``.
         """
+        self.in_flight += 1
+        self.started += 1
         try:
-            async with asyncio.timeout(self.timeout_s):
-                await self._slots.acquire()
-        except TimeoutError:
-            raise QuotaBusy(f"no quota connection free within {self.timeout_s} s") from None
-        try:
-            async with asyncio.timeout(self.timeout_s):
-                return await script(keys=keys, args=args)
+            try:
+                async with asyncio.timeout(self.timeout_s):
+                    await self._slots.acquire()
+            except TimeoutError:
+                raise QuotaBusy(f"no quota connection free within {self.timeout_s} s") from None
+            try:
+                async with asyncio.timeout(self.timeout_s):
+                    return await script(keys=keys, args=args)
+            finally:
+                self._slots.release()
         finally:
-            self._slots.release()
+            self.in_flight -= 1
 
     async def close(self) -> None:
         await self.redis.aclose()

@@ -263,6 +263,10 @@ class FixedBuckets:
             raise self.error
         return self.decision
 
+    def overlap(self):
+        """No call overlaps another here."""
+        return SimpleNamespace(others=0)
+
     async def close(self):
         pass
 
@@ -318,12 +322,11 @@ class CountingBuckets(QuotaBuckets):
 
 def test_redis_away_holds_each_key_to_this_replicas_share_then_redis_is_tried_again():
     """A Redis that accepts the connection and never answers (a listening socket nobody reads):
-    a check that times out within ``AWAY_AFTER_S`` of the last answer is a busy one (429
-    ``quota_check_busy``, nothing passes); once nothing was answered for ``AWAY_AFTER_S`` the
-    check falls back to the replica's share (1 request/s with a burst of 4 over 2 replicas: a
-    burst of 2 at 0.5/s), counted as unchecked, and pauses Redis; every key, not only the one whose
-    check failed, is held to its share meanwhile; after ``PAUSE_AFTER_FAILURE_S`` (on the check's
-    clock, stepped by the test) Redis is tried again."""
+    a lone check that times out finds Redis slow, not this replica busy (no other check was in
+    flight with it): it falls back to the replica's share (1 request/s with a burst of 4 over 2
+    replicas: a burst of 2 at 0.5/s), counted as unchecked, and pauses Redis; every key, not only
+    the one whose check failed, is held to its share meanwhile; after ``PAUSE_AFTER_FAILURE_S`` (on
+    the check's clock, stepped by the test) Redis is tried again."""
     silent = socket.socket()
     silent.bind(("127.0.0.1", 0))
     silent.listen(8)
@@ -342,10 +345,8 @@ def test_redis_away_holds_each_key_to_this_replicas_share_then_redis_is_tried_ag
 
     async def go():
         t0 = time.monotonic()
-        slow = await attempt("inf")  # times out, but the check was just set up: busy, not away
+        first = await attempt("inf")  # tries Redis, times out alone: the share decides
         took = time.monotonic() - t0
-        clock.now += AWAY_AFTER_S  # no answer for AWAY_AFTER_S
-        first = await attempt("inf")  # tries Redis, times out: away, the share decides
         paused = [await attempt("inf"), await attempt("inf"), await attempt("inf2"), await attempt("inf2"),
                   await attempt("inf2")]
         tries = [buckets.takes]
@@ -353,20 +354,19 @@ def test_redis_away_holds_each_key_to_this_replicas_share_then_redis_is_tried_ag
         again = await attempt("inf")
         tries.append(buckets.takes)
         await check.close()
-        return slow, first, paused, again, took, tries
+        return first, paused, again, took, tries
 
     try:
-        slow, first, paused, again, took, tries = run(go())
+        first, paused, again, took, tries = run(go())
     finally:
         silent.close()
     refused = (429, "rate_limit_exceeded", 2)  # one request at 0.5/s
-    assert slow == (429, "quota_check_busy", 1)
     assert first == "ok" and paused == ["ok", refused, "ok", "ok", refused]
-    assert again == "ok" and tries == [2, 3]  # tried twice, paused, tried again (and failed again)
+    assert again == "ok" and tries == [1, 2]  # tried once, paused, tried again (and failed again)
     assert took < 10.0  # bounded by the timeout, not hung (no speed target)
     unchecked = [c for c in metrics.calls if c[1] is None]
     assert len(unchecked) == 7 and ("inference", "requests") in metrics.calls
-    assert metrics.calls[0] == ("inference", "busy")
+    assert ("inference", "busy") not in metrics.calls
 
 
 def _config_256(redis_url, prefix, **over):

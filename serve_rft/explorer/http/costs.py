@@ -125,13 +125,14 @@ class CostCheck:
         if self.clock() < self._paused_until:
             lease.local = True
         else:
+            overlap = self.leases.buckets.overlap()
             try:
                 decision = await self.leases.admit(lease.id, identity, tenant, lim.key, lim.tenant, cost)
                 self.health.answered()
             except QuotaBusy:
                 raise busy("inference", self.metrics) from None
             except (RedisError, TimeoutError) as e:
-                if not self.health.away(e):
+                if not self.health.away(e, overlap.others):
                     raise busy("inference", self.metrics) from None
                 self._unreachable(e)
                 lease.local = True

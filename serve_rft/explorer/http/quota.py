@@ -67,10 +67,13 @@ class RedisHealth:
         """A check got Redis's answer now."""
         self.last_answer = self.clock()
 
-    def away(self, e: Exception) -> bool:
-        """Whether ``e`` (a failed check's error) means Redis is away (else: busy)."""
+    def away(self, e: Exception, others_in_flight: int = 0) -> bool:
+        """Whether ``e`` (a failed check's error) means Redis is away (else: busy). A slow check is
+        a busy replica only while other checks are in flight with it (``others_in_flight``) and
+        Redis answered one within `AWAY_AFTER_S`; a lone slow check is a slow Redis."""
         slow = isinstance(e, (TimeoutError, RedisTimeoutError))
-        return not slow or self.clock() - self.last_answer >= AWAY_AFTER_S
+        return (not slow or others_in_flight == 0
+                or self.clock() - self.last_answer >= AWAY_AFTER_S)
 
 
 def busy(scope: str, metrics) -> ApiError:
@@ -176,13 +179,14 @@ class QuotaCheck:
         if self.clock() < self._paused_until:
             decision = self._local(scope, identity, rates, cost)
         else:
+            overlap = self.buckets.overlap()
             try:
                 decision = await self.buckets.take(scope, identity, rates, cost)
                 self.health.answered()
             except QuotaBusy:
                 raise busy(scope, self.metrics) from None
             except (RedisError, TimeoutError) as e:
-                if not self.health.away(e):
+                if not self.health.away(e, overlap.others):
                     raise busy(scope, self.metrics) from None
                 self._paused_until = self.clock() + PAUSE_AFTER_FAILURE_S
                 log.warning("quota store unreachable (%r); keys are held to this replica's share for %.0f s",

@@ -14,8 +14,8 @@ body's shape as OpenAI sends it is quoted in github.com/Huanshere/VideoLingo/iss
 larger than the byte burst can never fit: 413 ``body_over_quota``.
 
 Redis away: fail safe. While the shared buckets cannot be reached (unreachable or refusing, or
-slower than ``quotas.timeout_s`` with no check answered for `AWAY_AFTER_S`; one slow check while
-others are answered is a busy replica: 429 ``quota_check_busy``) each replica holds every key to its share of the quota
+slower than ``quotas.timeout_s`` alone or with no check answered for `AWAY_AFTER_S`; a slow check
+that others overlapped while Redis answered is a busy replica: 429 ``quota_check_busy``) each replica holds every key to its share of the quota
 (the quota divided by the replicas, `serve_rft.buffer.quota.LocalBuckets`) from memory, counted
 (``serve_rft_quota_unchecked_total``: not checked against the shared buckets); after a failure the
 replica stays on its share for a second before trying Redis again, so an outage adds at most one

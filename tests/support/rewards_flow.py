@@ -23,3 +23,14 @@ async def post(store, body, who) -> list[dict]:
 async def rewards(store, cid: str) -> list:
     """The rewards of completion ``cid``'s choices (None where none)."""
     return [c.reward for c in await store.choices(cid)]
+
+
+class QuotaMetrics:
+    """Records ``quota(scope, limit)`` calls (the replica's are Ray metrics): the quota and cost
+    checks' unit tests (tests/unit/test_quota.py, test_costs.py)."""
+
+    def __init__(self):
+        self.calls: list[tuple[str, str | None]] = []
+
+    def quota(self, scope, limit):
+        self.calls.append((scope, limit))

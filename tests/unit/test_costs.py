@@ -21,18 +21,9 @@ from serve_rft.buffer.usage import CostLeases, CostLimits, LocalCosts, upfront_t
 from serve_rft.config.service import QuotasConfig
 from serve_rft.explorer.http.costs import CostCheck
 from serve_rft.explorer.http.protocol import ApiError
+from tests.support.rewards_flow import QuotaMetrics as Metrics
 
 NONE = CostLimits()
-
-
-class Metrics:
-    """Records ``quota(scope, limit)`` calls (the replica's are Ray metrics)."""
-
-    def __init__(self):
-        self.calls: list[tuple[str, str | None]] = []
-
-    def quota(self, scope, limit):
-        self.calls.append((scope, limit))
 
 
 @pytest.fixture

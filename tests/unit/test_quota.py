@@ -30,19 +30,10 @@ from serve_rft.explorer.http.auth import ApiKeys
 from serve_rft.explorer.http.body import read_body
 from serve_rft.explorer.http.protocol import ApiError
 from serve_rft.explorer.http.quota import AWAY_AFTER_S, PAUSE_AFTER_FAILURE_S, QuotaCheck
+from tests.support.rewards_flow import QuotaMetrics as Metrics
 
 SLACK = 0.01
 """s: the client's monotonic clock against the Redis server's ``TIME`` over one test."""
-
-
-class Metrics:
-    """Records ``quota(scope, limit)`` calls (the replica's are Ray metrics)."""
-
-    def __init__(self):
-        self.calls: list[tuple[str, str | None]] = []
-
-    def quota(self, scope, limit):
-        self.calls.append((scope, limit))
 
 
 @pytest.fixture

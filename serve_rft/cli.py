@@ -309,7 +309,8 @@ def demo(config: Optional[Path] = ConfigOpt, sets: list[str] = SetOpt, model: Op
          max_steps: Optional[int] = typer.Option(
              None, help="Stop once the trainer has taken this many steps (or at --duration)."),
          task: str = typer.Option("vowels", help="What the simulated users reward: vowels (the share of vowels "
-                                  "in an answer) or letter (the share of the letter the prompt asks for)."),
+                                  "in an answer), letter (the share of the letter the prompt asks for) or "
+                                  "letters (the share of the answer in the prompt's set of three letters)."),
          seed: int = typer.Option(0, help="Seed of the simulated users' choices.")) -> None:
     """Start the service on the embedded model and drive it like real users, with rewards."""
     from serve_rft.demo.driver import run_demo

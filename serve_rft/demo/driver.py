@@ -1,6 +1,6 @@
 """A simulated user population for the demo: chat through the `openai` SDK, reward later.
 
-Two tasks (``--task``), each with a dense rule reward in [0, 1] that a random-init model can climb
+Three tasks (``--task``), each with a dense rule reward in [0, 1] that a random-init model can climb
 within minutes (every token counts, no knowledge needed); rewards are posted through
 ``/v1/rewards`` after a random delay, as a real user's feedback would be:
 
@@ -8,7 +8,12 @@ within minutes (every token counts, no knowledge needed); rewards are posted thr
   lowercase vowels (``aeiou``), whatever the prompt.
 - ``letter``: the prompt asks for one of `LETTERS` (``Write the letter o.``) and the reward is the
   share of the answer's characters that are that letter. It depends on the prompt: a policy that
-  ignores the prompt scores at most ``1 / len(LETTERS)`` on average.
+  ignores the prompt scores at most ``1 / len(LETTERS)`` on average. Its optimum is one answer
+  (``ooooo``), so a policy that learns it loses its entropy.
+- ``letters``: the prompt names one of `LETTER_SETS` (``Write with the letters a, e and i.``) and
+  the reward is the share of the answer's characters in that set. The sets are disjoint, so a
+  policy that ignores the prompt scores at most ``1 / len(LETTER_SETS)``; every mix of a set's
+  letters scores 1, so the optimum keeps its entropy and a policy that loses it has collapsed.
 """
 
 from __future__ import annotations
@@ -46,6 +51,19 @@ def letter_reward(text: str, letter: str) -> float:
     return text.count(letter) / len(text) if text else 0.0
 
 
+LETTER_SETS = (("a", "e", "i"), ("o", "u", "y"), ("t", "n", "s"))
+"""The disjoint letter sets the ``letters`` task asks for."""
+
+
+def letters_reward(text: str, letters: tuple[str, ...]) -> float:
+    """Share of characters of ``text`` that are in ``letters``, in [0, 1] (0 for empty)."""
+    return sum(ch in letters for ch in text) / len(text) if text else 0.0
+
+
+TASKS = ("vowels", "letter", "letters")
+"""The demo's tasks (module docstring)."""
+
+
 def task_request(task: str, rng: random.Random) -> tuple[str, "Callable[[str], float]"]:
     """One user's prompt of ``task`` and the reward of an answer to it.
 
@@ -57,7 +75,11 @@ def task_request(task: str, rng: random.Random) -> tuple[str, "Callable[[str], f
     if task == "letter":
         letter = rng.choice(LETTERS)
         return f"Write the letter {letter}.", lambda text: letter_reward(text, letter)
-    raise ValueError(f"unknown demo task {task!r}; choose vowels or letter")
+    if task == "letters":
+        letters = rng.choice(LETTER_SETS)
+        return (f"Write with the letters {', '.join(letters[:-1])} and {letters[-1]}.",
+                lambda text: letters_reward(text, letters))
+    raise ValueError(f"unknown demo task {task!r}; choose one of {', '.join(TASKS)}")
 
 
 @dataclass
@@ -74,6 +96,8 @@ class DemoState:
     reward_failures: int = 0
     reward_by_version: dict[int, list[float]] = field(default_factory=lambda: defaultdict(list))
     reward_timeline: list[tuple[float, float]] = field(default_factory=list)
+    # (s, distinct answers / n) per request: 1 while the n answers differ, 1/n once they are all alike
+    distinct_timeline: list[tuple[float, float]] = field(default_factory=list)
     replica_timeline: dict[str, list[tuple[float, str, int]]] = field(default_factory=lambda: defaultdict(list))
     status: dict = field(default_factory=dict)
     min_serving: int | None = None
@@ -102,6 +126,9 @@ class DemoState:
         buckets: dict[int, list[float]] = defaultdict(list)
         for t, r in self.reward_timeline:
             buckets[int(t // bucket_s)].append(r)
+        distinct: dict[int, list[float]] = defaultdict(list)
+        for t, d in self.distinct_timeline:
+            distinct[int(t // bucket_s)].append(d)
         lat = sorted(self.latencies)
         return {
             "duration_s": round(self.elapsed(), 1),
@@ -118,7 +145,8 @@ class DemoState:
             "reward_by_version": {str(v): {"mean": round(statistics.fmean(r), 4), "n": len(r)}
                                   for v, r in sorted(self.reward_by_version.items())},
             "reward_curve": [{"t_s": int(b * bucket_s), "mean_reward": round(statistics.fmean(r), 4),
-                              "n": len(r)} for b, r in sorted(buckets.items())],
+                              "n": len(r), "distinct_share": round(statistics.fmean(distinct[b]), 4)
+                              if distinct[b] else None} for b, r in sorted(buckets.items())],
             "replica_timeline": {k: [{"t_s": round(t, 2), "state": s, "policy_version": v} for t, s, v in tl]
                                  for k, tl in self.replica_timeline.items()},
             "steps_seen": self.step_stats,
@@ -181,6 +209,7 @@ async def _user(uid: int, client: openai.AsyncOpenAI, http: httpx.AsyncClient, s
         state.latencies.append(time.monotonic() - t0)
         state.done_at.append(state.elapsed())
         rewards = [reward_of(t) for t in texts]
+        state.distinct_timeline.append((state.elapsed(), len(set(texts)) / len(texts)))
         for r in rewards:
             state.reward_by_version[version].append(r)
             state.reward_timeline.append((state.elapsed(), r))

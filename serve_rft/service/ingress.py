@@ -76,9 +76,9 @@ crash on start, or this timeout); a slow start now waits instead of failing."""
 PROXY_HEALTH_CHECK_PERIOD_S = 2
 """Seconds between Ray Serve's health checks of each node's proxy actor (Ray's default 10 s). In
 HAProxy mode a check asks HAProxy's admin socket ``show info``; Serve replaces the proxy (and
-starts a new HAProxy on the same port) after three failed checks in a row. A kill -9 of HAProxy
-left a one-node service answering nothing for 30.1 s with 10 s, 8.3 s with 2 s
-(benchmarks/front_door_kill.py; tests/integration/test_chaos.py checks a bound of 20 s). A healthy
+starts a new HAProxy on the same port) after three failed checks in a row, so the period bounds
+how long a kill -9 of HAProxy leaves a one-node service answering nothing
+(benchmarks/front_door_kill.py measures it; tests/integration/test_chaos.py checks a bound of 20 s). A healthy
 HAProxy is replaced only if its socket stays unanswered for three checks (>= 4 s); a reload's gap
 is far shorter, and each check may still take Ray's 10 s timeout."""
 
@@ -86,9 +86,8 @@ is far shorter, and each check may still take Ray's 10 s timeout."""
 def haproxy_threads(cores: int) -> int:
     """HAProxy's worker threads (``nbthread``) on a node with ``cores`` CPUs: one per two cores,
     at least 1, at most 4 (Ray's default is 4 on any node). HAProxy shares the node with the
-    replicas' engines; on 2 cores one thread cost 16 % less HAProxy CPU per token than two
-    (0.028 against 0.033 CPU-s per 1,000 tokens, streaming 16) at the same tokens/s
-    (benchmarks/results/front_end_ab_haproxy_threads.json; docs/performance.md). It applies to
+    replicas' engines; on 2 cores one thread cost less HAProxy CPU per token than two at the same
+    tokens/s (benchmarks/front_end_ab.py with ``--a-env RAY_SERVE_HAPROXY_NBTHREAD=1``). It applies to
     the Ray this process starts (`haproxy_env`); a `serve deploy` or KubeRay cluster's nodes keep
     Ray's default unless they set ``RAY_SERVE_HAPROXY_NBTHREAD``."""
     return max(1, min(4, cores // 2))

@@ -44,12 +44,11 @@ log = logging.getLogger("serve_rft.service")
 
 MODES = ("both", "serve", "train")
 
-# The GCS keeps ~3.6 KiB of task events per Ray task (every actor call, Ray Serve's own included)
-# up to RAY_task_events_max_num_task_in_gcs tasks, 100,000 by default: ~350 MiB that a long-running
-# service reaches after hours (a 60-min soak still saw it growing ~20 MiB/h under a 10,000 cap).
-# Task events feed only Ray's task list / dashboard, which `serve-rft up` does not start, so its
-# Ray's workers record none (report interval 0: +0.05 KiB per call instead of 3.6,
-# benchmarks/gcs_task_events.py). An operator who sets the interval gets the 10,000 cap with it.
+# The GCS keeps kilobytes of task events per Ray task (every actor call, Ray Serve's own included)
+# up to RAY_task_events_max_num_task_in_gcs tasks, 100,000 by default: hundreds of MiB that a
+# long-running service reaches after hours. Task events feed only Ray's task list / dashboard,
+# which `serve-rft up` does not start, so its Ray's workers record none (report interval 0;
+# benchmarks/gcs_task_events.py measures both). An operator who sets the interval gets the 10,000 cap with it.
 TASK_EVENTS_ENV = {"RAY_task_events_report_interval_ms": "0", "RAY_task_events_max_num_task_in_gcs": "10000"}
 
 

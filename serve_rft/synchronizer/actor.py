@@ -114,8 +114,8 @@ class Synchronizer:
         return self.state.latest
 
     # Heartbeats (every replica, every second) are not traced as Ray task events: the GCS keeps
-    # ~3.6 KiB per traced call up to RAY_task_events_max_num_task_in_gcs (benchmarks/
-    # gcs_task_events.py), ~12.6 MiB per replica-hour of heartbeats.
+    # kilobytes per traced call up to RAY_task_events_max_num_task_in_gcs (benchmarks/
+    # gcs_task_events.py measures it), megabytes per replica-hour of heartbeats.
     @ray.method(enable_task_events=False)
     async def poll(self, replica_id: str, version: int, explorer_step: int = 0, timeout_s: float = 1.0,
                    traffic: dict[int, tuple[int, int, float]] | None = None, refused: int | None = None,

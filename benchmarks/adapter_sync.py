@@ -16,6 +16,7 @@ import argparse
 import asyncio
 import json
 import statistics
+import sys
 import tempfile
 import time
 import uuid
@@ -125,8 +126,6 @@ def main() -> None:
     a = ap.parse_args()
     base = str(ensure_embedded_model(ModelConfig().cache_dir))
     if a.model == "half_b":
-        import sys
-
         sys.path.insert(0, str(Path(__file__).parent))
         from sync_cost import build_half_b
 
@@ -134,9 +133,10 @@ def main() -> None:
     elif a.model:
         base = a.model
     res = asyncio.run(run(base, a.rank, a.repeats, a.requests, a.max_tokens))
-    res = {"command": ".venv/bin/python benchmarks/adapter_sync.py" + (f" --model {a.model}" if a.model else "")
-           + f" --rank {a.rank} --repeats {a.repeats} --requests {a.requests} --max-tokens {a.max_tokens}"
-           f" --out {a.out}", "model": Path(base).name, **res}
+    sys.path.insert(0, str(Path(__file__).parent))
+    from provenance import record
+
+    res = {**record(), "model": Path(base).name, **res}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(res, indent=2))
     print(json.dumps({k: v for k, v in res.items() if not isinstance(v, dict)} |

@@ -112,7 +112,10 @@ def main() -> None:
     ap.add_argument("--out", type=Path)
     a = ap.parse_args()
     result = run(dict(e.split("=", 1) for e in a.env), a.warm_s, a.wait_s, a.users)
-    result["command"] = " ".join([".venv/bin/python", "benchmarks/front_door_kill.py", *sys.argv[1:]])
+    sys.path.insert(0, str(Path(__file__).parent))
+    from provenance import record
+
+    result = {**record(), **result}
     text = json.dumps(result, indent=2)
     print(text)
     if a.out:

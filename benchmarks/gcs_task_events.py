@@ -22,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-from provenance import command, machine  # benchmarks/ (the script's folder)
+from provenance import record  # benchmarks/ (the script's folder)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -90,7 +90,7 @@ def main() -> None:
                              capture_output=True, text=True, check=True, cwd=ROOT)
         runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
         print(runs[-1])
-    result = {"command": command(), "machine": machine(), "runs": runs}
+    result = {**record(), "runs": runs}
     Path(ROOT / a.out).write_text(json.dumps(result, indent=1) + "\n")
 
 

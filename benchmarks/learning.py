@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 from demo_runs import demo_report
+from provenance import record  # benchmarks/ (the script's folder)
 
 
 def run(algorithm: str, duration: float, users: int, extra: list[str]) -> dict:
@@ -46,9 +47,7 @@ def main() -> None:
         r = run(alg, a.duration, a.users, a.sets)
         print(json.dumps({k: v for k, v in r.items() if k != "report"}), flush=True)
         runs.append(r)
-    out = {"command": "python benchmarks/learning.py " + " ".join(
-               [f"--duration {a.duration:g}", f"--users {a.users}", "--algorithms", *a.algorithms]
-               + [f"--set {s}" for s in a.sets]), "runs": runs}
+    out = {**record(), "runs": runs}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(out, indent=2))
     from serve_rft.demo.report import load_runs, render_png

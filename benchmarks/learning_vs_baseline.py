@@ -34,7 +34,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from provenance import ROOT, command, machine
+from provenance import ROOT, record
 
 
 def _start(root: Path, sets: list[str], run_dir: str) -> tuple[subprocess.Popen, str]:
@@ -174,7 +174,7 @@ def main() -> None:
                                                          if r["side"] == side]),
                       "entropy_last": [r["entropy_last"] for r in runs if r["side"] == side]}
                for side, label, _, sets in sides}
-    out = {"command": command(), "machine": machine(), "date": time.strftime("%Y-%m-%d"), "task": a.task,
+    out = {**record(), "task": a.task,
            "baseline": {"label": a.baseline_label, "commit": baseline_commit},
            "duration_s": a.duration, "users": a.users, "sides": summary, "runs": runs}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)

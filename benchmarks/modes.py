@@ -26,6 +26,7 @@ import sys
 from pathlib import Path
 
 from demo_runs import demo_report
+from provenance import record  # benchmarks/ (the script's folder)
 
 MODES = {
     "sync_interval=1": ["synchronizer.sync_style=fixed", "synchronizer.sync_interval=1"],
@@ -60,7 +61,7 @@ def main() -> None:
         r = run(label, MODES[label], a.steps, a.users, a.timeout)
         print(json.dumps({k: v for k, v in r.items() if k != "report"}), flush=True)
         rows.append(r)
-    out = {"command": f"python benchmarks/modes.py --steps {a.steps} --users {a.users}", "runs": [
+    out = {**record(), "runs": [
         {**r, "label": r["mode"]} for r in rows]}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(out, indent=2))

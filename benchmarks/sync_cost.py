@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from provenance import command, machine  # benchmarks/ (the script's folder)
+from provenance import record  # benchmarks/ (the script's folder)
 
 HALF_B_ARCH = dict(hidden_size=1024, intermediate_size=5632, num_hidden_layers=24,
                    num_attention_heads=16, num_key_value_heads=2, max_position_embeddings=2048,
@@ -234,8 +234,7 @@ def main() -> None:
     for name in a.models.split(","):
         rows.extend(asyncio.run(bench_model(name, models[name], work, a.bucket_bytes, a.rounds)))
     ray.shutdown()
-    out = {"command": command(), "machine": machine(),
-           "results": rows}
+    out = {**record(), "results": rows}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(out, indent=2))
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
 import tempfile
 from pathlib import Path
 
@@ -50,8 +51,10 @@ async def main() -> dict:
             results[rpc] = await max_abs_diff(engine, model, PROMPT, max_tokens=16)
     finally:
         engine.shutdown()
-    return {"command": ".venv/bin/python benchmarks/tied_head_reload.py",
-            "max_abs_logprob_diff_vs_new_weights": results}
+    sys.path.insert(0, str(Path(__file__).parent))
+    from provenance import record
+
+    return {**record(), "max_abs_logprob_diff_vs_new_weights": results}
 
 
 if __name__ == "__main__":

@@ -56,12 +56,12 @@ import json
 import platform
 import random
 import resource
-import shlex
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
+from provenance import record  # benchmarks/ (the script's folder)
 
 QWEN25_05B = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
                   num_key_value_heads=2, vocab_size=151936, max_position_embeddings=32768,
@@ -214,8 +214,7 @@ def main(argv: list[str] | None = None) -> dict:
     total = response + sum(len(e.prompt_token_ids) for e in exps)
     flops = flops_per_step(trainer.model, arch, batch, frozen_base=bool(a.lora_rank))
     out = {
-        "command": shlex.join(["python", "benchmarks/trainer_throughput.py",
-                               *(argv if argv is not None else sys.argv[1:])]),
+        **record([sys.argv[0], *(argv if argv is not None else sys.argv[1:])]),
         "shape": a.shape, "arch": arch, "impl": a.impl, "chunk_tokens": a.chunk_tokens,
         "device": torch.cuda.get_device_name() if cuda else f"cpu ({platform.processor() or platform.machine()}, "
                                                               f"{torch.get_num_threads()} threads)",

@@ -51,7 +51,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from plain_vllm import pct, start_vllm, stop
 from proc_cpu import CLASSES, Sampler, snapshot, window_usage
-from provenance import command, machine
+from provenance import record
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = ["Say something nice.", "Tell me a story about the sea.", "Name an animal.",
@@ -257,8 +257,7 @@ def main() -> None:
         a.work = ["logprobs"]
     model = str(ensure_embedded_model(ModelConfig().cache_dir))
     work = Path(tempfile.mkdtemp(prefix="srft-vs-vllm-"))
-    out: dict = {"command": command(),
-                 "args": vars(a), "model": Path(model).name, "machine": machine(), "complete": False}
+    out: dict = {**record(), "args": vars(a), "model": Path(model).name, "complete": False}
     ours_stats = load_config(None, a.sets).explorer.log_stats  # as our side reads the overrides
     vllm_proc, vllm_url = start_vllm(model, free_port(), work / "vllm.log", a.vllm_threads, log_stats=ours_stats)
     ours_proc = None

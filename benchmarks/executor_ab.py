@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tests.support.load import Users, get_status  # noqa: E402
 from tests.support.stack import launch, stack_command, stop  # noqa: E402
-from provenance import command, machine  # noqa: E402
+from provenance import record  # noqa: E402
 
 VARIANTS = {"uni": "0", "mp": "1"}
 """Variant -> ``VLLM_ENABLE_V1_MULTIPROCESSING``."""
@@ -96,7 +96,7 @@ def main() -> None:
     summary = {v: {k: statistics.median(x[k] for x in runs if x["variant"] == v)
                    for k in ("startup_seconds", "chats_per_s", "chat_p50_s", "versions_published", "stack_cpu_s")}
                for v in VARIANTS}
-    result = {"command": command(), "machine": machine(), "model": Path(model).name,
+    result = {**record(), "model": Path(model).name,
               "users": a.users, "duration_s": a.duration, "median": summary, "runs": runs}
     Path(a.out).write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(summary, indent=2))

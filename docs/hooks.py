@@ -4,14 +4,17 @@ A page that holds the line ``<!-- config-reference -->`` gets one table per sect
 `serve_rft.config.Config` (every field: type, default, bounds, description), read from the
 pydantic models; ``<!-- http-reference -->`` gets one entry per route of
 ``docs/reference/openapi.json`` (written by ``scripts/openapi_json.py`` from the FastAPI app).
-Only `serve_rft.config` is imported (it imports neither torch nor vLLM). MkDocs hooks:
-https://www.mkdocs.org/user-guide/configuration/#hooks
+Only `serve_rft.config` is imported (it imports neither torch nor vLLM). A local script of
+``extra_javascript`` that is missing (Mermaid, put in place by ``scripts/docs_assets.sh``) is a
+warning, so the strict build fails instead of publishing a site whose diagrams need a CDN.
+MkDocs hooks: https://www.mkdocs.org/user-guide/configuration/#hooks
 """
 
 from __future__ import annotations
 
 import enum
 import json
+import logging
 import sys
 import typing
 from pathlib import Path
@@ -21,8 +24,20 @@ ROOT = Path(__file__).resolve().parent.parent
 CONFIG_MARK = "<!-- config-reference -->"
 HTTP_MARK = "<!-- http-reference -->"
 OPENAPI_JSON = ROOT / "docs" / "reference" / "openapi.json"
+log = logging.getLogger("mkdocs.hooks.serve_rft")
 BOUND_NAMES = {"ge": ">=", "gt": ">", "le": "<=", "lt": "<", "min_length": "min length",
                "max_length": "max length", "multiple_of": "multiple of"}
+
+
+def on_config(config: Any) -> Any:
+    """MkDocs event: warn (a failure under ``strict``) for each local ``extra_javascript`` file
+    missing from the docs folder."""
+    for script in config["extra_javascript"]:
+        path = str(script)
+        if "://" not in path and not (Path(config["docs_dir"]) / path).is_file():
+            log.warning("%s is missing from %s: run scripts/docs_assets.sh (scripts/bootstrap.sh runs it)",
+                        path, config["docs_dir"])
+    return config
 
 
 def on_page_markdown(markdown: str, page: Any, config: Any, files: Any) -> str:

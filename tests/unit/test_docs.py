@@ -141,3 +141,15 @@ def test_site_openapi_marks_every_refused_field():
         assert {n for n, p in props.items() if p.get("deprecated")} - refused == \
             {n for n, p in original.items() if p.get("deprecated")}, path  # vLLM's own marks kept
         assert "400" in site["paths"][path]["post"]["responses"]
+
+
+def test_python_reference_is_the_public_surface(site):
+    """The Python reference shows the app builder, the rewards client and every config model with
+    its fields (griffe-pydantic), and no internal module."""
+    page = (site / "reference" / "python" / "index.html").read_text()
+    for name in ("deployments.app.app_builder", "RewardClient", "load_config", "reward_timeout_s",
+                 "sync_method", "max_staleness"):
+        assert name in page, f"the Python reference lacks {name}"
+    assert page.count("doc-label-pydantic-model") >= 16, "config models rendered without their fields"
+    for internal in ("buffer", "trainer", "synchronizer", "weights", "explorer"):
+        assert f'id="serve_rft.{internal}' not in page, f"the Python reference documents serve_rft.{internal}"

@@ -297,7 +297,7 @@ def site_openapi(doc: dict[str, Any], examples: dict[str, Any]) -> dict[str, Any
                 served = ", ".join(f"`{v}`" for v in _served_values(neutral, props[name]))
                 props[name]["deprecated"] = True
                 props[name]["description"] = (
-                    f"**Refused** by serve_rft (400 `unsupported_parameter`) unless absent"
+                    "**Refused** by serve_rft (400 `unsupported_parameter`) unless absent"
                     + (f" or {served}" if served else "") + f": {why}."
                     + (f"\n\n{props[name]['description']}" if props[name].get("description") else ""))
             if marked:

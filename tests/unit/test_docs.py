@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.docs_site import build_site
+
 ROOT = Path(__file__).resolve().parents[2]
 README_MAX_BYTES = 12_288
 # history wording: "commit 3f3248e", "at aeaf0be", "(5b094ad, ...)"; checksums in JSON are not prose
@@ -28,13 +30,7 @@ def _prose_files() -> list[Path]:
 @pytest.fixture(scope="module")
 def site(tmp_path_factory) -> Path:
     """The site as `mkdocs build --strict` writes it (offline: no plugin fetches anything)."""
-    out = tmp_path_factory.mktemp("docs") / "site"
-    result = subprocess.run(
-        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(out)],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
-        env={"NO_MKDOCS_2_WARNING": "1", "PATH": "/usr/bin:/bin"})
-    assert result.returncode == 0, result.stdout + result.stderr
-    return out
+    return build_site(tmp_path_factory.mktemp("docs") / "site")
 
 
 def test_mkdocs_build_strict_succeeds(site):

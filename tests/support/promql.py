@@ -24,7 +24,7 @@ SCRAPE_CONFIG = OBSERVABILITY / "prometheus.yml"
 RAY_PREFIX = "ray_"
 RAY_LABELS = frozenset({"Component", "NodeAddress", "SessionName", "Version", "WorkerId", "JobId", "instance", "job"})
 """Labels Ray's exporter (and Prometheus' scrape) add to every series."""
-GRAFANA_RANGES = {"$__rate_interval": "1m", "$__interval": "15s", "$__range": "1h"}
+GRAFANA_RANGES = {"$__rate_interval": "2m", "$__interval": "15s", "$__range": "1h"}
 
 
 @dataclass(frozen=True)

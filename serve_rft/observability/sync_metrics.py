@@ -36,7 +36,7 @@ class SyncMetrics:
         self.version_lag = Gauge("serve_rft_version_lag_seconds",
                                  description="Seconds since the oldest promoted version that a live "
                                  "replica does not serve yet was promoted (0: every live replica serves "
-                                 "the incumbent or newer).")
+                                 "the incumbent or newer, or an operator's pin holds them).")
         self.version_lag_bound = Gauge("serve_rft_max_version_lag_seconds",
                                        description="synchronizer.max_version_lag_s, s: the bound "
                                        "serve_rft_version_lag_seconds is kept under (absent: no bound).")
@@ -74,7 +74,8 @@ class SyncMetrics:
         self.latest_version.set(state.latest_version())
         self.incumbent.set(state.incumbent)
         self.candidate.set(state.candidate or 0)
-        self.version_lag.set(max((now - t for t in state.rollout.lag_open.values()), default=0.0))
+        pinned = state.rollout.pinned is not None  # an operator holds every replica on one version
+        self.version_lag.set(0.0 if pinned else max((now - t for t in state.rollout.lag_open.values()), default=0.0))
         if state.cfg.max_version_lag_s is not None:
             self.version_lag_bound.set(state.cfg.max_version_lag_s)
         self.serving.set(state.serving())

@@ -128,3 +128,76 @@ def test_the_metrics_page_lists_every_metric_with_its_type_and_labels():
     series = {s[len(RAY_PREFIX):] for d in defined.values() for s in d.exported()}
     unknown = mentioned - set(defined) - series - NOT_METRICS
     assert not unknown, sorted(unknown)
+
+
+class _Recorded:
+    """Stands in for Ray's metric types: keeps each series' value (counters add, gauges set)."""
+
+    values: dict = {}
+
+    def __init__(self, name, description="", tag_keys=None, boundaries=None):
+        self.name = name
+
+    def _key(self, tags):
+        return (self.name, tuple(sorted((tags or {}).items())))
+
+    def inc(self, value=1.0, tags=None):
+        assert value > 0  # as Ray's Counter.inc requires
+        _Recorded.values[self._key(tags)] = _Recorded.values.get(self._key(tags), 0) + value
+
+    def set(self, value, tags=None):
+        _Recorded.values[self._key(tags)] = value
+
+    def observe(self, value, tags=None):
+        pass
+
+
+def test_the_store_counters_follow_the_stores_totals(monkeypatch):
+    """The first read counts the store's totals since it was created (a restarted synchronizer
+    continues the series); later reads count what they grew by; a total that falls (an entry
+    put back) is not counted again until it passes its highest value."""
+    from serve_rft.buffer.records import StoreCounts
+    from serve_rft.observability import store_metrics
+
+    monkeypatch.setattr(store_metrics, "Counter", _Recorded)
+    monkeypatch.setattr(store_metrics, "Gauge", _Recorded)
+    monkeypatch.setattr(_Recorded, "values", {})
+    m = store_metrics.StoreMetrics()
+
+    def counts(**kw):
+        base = dict(pending=0, held=0, ready=0, logged=0, rewarded=0, trained=0, expired=0, stale_dropped=0,
+                    groups_timed_out=0)
+        return StoreCounts(**{**base, **kw})
+
+    m.counts(counts(pending=5, held=1, ready=3, rewarded=10, trained=6, backlog_dropped=2))
+    m.counts(counts(pending=2, held=0, ready=4, rewarded=14, trained=9, backlog_dropped=1))
+    m.counts(counts(pending=2, held=0, ready=4, rewarded=14, trained=9, backlog_dropped=3))
+    v = _Recorded.values
+    assert v[("serve_rft_store_experiences", (("state", "pending"),))] == 2
+    assert v[("serve_rft_store_experiences", (("state", "ready"),))] == 4
+    assert v[("serve_rft_experiences_rewarded_total", ())] == 14
+    assert v[("serve_rft_experiences_done_total", (("state", "trained"),))] == 9
+    assert v[("serve_rft_experiences_done_total", (("state", "backlog_dropped"),))] == 3
+    assert ("serve_rft_experiences_done_total", (("state", "expired"),)) not in v  # no zero counter
+    assert ("serve_rft_redis_restarts_total", ()) not in v
+
+
+def test_the_version_lag_is_the_age_of_the_oldest_promoted_version_not_everywhere(monkeypatch):
+    from serve_rft.config import SynchronizerConfig
+    from serve_rft.observability import sync_metrics
+    from serve_rft.synchronizer.state import SyncState
+
+    for kind in ("Counter", "Gauge", "Histogram"):
+        monkeypatch.setattr(sync_metrics, kind, _Recorded)
+    monkeypatch.setattr(_Recorded, "values", {})
+    m = sync_metrics.SyncMetrics("checkpoint")
+    state = SyncState(SynchronizerConfig(max_version_lag_s=12.0))
+    m.refresh(state, now=100.0)
+    assert _Recorded.values[("serve_rft_version_lag_seconds", ())] == 0.0
+    assert _Recorded.values[("serve_rft_max_version_lag_seconds", ())] == 12.0
+    state.rollout.lag_open.update({3: 90.0, 4: 97.0})  # promoted at 90 s and 97 s, not everywhere yet
+    m.refresh(state, now=100.0)
+    assert _Recorded.values[("serve_rft_version_lag_seconds", ())] == 10.0
+    state.rollout.pinned = 0  # an operator's pin holds the replicas: no lag to report
+    m.refresh(state, now=100.0)
+    assert _Recorded.values[("serve_rft_version_lag_seconds", ())] == 0.0

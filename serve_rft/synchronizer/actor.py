@@ -4,7 +4,8 @@ Talks to: the trainer (``publish``, ``set_trainer``), every explorer replica (``
 ``poll`` long-poll for a `PollReply`, ``renew`` while it syncs, ``synced`` / ``failed``,
 ``left``), the HTTP API (``status``, ``events``, ``rollout`` and the operator's ``pin``,
 ``rollback``, ``pause_promotion``, ``drain``), Ray (which replica actors are alive) and Redis (the
-canary's rewards, its own rollout snapshot; both through its `SyncMonitor`). It never pushes into a replica: replicas pull (the
+canary's rewards, its own rollout snapshot, both through its `SyncMonitor`; the store's experience
+counts, which it reports as metrics). It never pushes into a replica: replicas pull (the
 Trinity-RFT Synchronizer documentation, CHECKPOINT/MEMORY: "the Explorer initiates the sync
 request ... pulls the weights, then returns to RUNNING"). The rules live in the pure
 `serve_rft.synchronizer.state.SyncState`; this actor feeds it the clock and the world.

@@ -85,7 +85,7 @@ def test_the_dashboard_is_a_grafana_dashboard_over_a_prometheus_datasource():
     assert len(ids) == len(set(ids)), ids
     assert [v["name"] for v in dash["templating"]["list"]] == ["datasource"]
     titles = {p["title"] for p in dash["panels"]}
-    for wanted in ("Requests", "Error ratio (5xx)", "Time to first token (streaming)", "Replicas serving vs live",
+    for wanted in ("Requests", "Error ratio", "Time to first token (streaming)", "Replicas serving vs live",
                    "Policy version per replica", "Version lag", "Sync seconds by phase",
                    "Experiences in the store by state", "Loss and reward", "Canary verdicts"):
         assert wanted in titles, wanted

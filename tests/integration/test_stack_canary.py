@@ -118,25 +118,41 @@ def test_a_real_prometheus_scrapes_the_stack_and_every_dashboard_query_and_alert
         pytest.skip(NOT_INSTALLED)
     assert stack.metrics_url
     with running_prometheus(stack.metrics_url, tmp_path) as prom:
-        u, lines = stack.url, 0
-        for k in range(2):  # traffic of every kind the dashboard shows, inside Prometheus' window
+        u = stack.url
+
+        def traffic(k: int) -> None:
+            """One of each kind of request the dashboard shows."""
             chat = {"model": "serve-rft", "messages": [{"role": "user", "content": f"prometheus {k}"}],
                     "max_tokens": 4}
             r = httpx.post(f"{u}/v1/chat/completions", headers=ADMIN, timeout=120, json=chat)
             assert r.status_code == 200, r.text
             assert httpx.post(f"{u}/v1/rewards", headers=ADMIN, timeout=60,
                               json={"completion_id": r.json()["id"], "reward": 1.0}).status_code == 200
-            with httpx.stream("POST", f"{u}/v1/chat/completions", headers=ADMIN, timeout=120,
-                              json={**chat, "stream": True}) as streamed:
-                lines += sum(1 for _ in streamed.iter_lines())
+            for _ in range(2):  # one on each replica, where the ingress alternates
+                with httpx.stream("POST", f"{u}/v1/chat/completions", headers=ADMIN, timeout=120,
+                                  json={**chat, "stream": True}) as streamed:
+                    assert streamed.status_code == 200 and sum(1 for _ in streamed.iter_lines())
             assert httpx.post(f"{u}/v1/chat/completions", headers=ADMIN, timeout=120,
                               json={**chat, "store": False}).status_code == 200
             assert httpx.post(f"{u}/v1/chat/completions", headers=ADMIN, timeout=60,
                               json={**chat, "messages": []}).status_code == 400
-            time.sleep(1)
-        assert lines
-        # Ray's agent exports what the replicas recorded once per report period
-        prom.wait_for("the streamed requests in Prometheus", lambda: prom.query(
-            "sum(increase(ray_serve_rft_time_to_first_token_seconds_count[2m])) > 0"))
+
+        # Ray's agent exports what each replica recorded once per report period, and a series
+        # from its first event: the first round makes the series, a later one moves them (on a
+        # replica whose series Prometheus saw before: up to 4 rounds)
+        traffic(0)
+        prom.wait_for("the first round in Prometheus", lambda: all(prom.query(q) for q in (
+            "ray_serve_rft_time_to_first_token_seconds_count",
+            'ray_serve_rft_experiences_unlogged_total{reason="store_false"}')))
+        for k in range(1, 5):
+            traffic(k)
+            try:
+                prom.wait_for("a later round in Prometheus", lambda: all(prom.query(q) for q in (
+                    "sum(increase(ray_serve_rft_time_to_first_token_seconds_count[2m])) > 0",
+                    'sum(increase(ray_serve_rft_requests_total{route="chat",status="200"}[2m])) > 0')), 20)
+                break
+            except AssertionError:
+                if k == 4:
+                    raise
         time.sleep(3)  # one more scrape
         check_pack(prom)

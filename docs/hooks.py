@@ -1,17 +1,27 @@
-"""MkDocs hook: generate the configuration and HTTP reference pages at build time.
+"""MkDocs hook: generate the reference parts of the site at build time.
 
-A page that holds the line ``<!-- config-reference -->`` gets one table per section of
-`serve_rft.config.Config` (every field: type, default, bounds, description), read from the
-pydantic models; ``<!-- http-reference -->`` gets one entry per route of
-``docs/reference/openapi.json`` (written by ``scripts/openapi_json.py`` from the FastAPI app).
-Only `serve_rft.config` is imported (it imports neither torch nor vLLM). MkDocs hooks:
-https://www.mkdocs.org/user-guide/configuration/#hooks
+- ``<!-- config-reference -->``: one table per section of `serve_rft.config.Config` (every field:
+  type and bounds, default, description), read from the pydantic models.
+- ``<!-- http-routes -->``: one row per route of ``docs/reference/openapi.json`` (written by
+  ``scripts/openapi_json.py`` from the FastAPI app) with the key scope it takes
+  (`serve_rft.explorer.http.auth.required_scope`).
+- ``<!-- refused-fields -->``: the chat and completion fields the service refuses, when each is
+  served and why (`serve_rft.explorer.http.openai_request.REFUSED`).
+- ``reference/openapi.site.json``, a generated file: the OpenAPI document as the HTTP API page's
+  Swagger UI shows it, with the descriptions and examples of ``docs/reference/http_examples.yaml``,
+  the key scheme, and the refused fields marked (`site_openapi`).
+
+Imported: `serve_rft.config` and the HTTP modules named above (neither torch nor vLLM). A local
+script of ``extra_javascript`` that is missing (Mermaid, put in place by
+``scripts/docs_assets.sh``) is a warning, so the strict build fails instead of publishing a site
+whose diagrams need a CDN. MkDocs hooks: https://www.mkdocs.org/user-guide/configuration/#hooks
 """
 
 from __future__ import annotations
 
 import enum
 import json
+import logging
 import sys
 import typing
 from pathlib import Path
@@ -19,18 +29,57 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG_MARK = "<!-- config-reference -->"
-HTTP_MARK = "<!-- http-reference -->"
+ROUTES_MARK = "<!-- http-routes -->"
+REFUSED_MARK = "<!-- refused-fields -->"
 OPENAPI_JSON = ROOT / "docs" / "reference" / "openapi.json"
+HTTP_EXAMPLES = ROOT / "docs" / "reference" / "http_examples.yaml"
+SITE_OPENAPI = "reference/openapi.site.json"
+log = logging.getLogger("mkdocs.hooks.serve_rft")
 BOUND_NAMES = {"ge": ">=", "gt": ">", "le": "<=", "lt": "<", "min_length": "min length",
                "max_length": "max length", "multiple_of": "multiple of"}
+
+
+def _importable() -> None:
+    """Make the checkout's ``serve_rft`` importable (mkdocs runs from the repository root)."""
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+
+
+def on_config(config: Any) -> Any:
+    """MkDocs event: warn (a failure under ``strict``) for each local ``extra_javascript`` file
+    missing from the docs folder."""
+    for script in config["extra_javascript"]:
+        path = str(script)
+        if "://" not in path and not (Path(config["docs_dir"]) / path).is_file():
+            log.warning("%s is missing from %s: run scripts/docs_assets.sh (scripts/bootstrap.sh runs it)",
+                        path, config["docs_dir"])
+    return config
+
+
+def _openapi() -> tuple[dict[str, Any], dict[str, Any]]:
+    """The committed OpenAPI document and the site's examples."""
+    import yaml
+
+    return json.loads(OPENAPI_JSON.read_text()), yaml.safe_load(HTTP_EXAMPLES.read_text())
+
+
+def on_files(files: Any, config: Any) -> Any:
+    """MkDocs event: add ``reference/openapi.site.json`` (`site_openapi`)."""
+    from mkdocs.structure.files import File
+
+    doc = site_openapi(*_openapi())
+    files.append(File.generated(config, SITE_OPENAPI, content=json.dumps(doc, indent=1, ensure_ascii=False)))
+    return files
 
 
 def on_page_markdown(markdown: str, page: Any, config: Any, files: Any) -> str:
     """MkDocs event: replace the reference marks of a page with the generated Markdown."""
     if CONFIG_MARK in markdown:
         markdown = markdown.replace(CONFIG_MARK, config_reference())
-    if HTTP_MARK in markdown:
-        markdown = markdown.replace(HTTP_MARK, http_reference(json.loads(OPENAPI_JSON.read_text())))
+    if ROUTES_MARK in markdown:
+        markdown = markdown.replace(ROUTES_MARK, http_routes(*_openapi()))
+    if REFUSED_MARK in markdown:
+        markdown = markdown.replace(REFUSED_MARK, refused_fields(_openapi()[0]))
     return markdown
 
 
@@ -38,8 +87,7 @@ def on_page_markdown(markdown: str, page: Any, config: Any, files: Any) -> str:
 
 def config_reference() -> str:
     """Markdown: one section per field of `serve_rft.config.Config`, nested models in turn."""
-    if str(ROOT) not in sys.path:
-        sys.path.insert(0, str(ROOT))
+    _importable()
     from pydantic import BaseModel
 
     from serve_rft.config import Config
@@ -56,7 +104,7 @@ def _section(path: str, model: type, base: type) -> list[str]:
     lines = [f"## `{path}`", ""]
     if doc and doc != (base.__doc__ or "").strip():
         lines += [" ".join(doc.split()), ""]
-    lines += ["| field | type | default | bounds | description |", "|---|---|---|---|---|"]
+    lines += ["| field | type and bounds | default | description |", "|---|---|---|---|"]
     nested: list[tuple[str, type]] = []
     for name, field in model.model_fields.items():
         sub = _model_of(field.annotation)
@@ -66,8 +114,9 @@ def _section(path: str, model: type, base: type) -> list[str]:
         if sub is not None:  # a nested section: link to its own table
             anchor = f"{path}.{name}".replace(".", "").lower()
             kind = kind.replace("section (below)", f"[section `{path}.{name}`](#{anchor})")
-        lines.append("| `{}` | {} | {} | {} | {} |".format(
-            name, kind, _cell(_default(field)), _cell(_bounds(field)),
+        bounds = _bounds(field)
+        lines.append("| `{}` | {} | {} | {} |".format(
+            name, kind + (f", {_cell(bounds)}" if bounds else ""), _cell(_default(field)),
             _cell(" ".join((field.description or "").split()))))
     lines.append("")
     for sub_path, sub in nested:
@@ -145,85 +194,131 @@ def _bounds(field: Any) -> str:
     return ", ".join(found)
 
 
+# ---------------------------------------------------------------- HTTP
+
+NEUTRAL_CANDIDATES = (None, 0, -1, 1.0, False, [], {})
+"""Values tried against each refused field's neutral-value rule (`REFUSED`) to say which are served."""
+JSON_TYPES = {type(None): "null", bool: "boolean", int: "integer", float: "number", list: "array", dict: "object"}
+
+
+def _refused() -> dict[str, tuple[Any, str]]:
+    """The request fields the service refuses: name -> (is this value neutral?, why), from the code."""
+    _importable()
+    from serve_rft.explorer.http.openai_request import REFUSED
+
+    return REFUSED
+
+
+def _types(schema: dict[str, Any]) -> set[str]:
+    """JSON types a property's schema admits (``anyOf`` alternatives included; any, if it says none)."""
+    alternatives = schema.get("anyOf") or schema.get("oneOf") or [schema]
+    return {a["type"] for a in alternatives if isinstance(a.get("type"), str)} or set(JSON_TYPES.values())
+
+
+def _served_values(neutral: Any, schema: dict[str, Any]) -> list[str]:
+    """The values of `NEUTRAL_CANDIDATES` that the field's type admits and its rule serves, as JSON."""
+    admitted = _types(schema)
+    return [json.dumps(value) for value in NEUTRAL_CANDIDATES
+            if (JSON_TYPES[type(value)] in admitted
+                or (JSON_TYPES[type(value)] == "integer" and "number" in admitted)) and neutral(value)]
+
+
+def _request_schema(doc: dict[str, Any], path: str) -> dict[str, Any] | None:
+    return (doc["paths"].get(path, {}).get("post", {}).get("requestBody", {}).get("content", {})
+            .get("application/json", {}).get("schema"))
+
+
+def refused_fields(doc: dict[str, Any]) -> str:
+    """Markdown: the refused request fields of chat and completions, when each is served, and why."""
+    chat = (_request_schema(doc, "/v1/chat/completions") or {}).get("properties", {})
+    text = (_request_schema(doc, "/v1/completions") or {}).get("properties", {})
+    out = ["| field | served only when | why any other value is refused |", "|---|---|---|"]
+    for name, (neutral, why) in _refused().items():
+        schema = chat.get(name) or text.get(name) or {}
+        where = "" if name in chat else " (completions)"
+        served = "".join(f" or `{v}`" for v in _served_values(neutral, schema))
+        out.append(f"| `{name}`{where} | absent{served} | {_cell(why)} |")
+    return "\n".join(out) + "\n"
+
+
+def http_routes(doc: dict[str, Any], examples: dict[str, Any]) -> str:
+    """Markdown: one row per route of the OpenAPI document, with the key scope it takes."""
+    _importable()
+    from serve_rft.explorer.http.auth import required_scope
+
+    out = ["| route | key scope | what it does |", "|---|---|---|"]
+    for path, methods in doc["paths"].items():
+        for method, op in methods.items():
+            what = examples.get(path, {}).get(method, {}).get("summary") or op.get("summary", "")
+            scope = required_scope(path) or "none (open)"
+            out.append(f"| `{method.upper()} {path}` | {scope} | {_cell(what)} |")
+    return "\n".join(out) + "\n"
+
+
+def site_openapi(doc: dict[str, Any], examples: dict[str, Any]) -> dict[str, Any]:
+    """The copy of the OpenAPI document the site shows: ``examples``' descriptions, request and
+    response examples, a bearer scheme on every route that takes a key (its scope said), and each
+    refused request field marked (``deprecated``, its description opening with **Refused**).
+
+    Warns (a failure under ``strict``) for an example of a route or method the document lacks."""
+    import copy
+
+    _importable()
+    from serve_rft.explorer.http.auth import required_scope
+    from serve_rft.explorer.http.protocol import ApiError
+
+    doc = copy.deepcopy(doc)
+    doc.setdefault("components", {})["securitySchemes"] = {"apiKey": {
+        "type": "http", "scheme": "bearer",
+        "description": "An API key when the service has keys (`service.api_keys`, `reward_keys`, `admin_keys`): "
+                       "inference, rewards or admin scope."}}
+    refused = _refused()
+    for path, methods in doc["paths"].items():
+        for method, op in methods.items():
+            scope = required_scope(path)
+            if scope is not None:
+                op["security"] = [{"apiKey": []}]
+            ours = examples.get(path, {}).get(method, {})
+            for key in ("tags", "summary", "description"):
+                if ours.get(key):
+                    op[key] = ours[key]
+            op["description"] = (op.get("description", "") + f"\n\nKey scope: **{scope or 'none (open)'}**.").strip()
+            body = op.get("requestBody", {}).get("content", {}).get("application/json")
+            if body is not None and ours.get("request"):
+                body["examples"] = ours["request"]
+            for code, answer in ours.get("responses", {}).items():
+                response = op.setdefault("responses", {}).setdefault(code, {})
+                response["description"] = answer.get("description", response.get("description", ""))
+                media = response.setdefault("content", {}).setdefault("application/json", {"schema": {}})
+                media["examples"] = answer["examples"]
+            schema = _request_schema({"paths": {path: methods}}, path) if method == "post" else None
+            props = (schema or {}).get("properties", {})
+            marked = [name for name in refused if name in props]
+            for name in marked:
+                neutral, why = refused[name]
+                served = ", ".join(f"`{v}`" for v in _served_values(neutral, props[name]))
+                props[name]["deprecated"] = True
+                props[name]["description"] = (
+                    "**Refused** by serve_rft (400 `unsupported_parameter`) unless absent"
+                    + (f" or {served}" if served else "") + f": {why}."
+                    + (f"\n\n{props[name]['description']}" if props[name].get("description") else ""))
+            if marked:
+                first = marked[0]  # the answer's message as parse_request (openai_request.py) words it
+                error = ApiError(400, f"{first} is not supported by this service: {refused[first][1]}", first,
+                                 code="unsupported_parameter").body()
+                response = op.setdefault("responses", {}).setdefault("400", {})
+                response["description"] = ("A field the service refuses (marked **Refused**), an unknown field, "
+                                           "a wrong type or a field over its size bound")
+                response.setdefault("content", {}).setdefault("application/json", {"schema": {}})["examples"] = {
+                    "a refused field": {"value": error}}
+    for path, methods in examples.items():
+        for method in methods:
+            if method not in doc["paths"].get(path, {}):
+                log.warning("docs/reference/http_examples.yaml: %s %s is not a route of openapi.json",
+                            method.upper(), path)
+    return doc
+
+
 def _cell(text: str) -> str:
     """``text`` fit for one table cell: one line, its ``|`` escaped."""
     return text.replace("\n", " ").replace("|", "\\|")
-
-
-# ---------------------------------------------------------------- HTTP
-
-SCHEMA_BOUNDS = {"minimum": ">=", "exclusiveMinimum": ">", "maximum": "<=", "exclusiveMaximum": "<",
-                 "minLength": "min length", "maxLength": "max length", "minItems": "min items",
-                 "maxItems": "max items"}
-
-
-def http_reference(doc: dict[str, Any]) -> str:
-    """Markdown: every path and method of an OpenAPI document, its parameters, body and answers."""
-    out: list[str] = []
-    for path, methods in doc["paths"].items():
-        for method, op in methods.items():
-            out += [f"## `{method.upper()} {path}`", ""]
-            if op.get("description"):
-                out += [" ".join(op["description"].split()), ""]
-            elif op.get("summary"):
-                out += [op["summary"], ""]
-            params = op.get("parameters", [])
-            if params:
-                out += ["| parameter | in | required | type |", "|---|---|---|---|"]
-                out += [f"| `{p['name']}` | {p['in']} | {'yes' if p.get('required') else 'no'} | "
-                        f"{_schema_type(p.get('schema', {}))} |" for p in params]
-                out.append("")
-            body = op.get("requestBody", {}).get("content", {}).get("application/json", {}).get("schema")
-            if body is not None:
-                out += _body(body, doc)
-            answers = ", ".join(f"{code} {resp.get('description', '')}".strip()
-                                for code, resp in op.get("responses", {}).items())
-            if answers:
-                out += [f"Documented responses: {answers}. Refusals are OpenAI error JSON "
-                        "([Errors](../api/errors.md)).", ""]
-    return "\n".join(out)
-
-
-def _resolve(schema: dict[str, Any], doc: dict[str, Any]) -> dict[str, Any]:
-    ref = schema.get("$ref")
-    if ref is None:
-        return schema
-    return doc["components"]["schemas"][ref.rsplit("/", 1)[-1]]
-
-
-def _body(schema: dict[str, Any], doc: dict[str, Any]) -> list[str]:
-    """The request body: one field table per accepted form."""
-    forms = schema.get("anyOf") or schema.get("oneOf") or [schema]
-    out = ["Request body" + (f", one of {len(forms)} forms:" if len(forms) > 1 else ":"), ""]
-    for form in forms:
-        resolved = _resolve(form, doc)
-        title = resolved.get("title", "object")
-        out += [f"**`{title}`**" + (f": {' '.join(resolved['description'].split())}"
-                                    if resolved.get("description") else ""), ""]
-        props = resolved.get("properties", {})
-        if not props:
-            continue
-        required = set(resolved.get("required", []))
-        out += ["| field | type | required | default | bounds | description |", "|---|---|---|---|---|---|"]
-        for name, prop in props.items():
-            default = f"`{json.dumps(prop['default'])}`" if "default" in prop else ""
-            bounds = ", ".join(f"{sign} {prop[k]}" for k, sign in SCHEMA_BOUNDS.items() if k in prop)
-            desc = " ".join((prop.get("description") or "").split())
-            out.append(f"| `{name}` | {_schema_type(prop)} | {'yes' if name in required else 'no'} | "
-                       f"{_cell(default)} | {bounds} | {_cell(desc)} |")
-        out.append("")
-    return out
-
-
-def _schema_type(schema: dict[str, Any]) -> str:
-    if "$ref" in schema:
-        return f"`{schema['$ref'].rsplit('/', 1)[-1]}`"
-    alternatives = schema.get("anyOf") or schema.get("oneOf")
-    if alternatives:
-        return " \\| ".join(_schema_type(a) for a in alternatives)
-    if "enum" in schema:
-        return " \\| ".join(f"`{json.dumps(v)}`" for v in schema["enum"])
-    kind = schema.get("type", "any")
-    if kind == "array":
-        return f"array of {_schema_type(schema.get('items', {}))}"
-    return f"`{kind}`"

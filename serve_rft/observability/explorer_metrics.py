@@ -2,8 +2,9 @@
 
 Owned by each `ExplorerReplica`; exported through Ray's metrics API (Ray's Prometheus endpoint,
 names prefixed ``ray_``). Tags are low-cardinality: the replica id (a handful), the route
-(chat / chat_stream / rewards), the HTTP status, the token kind, the experience state, the quota
-scope and limit (never the API key or its hash). The policy
+(chat / chat_stream / rewards), the HTTP status, the token kind, the quota scope and limit (never
+the API key or its hash). The store's experience counts are the synchronizer's
+(`serve_rft.observability.store_metrics`): every replica reads the same store. The policy
 version is not a tag (it grows without bound): it is the `serve_rft_replica_policy_version` gauge
 (`serve_rft.observability.sync_metrics`), and each response carries it in a header.
 """
@@ -13,8 +14,6 @@ from __future__ import annotations
 from ray.util.metrics import Counter, Gauge, Histogram
 
 LATENCY_BUCKETS = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0]
-EXPERIENCE_STATES = ("pending", "held", "ready", "logged", "rewarded", "trained", "expired", "stale_dropped",
-                     "dead_lettered", "backlog_dropped", "constrained", "greedy")
 
 
 class ExplorerMetrics:
@@ -40,9 +39,6 @@ class ExplorerMetrics:
                                 tag_keys=("replica", "reason"))
         self.rewards = Counter("serve_rft_rewards_total", description="Rewards posted, by result.",
                                tag_keys=("replica", "result"))
-        self.experiences = Gauge("serve_rft_experiences",
-                                 description="Store counts by state (each replica reports the same "
-                                 "store: aggregate with max by (state)).", tag_keys=("replica", "state"))
         self.tenant_bytes = Gauge("serve_rft_tenant_stored_bytes",
                                   description="Bytes each tenant's experiences, completion records and "
                                   "reward infos keep in the store (serve_rft.buffer.ledger; each replica "
@@ -62,6 +58,8 @@ class ExplorerMetrics:
                                        tag_keys=("replica", "scope"))
 
     def request(self, route: str, status: int, seconds: float) -> None:
+        """One HTTP request answered on ``route`` with ``status`` after ``seconds`` (latency
+        observed for answers below 400)."""
         self.requests.inc(tags={**self.tags, "route": route, "status": str(status)})
         if status < 400:
             self.latency.observe(seconds, tags={**self.tags, "route": route})
@@ -75,6 +73,7 @@ class ExplorerMetrics:
             self.throttled.inc(tags={**self.tags, "scope": scope, "limit": limit})
 
     def first_token(self, seconds: float) -> None:
+        """A stream's time to its first content chunk, s."""
         self.ttft.observe(seconds, tags=self.tags)
 
     def served(self, prompt_tokens: int, completion_tokens: int, experiences: int, unlogged: int = 0,
@@ -90,6 +89,7 @@ class ExplorerMetrics:
             self.logged.inc(experiences, tags=self.tags)
 
     def reward_results(self, results: list[dict]) -> None:
+        """Count each reward's result (``status``: recorded / duplicate / refused ...)."""
         for r in results:
             self.rewards.inc(tags={**self.tags, "result": str(r.get("status", "unknown"))})
 
@@ -98,8 +98,3 @@ class ExplorerMetrics:
         (a tenant that keeps nothing is reported 0)."""
         for tenant, kept in tenants.items():
             self.tenant_bytes.set(float(kept.bytes), tags={**self.tags, "tenant": tenant})
-
-    def store_counts(self, counts) -> None:
-        """Set the state gauges from a `StoreCounts`."""
-        for state in EXPERIENCE_STATES:
-            self.experiences.set(float(getattr(counts, state)), tags={**self.tags, "state": state})

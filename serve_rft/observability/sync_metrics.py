@@ -3,10 +3,13 @@
 Owned by the `Synchronizer` actor, which calls `SyncMetrics.refresh` after every state change,
 `observe_sync` when a replica reports a finished sync, and `canary` / `verdict` while a canary
 runs. Per-version series are kept to a bounded set: the two canary arms are labelled
-``arm="incumbent"`` / ``arm="candidate"``, their versions are gauges.
+``arm="incumbent"`` / ``arm="candidate"``, their versions are gauges. The store's experience
+counts are `serve_rft.observability.store_metrics.StoreMetrics` (the synchronizer reports those too).
 """
 
 from __future__ import annotations
+
+import time
 
 from ray.util.metrics import Counter, Gauge, Histogram
 
@@ -30,6 +33,13 @@ class SyncMetrics:
                                description="The promoted version every replica converges to.")
         self.candidate = Gauge("serve_rft_candidate_policy_version",
                                description="The canary's candidate version (0: none).")
+        self.version_lag = Gauge("serve_rft_version_lag_seconds",
+                                 description="Seconds since the oldest promoted version that a live "
+                                 "replica does not serve yet was promoted (0: every live replica serves "
+                                 "the incumbent or newer, or an operator's pin holds them).")
+        self.version_lag_bound = Gauge("serve_rft_max_version_lag_seconds",
+                                       description="synchronizer.max_version_lag_s, s: the bound "
+                                       "serve_rft_version_lag_seconds is kept under (absent: no bound).")
         self.serving = Gauge("serve_rft_replicas_serving", description="Live replicas in rotation now.")
         self.live = Gauge("serve_rft_replicas_live", description="Replicas that poll (or renew a sync lease).")
         self.quarantined = Gauge("serve_rft_versions_quarantined",
@@ -43,13 +53,20 @@ class SyncMetrics:
                                   tag_keys=("method", "replica"))
         self.failures = Counter("serve_rft_sync_failures_total", description="Failed weight loads.",
                                 tag_keys=("replica",))
-        self.arm = Gauge("serve_rft_canary_arm", description="The open canary window per arm: rewards, "
-                         "reward_mean, requests, errors.", tag_keys=("arm", "stat"))
+        self.arm_rewards = Gauge("serve_rft_canary_rewards", description="Rewards of experiences generated "
+                                 "in the open canary window, per arm (incumbent / candidate).", tag_keys=("arm",))
+        self.arm_reward_mean = Gauge("serve_rft_canary_reward_mean", description="Mean reward of the open "
+                                     "canary window, per arm (0: no reward yet).", tag_keys=("arm",))
+        self.arm_requests = Gauge("serve_rft_canary_requests", description="Requests answered in the open "
+                                  "canary window, per arm.", tag_keys=("arm",))
+        self.arm_errors = Gauge("serve_rft_canary_errors", description="Requests answered with an error in "
+                                "the open canary window, per arm.", tag_keys=("arm",))
         self.verdicts = Counter("serve_rft_canary_verdicts_total", description="Canary verdicts.",
                                 tag_keys=("decision",))
 
-    def refresh(self, state) -> None:
-        """Set every gauge from a `SyncState`."""
+    def refresh(self, state, now: float | None = None) -> None:
+        """Set every gauge from a `SyncState` at ``now`` (Unix time, s; default: the clock)."""
+        now = time.time() if now is None else now
         for r in state.replicas.values():
             for s in ComponentState:
                 self.state.set(1.0 if r.state is s else 0.0, tags={"replica": r.replica_id, "state": s.value})
@@ -57,6 +74,10 @@ class SyncMetrics:
         self.latest_version.set(state.latest_version())
         self.incumbent.set(state.incumbent)
         self.candidate.set(state.candidate or 0)
+        pinned = state.rollout.pinned is not None  # an operator holds every replica on one version
+        self.version_lag.set(0.0 if pinned else max((now - t for t in state.rollout.lag_open.values()), default=0.0))
+        if state.cfg.max_version_lag_s is not None:
+            self.version_lag_bound.set(state.cfg.max_version_lag_s)
         self.serving.set(state.serving())
         self.live.set(state.members.n_live)
         self.quarantined.set(sum(v.quarantined for v in state.versions.by_version.values()))
@@ -67,16 +88,18 @@ class SyncMetrics:
         """The open window's arms (rewards from the store, traffic from the replicas)."""
         for arm, version in (("candidate", rollout.candidate), ("incumbent", rollout.incumbent)):
             got, traffic = rewards.get(version), rollout.canary_traffic.get(version)
-            stats = {"rewards": got.rewards if got else 0,
-                     "reward_mean": (got.reward_mean or 0.0) if got else 0.0,
-                     "requests": traffic.requests if traffic else 0, "errors": traffic.errors if traffic else 0}
-            for stat, value in stats.items():
-                self.arm.set(float(value), tags={"arm": arm, "stat": stat})
+            tags = {"arm": arm}
+            self.arm_rewards.set(float(got.rewards if got else 0), tags=tags)
+            self.arm_reward_mean.set(float((got.reward_mean or 0.0) if got else 0.0), tags=tags)
+            self.arm_requests.set(float(traffic.requests if traffic else 0), tags=tags)
+            self.arm_errors.set(float(traffic.errors if traffic else 0), tags=tags)
 
     def verdict(self, decision: str) -> None:
+        """One canary verdict (``decision``: promote / rollback)."""
         self.verdicts.inc(tags={"decision": decision})
 
     def observe_sync(self, replica_id: str, timings: dict | None) -> None:
+        """A finished sync's ``timings`` (``total_s`` / ``load_s`` / ``verify_s`` seconds, ``bytes``)."""
         if not timings:
             return
         for phase in ("total_s", "load_s", "verify_s"):
@@ -87,4 +110,5 @@ class SyncMetrics:
             self.sync_bytes.inc(timings["bytes"], tags={"method": self.method, "replica": replica_id})
 
     def failed(self, replica_id: str) -> None:
+        """One failed weight load by ``replica_id``."""
         self.failures.inc(tags={"replica": replica_id})

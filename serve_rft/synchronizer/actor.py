@@ -4,7 +4,8 @@ Talks to: the trainer (``publish``, ``set_trainer``), every explorer replica (``
 ``poll`` long-poll for a `PollReply`, ``renew`` while it syncs, ``synced`` / ``failed``,
 ``left``), the HTTP API (``status``, ``events``, ``rollout`` and the operator's ``pin``,
 ``rollback``, ``pause_promotion``, ``drain``), Ray (which replica actors are alive) and Redis (the
-canary's rewards, its own rollout snapshot; both through its `SyncMonitor`). It never pushes into a replica: replicas pull (the
+canary's rewards, its own rollout snapshot, both through its `SyncMonitor`; the store's experience
+counts, which it reports as metrics). It never pushes into a replica: replicas pull (the
 Trinity-RFT Synchronizer documentation, CHECKPOINT/MEMORY: "the Explorer initiates the sync
 request ... pulls the weights, then returns to RUNNING"). The rules live in the pure
 `serve_rft.synchronizer.state.SyncState`; this actor feeds it the clock and the world.
@@ -56,15 +57,18 @@ class Synchronizer:
             from serve_rft.buffer.store import ExperienceStore
 
             self.store = ExperienceStore.from_config(BufferConfig.model_validate_json(buffer_json))
+        from serve_rft.observability.store_metrics import StoreMetrics
         from serve_rft.observability.sync_metrics import SyncMetrics
 
         self.metrics = SyncMetrics(cfg.sync_method.value)
+        self.store_metrics = StoreMetrics()
         # its rebuild and background checks; nothing is granted (or pruned) before `SyncMonitor.rebuild`
         self.monitor = SyncMonitor(cfg, self.state, self.store, self.metrics, self._expire, self._notify,
                                    ray.get_runtime_context().was_current_actor_reconstructed)
         self._ran_at = time.time()  # when this process was last seen running (`_awake`)
         self._watch_task = asyncio.get_running_loop().create_task(self.monitor.watch())
         self._clock_task = asyncio.get_running_loop().create_task(self._clock())
+        self._counts_task = asyncio.get_running_loop().create_task(self._export_store_counts())
 
     # -- its own clock -------------------------------------------------------------
     async def _clock(self) -> None:
@@ -72,6 +76,20 @@ class Synchronizer:
         while True:
             await asyncio.sleep(CLOCK_PERIOD_S)
             self._awake(time.time())
+
+    async def _export_store_counts(self) -> None:
+        """Every `STORE_COUNTS_PERIOD_S`, the store's counts into `StoreMetrics` (one reporter
+        per stack); a Redis outage or a slow read only skips a beat."""
+        from redis.exceptions import RedisError
+
+        from serve_rft.observability.store_metrics import STORE_COUNTS_PERIOD_S
+
+        while self.store is not None:
+            await asyncio.sleep(STORE_COUNTS_PERIOD_S)
+            try:
+                self.store_metrics.counts(await asyncio.wait_for(self.store.counts(), STORE_COUNTS_PERIOD_S))
+            except (asyncio.TimeoutError, RedisError):
+                pass
 
     def _awake(self, now: float) -> None:
         """This process runs at ``now``: if it did not for longer than `STALL_S` before (it was

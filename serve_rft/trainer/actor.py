@@ -78,7 +78,7 @@ class Trainer:
         self.reset_count = 0
         self.last_reset: dict | None = None  # version, probe max |diff| (None: no probe), time
         self.method = None  # the sync method, once the loop built it
-        self.feed = ExperienceFeed(self.cfg.trainer, ExperienceStore.from_config(self.cfg.buffer).ready, self.metrics)
+        self.feed = ExperienceFeed(self.cfg.trainer, ExperienceStore.from_config(self.cfg.buffer).ready)
         self.publishing = Publishing(self.cfg, self.state_root, model_path, self.feed)
         self.started = False
         self.rank_pids: list[int] = []  # trainer.num_workers > 1: the rank actors' processes
@@ -189,7 +189,7 @@ class Trainer:
                 self.staleness_trained[c] = self.staleness_trained.get(c, 0) + 1
             now = time.time()
             ages_s = [max(0.0, now - b.experience.finished_at) for b in batch]
-            self.metrics.observe(cycles, 0, ages_s)
+            self.metrics.observe(cycles, ages_s)
             stats.update(sample_age_s_mean=sum(ages_s) / len(ages_s), sample_age_s_max=max(ages_s))
             stats["step"] = pub.step_num
             stats["t"] = time.time()

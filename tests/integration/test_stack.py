@@ -642,9 +642,11 @@ def test_locust_smoke_run_has_no_errors_and_metrics_are_exported(stack, tmp_path
 
     want = ['ray_serve_rft_requests_total{', 'route="chat"', 'route="chat_stream"', 'route="rewards"',
             'ray_serve_rft_request_seconds_bucket', 'ray_serve_rft_time_to_first_token_seconds_count',
-            'kind="completion"', 'ray_serve_rft_experiences{', 'state="trained"', 'ray_serve_rft_rewards_total',
+            'kind="completion"', 'ray_serve_rft_store_experiences{', 'ray_serve_rft_experiences_done_total{',
+            'state="trained"', 'ray_serve_rft_rewards_total', 'ray_serve_rft_experiences_rewarded_total',
             'ray_serve_rft_experiences_logged_total', 'ray_serve_rft_trainer_step_seconds_count',
-            'stat="loss"', 'ray_serve_rft_sync_seconds_count', 'ray_serve_rft_trained_staleness_versions_count',
+            'ray_serve_rft_trainer_loss', 'ray_serve_rft_sync_seconds_count',
+            'ray_serve_rft_trained_staleness_versions_count',
             # vLLM's own engine metrics, one ReplicaId per replica (explorer.log_stats)
             'ray_vllm_num_requests_running{', 'ReplicaId="', 'ray_vllm_time_to_first_token_seconds_bucket']
     assert stack.metrics_url

@@ -99,3 +99,60 @@ def test_operator_pins_rolls_back_and_pauses(stack):
     assert httpx.post(f"{u}/v1/sync/replicas/nope/drain", json={"drained": True}, headers=ADMIN).status_code == 404
     kinds = {e["kind"] for e in httpx.get(f"{u}/v1/sync/events", headers=ADMIN).json()["events"]}
     assert {"pinned", "unpinned", "rollback", "promotion_paused", "promotion_resumed"} <= kinds
+
+
+
+def test_a_real_prometheus_scrapes_the_stack_and_every_dashboard_query_and_alert_reads_data(stack, tmp_path):
+    """Debian's Prometheus, started here with the shipped scrape config (pointed at this
+    stack's metrics port, every 3 s) and alert rules, scrapes the stack after the canary ran
+    (verdicts, arms, syncs exist). After a little traffic of every kind the dashboard shows
+    (chat, streamed chat, a refused request, a `store: false` request, a reward): every
+    dashboard query returns data, with the labels it groups by; every alert expression is
+    accepted, every series it reads has data, and every rule evaluates without error; only the
+    series in `tests.support.prometheus.NEEDS_AN_EVENT` may be absent, each for its reason."""
+    import shutil
+
+    from tests.support.prometheus import NOT_INSTALLED, check_pack, running_prometheus
+
+    if shutil.which("prometheus") is None:
+        pytest.skip(NOT_INSTALLED)
+    assert stack.metrics_url
+    with running_prometheus(stack.metrics_url, tmp_path) as prom:
+        u = stack.url
+
+        def traffic(k: int) -> None:
+            """One of each kind of request the dashboard shows."""
+            chat = {"model": "serve-rft", "messages": [{"role": "user", "content": f"prometheus {k}"}],
+                    "max_tokens": 4}
+            r = httpx.post(f"{u}/v1/chat/completions", headers=ADMIN, timeout=120, json=chat)
+            assert r.status_code == 200, r.text
+            assert httpx.post(f"{u}/v1/rewards", headers=ADMIN, timeout=60,
+                              json={"completion_id": r.json()["id"], "reward": 1.0}).status_code == 200
+            for _ in range(2):  # one on each replica, where the ingress alternates
+                with httpx.stream("POST", f"{u}/v1/chat/completions", headers=ADMIN, timeout=120,
+                                  json={**chat, "stream": True}) as streamed:
+                    assert streamed.status_code == 200 and sum(1 for _ in streamed.iter_lines())
+            assert httpx.post(f"{u}/v1/chat/completions", headers=ADMIN, timeout=120,
+                              json={**chat, "store": False}).status_code == 200
+            assert httpx.post(f"{u}/v1/chat/completions", headers=ADMIN, timeout=60,
+                              json={**chat, "messages": []}).status_code == 400
+
+        # Ray's agent exports what each replica recorded once per report period, and a series
+        # from its first event: the first round makes the series, a later one moves them (on a
+        # replica whose series Prometheus saw before: up to 4 rounds)
+        traffic(0)
+        prom.wait_for("the first round in Prometheus", lambda: all(prom.query(q) for q in (
+            "ray_serve_rft_time_to_first_token_seconds_count",
+            'ray_serve_rft_experiences_unlogged_total{reason="store_false"}')))
+        for k in range(1, 5):
+            traffic(k)
+            try:
+                prom.wait_for("a later round in Prometheus", lambda: all(prom.query(q) for q in (
+                    "sum(increase(ray_serve_rft_time_to_first_token_seconds_count[2m])) > 0",
+                    'sum(increase(ray_serve_rft_requests_total{route="chat",status="200"}[2m])) > 0')), 20)
+                break
+            except AssertionError:
+                if k == 4:
+                    raise
+        time.sleep(3)  # one more scrape
+        check_pack(prom)

@@ -92,4 +92,4 @@ class PublishingTrainer(Publishing):
         self.published = None
         self.unpublished, self.unsaved = [], [("1-0", "c:0", 1)]
         self.publishes_since_save = 0
-        self.feed = ExperienceFeed(self.cfg.trainer, StandInStore(log), None)
+        self.feed = ExperienceFeed(self.cfg.trainer, StandInStore(log))

@@ -111,7 +111,7 @@ def test_the_feed_leaves_greedy_answers_out_of_the_loss_counted_unless_asked(red
         await store.ready.ensure_group()
         for cid in exps:
             await store.post_reward(cid, 0, 1.0)
-        feed = ExperienceFeed(TrainerConfig(train_greedy=train_greedy), store.ready, metrics=None)
+        feed = ExperienceFeed(TrainerConfig(train_greedy=train_greedy), store.ready)
         batch = await store.ready.read_ready("t", 10, block_ms=10)
         kept = sorted(b.experience.completion_id for b in await feed.admit(batch, vocab_size=1024, version=2))
         if train_greedy:
@@ -140,7 +140,7 @@ def test_the_feed_leaves_grammar_sampled_experiences_out_of_the_loss_counted(red
         await store.ready.ensure_group()
         for cid in ("chatcmpl-free", "chatcmpl-forced"):
             await store.post_reward(cid, 0, 1.0)
-        feed = ExperienceFeed(TrainerConfig(), store.ready, metrics=None)
+        feed = ExperienceFeed(TrainerConfig(), store.ready)
         batch = await store.ready.read_ready("t", 10, block_ms=10)
         kept = await feed.admit(batch, vocab_size=1024, version=4)
         assert [b.experience.completion_id for b in kept] == ["chatcmpl-free"] and feed.constrained == 1
@@ -169,15 +169,15 @@ def test_restarts_after_successful_steps_dead_letter_nothing(redis_server):
         cfg = TrainerConfig(max_entry_attempts=3)
         await store.ready.read_ready("trainer", 10, block_ms=10)  # the first process takes both
         for _ in range(4):  # each process: read its backlog, step, step succeeds, process dies
-            feed = ExperienceFeed(cfg, store.ready, metrics=None)
+            feed = ExperienceFeed(cfg, store.ready)
             batch = await feed.count_attempts(await store.ready.delivered("trainer"))
             assert len(batch) == 2
             await feed.stepped(batch)
         assert feed.dead_lettered == 0 and (await store.counts()).dead_lettered == 0
         for _ in range(3):  # a step that kills its process every time
-            feed = ExperienceFeed(cfg, store.ready, metrics=None)
+            feed = ExperienceFeed(cfg, store.ready)
             assert len(await feed.count_attempts(await store.ready.delivered("trainer"))) == 2
-        feed = ExperienceFeed(cfg, store.ready, metrics=None)
+        feed = ExperienceFeed(cfg, store.ready)
         assert await feed.count_attempts(await store.ready.delivered("trainer")) == []
         assert feed.dead_lettered == 2
         await store.close()
@@ -197,7 +197,7 @@ def test_the_feed_drops_a_stale_release_whole_by_its_oldest_token():
             Store.acked += [(e.experience.completion_id, e.experience.choice_index, state) for e in entries]
             return 0, len(entries)
 
-    feed = ExperienceFeed(TrainerConfig(max_staleness=1), Store(), metrics=type("M", (), {"observe": lambda *a: None})())
+    feed = ExperienceFeed(TrainerConfig(max_staleness=1), Store())
     for v in (1, 2, 3, 4):
         feed.published(v)
     def entry(cid, i, release_version):

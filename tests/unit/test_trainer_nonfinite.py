@@ -182,7 +182,7 @@ def test_a_skipped_step_dead_letters_its_batch_with_why_counted(redis_server):
         await store.post_reward("chatcmpl-huge", 0, 1.0)  # the store's own range is not under test
         batch = await store.ready.read_ready("trainer", 10, block_ms=10)
         assert len(batch) == 1
-        actor = types.SimpleNamespace(feed=ExperienceFeed(Config().trainer, store.ready, None), skipped_steps=0,
+        actor = types.SimpleNamespace(feed=ExperienceFeed(Config().trainer, store.ready), skipped_steps=0,
                                       last_skipped=None, metrics=_Metrics())
         skipped = Trainer.__ray_metadata__.modified_class._skipped
         await skipped(actor, batch, {"skipped": "non-finite advantage (1 of 1)"})

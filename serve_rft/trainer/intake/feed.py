@@ -19,7 +19,6 @@ from serve_rft.buffer.records import DeadLetter
 from serve_rft.buffer.ready import ReadyStream
 from serve_rft.config import TrainerConfig
 from serve_rft.names import TRAINER_NAME
-from serve_rft.observability.trainer_metrics import TrainerMetrics
 from serve_rft.trainer.intake.admission import (TrainedLedger, batch_complete, is_greedy, stale_threshold,
                                                sync_cycles, untrainable)
 from serve_rft.types import RewardedExperience
@@ -38,11 +37,10 @@ class ExperienceFeed:
             ``max_entry_attempts``, ``read_order``).
         store: the experience store's ready stream (``ExperienceStore.ready``), all the trainer
             holds of the store.
-        metrics: where dropped and trained staleness are observed.
     """
 
-    def __init__(self, cfg: TrainerConfig, store: ReadyStream, metrics: TrainerMetrics):
-        self.cfg, self.store, self.metrics = cfg, store, metrics
+    def __init__(self, cfg: TrainerConfig, store: ReadyStream):
+        self.cfg, self.store = cfg, store
         self.ledger = TrainedLedger()  # members saved states cover: a lost ack is never retrained
         self.published_versions: list[int] = [0]  # ascending, the newest PUBLISHED_KEPT
         self.stale_dropped = 0
@@ -161,7 +159,6 @@ class ExperienceFeed:
         if stale:
             _, dropped = await self.store.ack(stale, version, state="stale-dropped")
             self.stale_dropped += dropped
-            self.metrics.observe([], dropped)
         return [b for b in batch if self.staleness(oldest(b)) <= limit]
 
     async def shed_stale(self, version: int, held: set[str] | None = None) -> None:
@@ -174,8 +171,6 @@ class ExperienceFeed:
         if threshold is not None:
             dropped = await self.store.drop_stale(threshold, version, exclude=held)
             self.stale_dropped += dropped
-            if dropped:
-                self.metrics.observe([], dropped)
 
     def staleness(self, version: int) -> int:
         """Sync cycles since ``version`` over what the trainer (or the state it resumed from)

@@ -153,10 +153,13 @@ class QuotasConfig(StrictSection):
         "renews every lease_s / 3 while it runs; a replica that dies leaves its slots taken at most this "
         "long, s.")
     timeout_s: float = Field(
-        0.25, gt=0, le=5.0, description="Bound of one quota check's wait for a free connection (the "
+        1.0, gt=0, le=5.0, description="Bound of one quota check's wait for a free connection (the "
         "replica keeps explorer.max_ongoing_requests; none free in time: 429 quota_check_busy) and of its "
         "Redis call, s. Past it (or with Redis unreachable) each key is held to this replica's share of "
-        "its quota from memory for a second (counted: serve_rft_quota_unchecked_total).")
+        "its quota from memory for a second (counted: serve_rft_quota_unchecked_total). A replica starved "
+        "of CPU (loading weights beside its engine on a small machine) delays its own checks by hundreds of "
+        "milliseconds while Redis answers at once, so a bound much under a second refuses callers who are "
+        "within their quota.")
 
     def scope(self, name: str) -> ScopeQuota:
         """The quota of scope ``name`` (inference / rewards / admin)."""

@@ -59,9 +59,11 @@ RULES: tuple[tuple[str, str, str], ...] = (
 
 def short_command(cmd: str) -> str:
     """A process's program and first arguments, without any ``KEY=value`` or JSON argument (a
-    machine's agents carry their environment on their command lines): what `window_usage` lists
-    of the processes outside the trees."""
-    return " ".join(t for t in cmd.split()[:4] if "=" not in t and "{" not in t)[:80]
+    machine's agents carry their environment on their command lines) and with a path argument's
+    folders left out (a result keeps no machine paths: tests/unit/test_results.py): what
+    `window_usage` lists of the processes outside the trees."""
+    return " ".join(t.rsplit("/", 1)[-1] if t.startswith("/") else t
+                    for t in cmd.split()[:4] if "=" not in t and "{" not in t)[:80]
 
 
 def classify(cmdline: str, name: str = "") -> tuple[str, str]:

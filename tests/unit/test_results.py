@@ -52,7 +52,6 @@ NOT_REGENERATED: dict[str, str] = {
     "ramp_proxy.json": _LIVE,
     "soak.json": "an hour of the live service; not rerun: " + _MACHINE,
     "staleness.json": _LIVE + " (it records the date)",
-    "sync_cost.json": _LIVE,
     "zero_downtime_proxy.json": _LIVE + (" (its recorded command lacks the --ingress proxy the Performance page "
                                          "gives it, and the result does not record its ingress)"),
     **{name: _TRAINER for name in (

@@ -483,7 +483,9 @@ def test_256_concurrent_requests_of_a_slow_key_get_exactly_its_burst_through(sta
         if refused >= 251:
             break
         time.sleep(2)
-    assert refused == 251 and unchecked == 0, (refused, unchecked)
+    # at least the 251 (the answers above are exactly 251 refusals; a refusal of an earlier test
+    # that Ray exports late may land in this window too), and none decided by a share alone
+    assert refused >= 251 and unchecked == 0, (refused, unchecked)
 
 
 def _settled(read, tries: int = 30):

@@ -103,8 +103,8 @@ def test_promtool_checks_the_rules_and_the_scrape_config():
 
 
 def test_every_alert_fires_on_trouble_and_not_before():
-    assert PROMTOOL, NO_PROMTOOL
     """`promtool test rules`: each alert quiet, then firing with its annotations rendered."""
+    assert PROMTOOL, NO_PROMTOOL
     cases = ROOT / "tests" / "unit" / "prometheus" / "alerts_test.yml"
     tested = set(re.findall(r"alertname: (\w+)", cases.read_text()))
     assert tested == {r["alert"] for r in alert_rules()}, tested

@@ -199,6 +199,22 @@ def config_schema(output: Optional[Path] = typer.Option(None, "--output", "-o", 
         output.write_text(schema_text())
 
 
+@config_cli.command("serve", help="Print the shipped Ray Serve config (the application builder, its args, the explorer's "
+                    "deployment options) for serve run / serve deploy; set its overrides (Redis URL, model, ...) "
+                    "before deploying.")
+def config_serve(autoscaling: bool = typer.Option(False, "--autoscaling", help="The config with an "
+                                                  "autoscaling_config instead of a fixed replica count."),
+                 output: Optional[Path] = typer.Option(None, "--output", "-o", metavar="FILE",
+                                                       help="Write it here instead of printing it.")) -> None:
+    from serve_rft.deploy import SERVE_CONFIGS
+
+    text = SERVE_CONFIGS["serve_config_autoscaling" if autoscaling else "serve_config"].read_text()
+    if output is None:
+        print(text, end="")
+    else:
+        output.write_text(text)
+
+
 @cli.command("cluster-env", help="Print the environment every node of a ray start cluster needs, as export "
              "lines for bash: the settings serve-rft up gives the Ray it starts itself (HAProxy ingress, "
              "its retries, draining periods, Ray's task events), for Ray's processes to read when they start.")

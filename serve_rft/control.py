@@ -22,9 +22,17 @@ def preflight(cfg: Config) -> None:
             ``trainer.algorithm`` names no algorithm or ``trainer.algorithm_args`` are not its
             settings; ``model.path`` is neither a model directory nor a hub id that is cached or
             can be downloaded (`serve_rft.model.embedded.resolve_model_path`); a tracker of
-            ``trainer.loggers`` is not installed.
+            ``trainer.loggers`` is not installed; no ``buffer.redis_url`` and no ``redis-server``
+            on PATH to start the embedded store with.
     """
+    import shutil
+
     import pydantic
+
+    if not cfg.buffer.redis_url and shutil.which("redis-server") is None:
+        from serve_rft.buffer.redis_server import MISSING
+
+        raise ValueError(MISSING)
 
     if cfg.model.path:
         from serve_rft.model.embedded import resolve_model_path

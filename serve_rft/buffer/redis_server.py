@@ -24,6 +24,10 @@ from pathlib import Path
 from serve_rft.buffer.redis_auth import CONFIG_FILE, private_dir, run_password, with_password, write_private
 from serve_rft.proc import die_with_parent
 
+MISSING = ("redis-server not found on PATH: install it (Debian/Ubuntu: `apt-get install redis-server`; "
+           "a checkout: `bash scripts/bootstrap.sh`) or set buffer.redis_url to a running Redis")
+"""What a start without ``redis-server`` says (`start_redis`, `serve_rft.control.preflight`)."""
+
 
 PORT_BAND = (20000, 32767)
 """Where `free_port` looks: above Ray's worker ports (10002-19999 by default) and below Linux's
@@ -151,12 +155,12 @@ def start_redis(data_dir: str | Path, port: int | None = None, timeout_s: float 
             (the store counts and reports them), nothing is evicted. None: no bound.
 
     Raises:
-        FileNotFoundError: no ``redis-server`` on PATH (run scripts/bootstrap.sh).
+        FileNotFoundError: no ``redis-server`` on PATH (`MISSING` says how to install it).
         RuntimeError: the server did not answer PING within ``timeout_s``.
     """
     exe = shutil.which("redis-server")
     if exe is None:
-        raise FileNotFoundError("redis-server not found on PATH; run scripts/bootstrap.sh")
+        raise FileNotFoundError(MISSING)
     data = private_dir(Path(data_dir).resolve())
     port = port or free_port()
     conf = data / CONFIG_FILE

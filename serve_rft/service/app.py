@@ -1,7 +1,7 @@
 """The Ray Serve application: explorer replicas + the synchronizer and trainer actors.
 
 `build_app` is what both `serve-rft up` and `serve deploy` / `serve run` / `serve build`
-(deployments/app.py) call: it binds the explorer deployment (nothing starts, so `serve build` can
+(`serve_rft.deploy`) call: it binds the explorer deployment (nothing starts, so `serve build` can
 import it), after refusing to expose an open service: the HTTP servers bind the running Serve
 instance's ``http_options.host`` (its proxies or HAProxy, and each replica's own server in
 HAProxy mode), whatever ``service.host`` says, so that is the address checked

@@ -32,7 +32,6 @@ import subprocess
 import sys
 import threading
 import time
-import zipfile
 from collections import Counter
 from functools import partial
 from pathlib import Path
@@ -48,6 +47,7 @@ from tests.support.load import (
     live_replicas,
     wait_for,
 )
+from tests.support.package import code_zip
 from tests.support.ray_cluster import RayCluster, RayNode
 
 pytestmark = pytest.mark.integration
@@ -56,18 +56,6 @@ ROOT = Path(__file__).resolve().parents[2]
 ROLE = "serve-rft.io/role"
 SERVE_ONLY = ("initial_replicas", "look_back_period_s")
 """Keys of Serve's ``autoscaling_config`` that serve_rft's ``explorer.autoscaling`` does not repeat."""
-
-
-def _code_zip(dest: Path) -> Path:
-    """The repository's files (tracked and untracked, not ignored) in one top-level folder, the
-    layout Ray's ``working_dir`` zip URIs need."""
-    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT, check=True,
-                           capture_output=True, text=True).stdout.split()
-    with zipfile.ZipFile(dest, "w", zipfile.ZIP_DEFLATED) as z:
-        for f in files:
-            if (ROOT / f).is_file():
-                z.write(ROOT / f, f"serve_rft_src/{f}")
-    return dest
 
 
 def _serve_files(folder: Path) -> tuple[http.server.ThreadingHTTPServer, str]:
@@ -92,7 +80,7 @@ def _serve_config(path: Path, port: int, code_uri: str, overrides: list[str],
     # the shipped http_options bind 0.0.0.0, and this test's clients (load.Users, get_status) send
     # no keys: serving openly is allowed explicitly (the keyed path of a shipped serve config is
     # test_serve_run's)
-    app["args"]["overrides"] = [*overrides, "service.allow_unauthenticated=true"]  # args.config: in working_dir
+    app["args"]["overrides"] = [*overrides, "service.allow_unauthenticated=true"]
     explorer = app["deployments"][0]
     explorer["ray_actor_options"]["label_selector"] = {ROLE: "explorer"}
     if autoscaling:
@@ -169,7 +157,7 @@ def deployed(tmp_path: Path, redis_url: str, model: Path, sync_method: str, expl
         cluster.add_node("head", num_cpus=1, labels={ROLE: "trainer"})
         for name, cpus in zip("bcdefg", explorer_cpus):
             cluster.add_node(name, num_cpus=cpus, labels={ROLE: "explorer"})
-        _code_zip(files / "serve_rft_src.zip")
+        code_zip(files / "serve_rft_src.zip")
         server, files_url = _serve_files(files)
         port = free_port()
         url = f"http://127.0.0.1:{port}"

@@ -1,4 +1,4 @@
-"""The command line as a user meets it: version, help, ``config show / validate / schema``, --host."""
+"""The command line as a user meets it: version, help, ``config show / validate / schema / serve``, --host."""
 
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ def test_version_is_the_package_version():
 
 
 COMMANDS = [[], ["up"], ["demo"], ["agent"], ["report"], ["status"], ["init-model"], ["cluster-env"],
-            ["config"], ["config", "show"], ["config", "validate"], ["config", "schema"]]
+            ["config"], ["config", "show"], ["config", "validate"], ["config", "schema"], ["config", "serve"]]
 
 
 @pytest.mark.parametrize("command", COMMANDS, ids=lambda c: " ".join(c) or "serve-rft")
@@ -131,3 +131,15 @@ def test_cluster_env_prints_what_the_kuberay_manifest_sets_and_bash_reads_it_bac
     proxy = run("cluster-env", "--ingress", "proxy").stdout
     assert "RAY_SERVE_ENABLE_HA_PROXY" not in proxy and "RAY_SERVE_PROXY_MIN_DRAINING_PERIOD_S=30" in proxy
     assert "serve-rft cluster-env" in (ROOT / "docs" / "operations" / "deploy.md").read_text()
+
+
+@pytest.mark.parametrize("flags, name", [([], "serve_config.yaml"), (["--autoscaling"], "serve_config_autoscaling.yaml")])
+def test_config_serve_prints_the_shipped_serve_config(tmp_path, flags, name):
+    """What a package install has of deployments/ (package data): the same file, importing the
+    packaged builder."""
+    shipped = (ROOT / "deployments" / name).read_text()
+    result = run("config", "serve", *flags)
+    assert result.exit_code == 0 and result.output == shipped
+    assert yaml.safe_load(shipped)["applications"][0]["import_path"] == "serve_rft.deploy:app_builder"
+    assert run("config", "serve", *flags, "-o", str(tmp_path / name)).exit_code == 0
+    assert (tmp_path / name).read_text() == shipped

@@ -145,15 +145,14 @@ def test_shipped_serve_configs_refuse_to_deploy_without_keys(no_key_env, monkeyp
 
     import yaml
 
-    from deployments.app import app_builder
+    from serve_rft.deploy import app_builder
     from serve_rft.service import app as service_app
 
     root = Path(__file__).parents[2]
     shipped = yaml.safe_load((root / "deployments" / name).read_text())
     host = shipped["http_options"]["host"]
     monkeypatch.setattr(service_app, "serve_http_host", lambda cfg: host)
-    args = dict(shipped["applications"][0]["args"])
-    args["config"] = str(root / args["config"])
+    args = dict(shipped["applications"][0]["args"])  # no run-config file: the defaults
     with pytest.raises(ValueError, match="no API keys"):
         app_builder(args)
     monkeypatch.setenv("SERVE_RFT_ADMIN_KEYS", "adm")

@@ -62,7 +62,7 @@ def test_the_cli_never_echoes_a_key(case):
 
 def test_the_serve_application_builder_never_echoes_a_key(case):
     """``serve deploy`` / ``serve run`` of a Serve config: ``args.config`` and ``args.overrides``."""
-    from deployments.app import app_builder
+    from serve_rft.deploy import app_builder
 
     path, overrides = case
     args = {"overrides": overrides, **({"config": str(path)} if path else {})}

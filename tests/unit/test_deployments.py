@@ -1,6 +1,7 @@
-"""deployments/: `serve build` accepts the importable application, and serve_config.yaml's
-deployment options are exactly what `serve build` prints for configs/default.yaml; the builder
-the config file names turns its args into the same application. The KubeRay RayService
+"""The shipped Serve configs (serve_rft/deploy/, linked from deployments/): `serve build` accepts
+the importable application, and serve_config.yaml's deployment options are exactly what `serve
+build` prints for configs/default.yaml; the builder the config file names turns its args into the
+same application. The KubeRay RayService
 (deployments/kuberay/rayservice.yaml) runs that application on configs/cluster.yaml, with Ray on
 every pod started as `serve-rft up` starts it, and its control plane and store closed to anyone
 without their secrets."""
@@ -23,22 +24,23 @@ def test_serve_build_output_matches_serve_config(tmp_path):
     out = tmp_path / "built.yaml"
     serve = Path(sys.executable).parent / "serve"
     env = dict(os.environ, RAY_SERVE_ENABLE_HA_PROXY="1")  # no custom router: valid in both modes
-    proc = subprocess.run([str(serve), "build", "deployments.app:app", "--app-dir", str(ROOT), "-o", str(out)],
+    proc = subprocess.run([str(serve), "build", "serve_rft.deploy:app", "--app-dir", str(ROOT), "-o", str(out)],
                           capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     built = yaml.safe_load(out.read_text())["applications"][0]
     shipped = yaml.safe_load((ROOT / "deployments" / "serve_config.yaml").read_text())["applications"][0]
     assert built["deployments"] == shipped["deployments"]
-    assert shipped["import_path"] == "deployments.app:app_builder"
+    assert shipped["import_path"] == "serve_rft.deploy:app_builder"
 
 
 def test_the_builder_applies_its_args():
     from ray.serve.handle import DeploymentHandle  # noqa: F401  (Serve is importable)
 
-    from deployments.app import app_builder
+    from serve_rft.deploy import app_builder
 
     shipped = yaml.safe_load((ROOT / "deployments" / "serve_config.yaml").read_text())["applications"][0]
-    args = dict(shipped["args"], config=str(ROOT / shipped["args"]["config"]))
+    assert "config" not in shipped["args"], "the defaults: no file a package install lacks"
+    args = dict(shipped["args"])
     args["overrides"] = args["overrides"] + ["explorer.num_replicas=3"]
     app = app_builder(args)
     deployment = app._bound_deployment
@@ -131,7 +133,7 @@ def _pod_env(container: dict) -> dict[str, str]:
 
 
 def _kuberay_config():
-    """The run config the RayService's application builds: `deployments.app.app_builder`'s
+    """The run config the RayService's application builds: `serve_rft.deploy.app_builder`'s
     `load_config` call (its `preflight` needs CUDA), with the image path mapped to this checkout
     and the pods' run-config environment (the store URL; not the keys, which tests set)."""
     from serve_rft.config import load_config
@@ -392,7 +394,7 @@ def test_every_pod_starts_ray_as_serve_rft_up_does():
         assert {k: env.get(k) for k in expected} == expected, name
         assert float(env["RAY_SERVE_PROXY_MIN_DRAINING_PERIOD_S"]) >= 30, name
         assert not set(env) & PER_MACHINE, name
-        assert IMAGE_ROOT.rstrip("/") in env["PYTHONPATH"].split(":"), name  # deployments.app
+        assert IMAGE_ROOT.rstrip("/") in env["PYTHONPATH"].split(":"), name  # serve_rft.deploy
     assert len(images) == 1
 
 
@@ -447,7 +449,8 @@ def test_the_autoscaling_config_is_serve_config_with_the_builders_autoscaling(mo
         {k: v for k, v in base.items() if k not in ("args", "deployments")}
     extra = [o for o in app["args"]["overrides"] if o not in base["args"]["overrides"]]
     assert len(extra) == 1 and extra[0].startswith("explorer.autoscaling=")
-    cfg = load_config(ROOT / app["args"]["config"], list(app["args"]["overrides"]))
+    assert "config" not in app["args"], "the defaults: no file a package install lacks"
+    cfg = load_config(None, list(app["args"]["overrides"]))
     assert cfg.explorer.autoscaling.min_replicas > cfg.synchronizer.max_unavailable
     monkeypatch.setenv("RAY_SERVE_ENABLE_HA_PROXY", "1")
     built = [deployment_to_schema(d).model_dump(exclude_unset=True)

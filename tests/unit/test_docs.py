@@ -143,7 +143,7 @@ def test_python_reference_is_the_public_surface(site):
     """The Python reference shows the app builder, the rewards client and every config model with
     its fields (griffe-pydantic), and no internal module."""
     page = (site / "reference" / "python" / "index.html").read_text()
-    for name in ("deployments.app.app_builder", "RewardClient", "load_config", "reward_timeout_s",
+    for name in ("serve_rft.deploy.app_builder", "RewardClient", "load_config", "reward_timeout_s",
                  "sync_method", "max_staleness"):
         assert name in page, f"the Python reference lacks {name}"
     assert page.count("doc-label-pydantic-model") >= 16, "config models rendered without their fields"

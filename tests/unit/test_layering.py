@@ -17,7 +17,7 @@ FLOORS = [
     {"buffer", "observability", "weights"},         # the experience store, metrics, weight sync
     {"explorer", "trainer", "synchronizer"},        # the runtime roles, side by side (ROLES)
     {"control"},                                    # creates the synchronizer and trainer actors
-    {"service"},                                    # wiring: Ray, Serve, Redis, shutdown
+    {"service", "deploy"},                          # wiring: Ray, Serve, Redis, shutdown; Serve's entry points
     {"cli"},                                        # the command line
 ]
 

@@ -118,3 +118,20 @@ def test_train_mode_binds_no_http_so_needs_no_keys(monkeypatch):
         monkeypatch.delenv(name, raising=False)
     cfg = load_config(None, ["service.host=0.0.0.0"])
     assert _runnable(cfg, Mode.train) is cfg
+
+
+def test_up_without_redis_server_on_path_says_how_to_install_it(monkeypatch, tmp_path):
+    """The embedded store needs ``redis-server``: without it on PATH, one line naming the package and
+    the bootstrap, exit 2, nothing started; with ``buffer.redis_url`` set it is not needed.
+    (Fails with the preflight's check removed: validate then exits 0.)"""
+    import shutil
+
+    bare = tmp_path / "bin"
+    bare.mkdir()
+    monkeypatch.setenv("PATH", str(bare))
+    assert shutil.which("redis-server") is None
+    result = CliRunner().invoke(cli, ["config", "validate", "--set", f"service.run_dir={tmp_path}"])
+    out = " ".join(result.output.split())
+    assert result.exit_code == 2 and "redis-server not found on PATH" in out and "apt-get install redis-server" in out
+    result = CliRunner().invoke(cli, ["config", "validate", "--set", "buffer.redis_url=redis://127.0.0.1:1/0"])
+    assert result.exit_code == 0, result.output

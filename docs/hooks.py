@@ -201,12 +201,13 @@ NEUTRAL_CANDIDATES = (None, 0, -1, 1.0, False, [], {})
 JSON_TYPES = {type(None): "null", bool: "boolean", int: "integer", float: "number", list: "array", dict: "object"}
 
 
-def _refused() -> dict[str, tuple[Any, str]]:
-    """The request fields the service refuses: name -> (is this value neutral?, why), from the code."""
+def _refused(path: str | None = None) -> dict[str, tuple[Any, str]]:
+    """The request fields the service refuses on ``path`` (None: on chat and completions): name ->
+    (is this value neutral?, why), from the code."""
     _importable()
-    from serve_rft.explorer.http.openai_request import REFUSED
+    from serve_rft.explorer.http.openai_request import REFUSED, RESPONSES_REFUSED
 
-    return REFUSED
+    return {**REFUSED, **RESPONSES_REFUSED} if path == "/v1/responses" else REFUSED
 
 
 def _types(schema: dict[str, Any]) -> set[str]:
@@ -229,13 +230,17 @@ def _request_schema(doc: dict[str, Any], path: str) -> dict[str, Any] | None:
 
 
 def refused_fields(doc: dict[str, Any]) -> str:
-    """Markdown: the refused request fields of chat and completions, when each is served, and why."""
+    """Markdown: the refused request fields of chat, completions and responses, when each is
+    served, and why."""
     chat = (_request_schema(doc, "/v1/chat/completions") or {}).get("properties", {})
     text = (_request_schema(doc, "/v1/completions") or {}).get("properties", {})
+    responses = (_request_schema(doc, "/v1/responses") or {}).get("properties", {})
     out = ["| field | served only when | why any other value is refused |", "|---|---|---|"]
-    for name, (neutral, why) in _refused().items():
-        schema = chat.get(name) or text.get(name) or {}
-        where = "" if name in chat else " (completions)"
+    rows = [(name, rule, "" if name in chat else " (completions)", chat.get(name) or text.get(name) or {})
+            for name, rule in _refused().items()]
+    rows += [(name, rule, " (responses)", responses.get(name) or {})
+             for name, rule in _refused("/v1/responses").items() if name not in _refused()]
+    for name, (neutral, why), where, schema in rows:
         served = "".join(f" or `{v}`" for v in _served_values(neutral, schema))
         out.append(f"| `{name}`{where} | absent{served} | {_cell(why)} |")
     return "\n".join(out) + "\n"
@@ -272,8 +277,8 @@ def site_openapi(doc: dict[str, Any], examples: dict[str, Any]) -> dict[str, Any
         "type": "http", "scheme": "bearer",
         "description": "An API key when the service has keys (`service.api_keys`, `reward_keys`, `admin_keys`): "
                        "inference, rewards or admin scope."}}
-    refused = _refused()
     for path, methods in doc["paths"].items():
+        refused = _refused(path)
         for method, op in methods.items():
             scope = required_scope(path)
             if scope is not None:

@@ -4,7 +4,7 @@ reproduce refused with a 400 that names the field, serve_rft's extensions taken 
 import pytest
 
 from serve_rft.explorer.engine.engine_tap import response_id, sampling_info
-from serve_rft.explorer.http.openai_request import REFUSED, parse_request
+from serve_rft.explorer.http.openai_request import REFUSED, RESPONSES_REFUSED, parse_request
 from serve_rft.explorer.http.protocol import ApiError
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}]}
@@ -102,6 +102,8 @@ def test_vllms_own_validation_is_a_400_naming_the_field():
 def test_the_response_id_names_a_completions_engine_request():
     assert response_id("cmpl-abc-0") == "cmpl-abc" and response_id("chatcmpl-abc") == "chatcmpl-abc"
     assert response_id("cmpl-0") == "cmpl-0"
+    # vLLM's /v1/responses names its engine request resp_{id}_{turn}; the response's id is resp_{id}
+    assert response_id("resp_9f2c_0") == "resp_9f2c" and response_id("resp_0") == "resp_0"
 
 
 def test_sampling_info_keeps_a_grammar_constraint():
@@ -206,3 +208,48 @@ def test_text_that_cannot_be_stored_is_refused_before_generation(raw, param):
     ok = parse_json(b'{"messages": [{"role": "user", "content": "\\ud83d\\ude00"}], "user": "\\u00e9"}')
     req, _ = parse_request(ok, "chat", max_n=16)  # a surrogate pair is one character: served
     assert req.messages[0]["content"] == "\U0001F600" and req.user == "é"
+
+
+RESPONSES = {"input": "hi", "max_output_tokens": 8}
+
+
+def test_a_responses_request_is_vllms_with_its_own_resp_id_and_our_extensions_taken_out():
+    req, ctx = parse_request({**RESPONSES, "conversation_id": "c", "group_id": "g", "store": False,
+                              "metadata": {"k": "v"}, "user": "u"}, "responses", max_n=16)
+    assert type(req).__name__ == "ResponsesRequest" and req.request_id.startswith("resp_")
+    assert (ctx.conversation_id, ctx.group_id, ctx.store, ctx.metadata, ctx.user) == ("c", "g", False, {"k": "v"}, "u")
+    req, _ = parse_request({"input": [{"role": "user", "content": "hi"}], "instructions": "be brief"},
+                           "responses", max_n=16)
+    assert req.instructions == "be brief"
+
+
+@pytest.mark.parametrize("field,value", [
+    ("previous_response_id", "resp_x"), ("background", True), ("prompt", {"id": "pmpt_1"}),
+    ("previous_input_messages", [{"role": "user", "content": "x"}]),
+    ("top_k", 5), ("repetition_penalty", 1.2), ("cache_salt", "s"), ("request_id", "resp_mine"),
+])
+def test_responses_refuse_what_needs_response_state_or_changes_sampling(field, value):
+    """A field needing state the engine would keep outside the store, or one the trainer does not
+    reproduce: 400 naming it, with the reason. (Fails without RESPONSES_REFUSED: vLLM answers
+    previous_response_id with a 404 and runs background requests in its own task.)"""
+    with pytest.raises(ApiError) as e:
+        parse_request({**RESPONSES, field: value}, "responses", max_n=16)
+    assert e.value.status == 400 and e.value.param == field and e.value.code == "unsupported_parameter"
+    assert {**REFUSED, **RESPONSES_REFUSED}[field][1] in e.value.message
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"input": 5}, "input"), ({**RESPONSES, "max_output_tokens": 0}, "max_output_tokens"),
+    ({**RESPONSES, "top_logprobs": 21}, "top_logprobs"), ({**RESPONSES, "stream": "yes"}, "stream"),
+    ({**RESPONSES, "n": 2}, "n"), ({**RESPONSES, "messages": []}, "messages"),
+    ({**RESPONSES, "text": {"format": {"type": "json_schema", "name": "x", "schema": {"description": "x" * 70000}}}},
+     "text"),
+])
+def test_responses_fields_of_the_wrong_type_unknown_or_too_large_are_a_400(body, param):
+    with pytest.raises(ApiError) as e:
+        parse_request(dict(body), "responses", max_n=16)
+    assert e.value.status == 400 and e.value.param.split(".")[0] == param, (e.value.param, e.value.message)
+
+
+def test_neutral_values_of_refused_responses_fields_are_served():
+    parse_request({**RESPONSES, "background": False, "previous_response_id": None, "top_k": -1}, "responses", max_n=16)

@@ -111,7 +111,11 @@ def sampling_info(params) -> SamplingInfo:
 def response_id(request_id: str) -> str:
     """The response's ``id`` (what rewards name) for vLLM's engine request id: a completion's
     engine request is ``cmpl-{id}-{prompt index}`` (one prompt per request here), a chat's
-    ``chatcmpl-{id}``."""
+    ``chatcmpl-{id}``, a /v1/responses one's ``resp_{id}_{turn}`` (one turn here: no built-in
+    tool server)."""
+    if request_id.startswith("resp_"):
+        head, _, tail = request_id.rpartition("_")
+        return head if tail.isdigit() and head != "resp" else request_id
     head, _, tail = request_id.rpartition("-")
     return head if request_id.startswith("cmpl-") and tail.isdigit() and head != "cmpl" else request_id
 

@@ -1,8 +1,9 @@
 """vLLM's own OpenAI serving layer over the replica's engine tap.
 
-The replica answers ``/v1/chat/completions``, ``/v1/completions`` and ``/v1/models`` with the
-classes vLLM's OpenAI server uses (``OpenAIServingChat``, ``OpenAIServingCompletion``,
-``OpenAIServingModels``, the ``OnlineRenderer`` that applies chat templates and tool schemas,
+The replica answers ``/v1/chat/completions``, ``/v1/completions``, ``/v1/responses`` and
+``/v1/models`` with the classes vLLM's OpenAI server uses (``OpenAIServingChat``,
+``OpenAIServingCompletion``, ``OpenAIServingResponses`` (without its in-memory response store,
+vLLM's default), ``OpenAIServingModels``, the ``OnlineRenderer`` that applies chat templates and tool schemas,
 the tool-call parser chosen by ``explorer.tool_call_parser``), built here as
 ``vllm.entrypoints.launchers.api_server.app_state.init_app_state`` builds them, so request
 validation, sampling defaults (the model's ``generation_config.json``, those the trainer
@@ -54,6 +55,7 @@ class OpenAIServing:
     models: object
     chat: object
     completion: object
+    responses: object
 
 
 def build_serving(cfg: Config, tap, model_path: str) -> OpenAIServing:
@@ -64,6 +66,7 @@ def build_serving(cfg: Config, tap, model_path: str) -> OpenAIServing:
     from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion
     from vllm.entrypoints.openai.models.protocol import BaseModelPath
     from vllm.entrypoints.openai.models.serving import OpenAIServingModels
+    from vllm.entrypoints.openai.responses.serving import OpenAIServingResponses
     from vllm.renderers.chat_utils import load_chat_template
     from vllm.renderers.online_renderer import OnlineRenderer
 
@@ -84,9 +87,16 @@ def build_serving(cfg: Config, tap, model_path: str) -> OpenAIServing:
         enable_auto_tools=tools, tool_parser=ecfg.tool_call_parser)
     completion = _policy_fingerprint(OpenAIServingCompletion)(
         tap, models, online_renderer=renderer, request_logger=None)
+    responses = OpenAIServingResponses(
+        tap, models, renderer, request_logger=None, chat_template=template, chat_template_content_format="auto",
+        enable_auto_tools=tools, tool_parser=ecfg.tool_call_parser, tool_strict_level=ecfg.tool_strict_level)
+    if responses.enable_store:
+        raise ValueError("VLLM_ENABLE_RESPONSES_API_STORE is set: vLLM would keep every response in the "
+                         "replica's memory, unbounded and outside the experience store; unset it")
     kept, dropped = split_defaults(chat.default_sampling_params)
     if dropped:
         log.warning("the model's sampling defaults %s are not applied: the trainer does not reproduce "
                     "them (applied: %s)", dropped, kept)
     chat.default_sampling_params, completion.default_sampling_params = kept, dict(kept)
-    return OpenAIServing(models=models, chat=chat, completion=completion)
+    responses.default_sampling_params = dict(kept)
+    return OpenAIServing(models=models, chat=chat, completion=completion, responses=responses)

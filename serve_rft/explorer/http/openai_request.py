@@ -1,4 +1,4 @@
-"""What a chat or completion request may ask of a service that trains on its answers.
+"""What a chat, completion or responses request may ask of a service that trains on its answers.
 
 Every request field is honoured, or refused with a 400 that names it and says why; nothing is
 silently ignored. Honoured fields are vLLM's (its own protocol classes validate them) except
@@ -105,6 +105,18 @@ class _StrictCompletion(_Strict):
     logprobs: StrictInt | None = Field(None, ge=0)
 
 
+class _StrictResponses(_Strict):
+    input: StrictStr | list[Any]
+    instructions: StrictStr | None = None
+    max_output_tokens: StrictInt | None = Field(None, ge=1)
+    top_logprobs: StrictInt | None = Field(None, ge=0, le=20, description="OpenAI's bound.")
+    background: StrictBool | None = None
+    previous_response_id: StrictStr | None = None
+
+
+STRICT = {"chat": _StrictChat, "completion": _StrictCompletion, "responses": _StrictResponses}
+
+
 REFUSED: dict[str, tuple[Callable[[Any], bool], str]] = {
     # field -> (its value leaves sampling alone, why another value is refused)
     # every sampling field the trainer does not reproduce, under its request name
@@ -117,6 +129,20 @@ REFUSED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "kv_transfer_params": (lambda v: v is None, "disaggregated prefill is not served here"),
     "ec_transfer_params": (lambda v: v is None, "encoder-cache transfer is not served here"),
 }
+
+RESPONSES_REFUSED: dict[str, tuple[Callable[[Any], bool], str]] = {
+    # fields of /v1/responses that need response state the service does not keep: vLLM keeps it
+    # in the engine's memory only (VLLM_ENABLE_RESPONSES_API_STORE, unbounded, per replica),
+    # outside the experience store, and another replica would not find it
+    "previous_response_id": (lambda v: v is None, "no response is kept here to continue from: send the "
+                             "earlier turns in input (and a conversation_id to reward the turns together)"),
+    "previous_input_messages": (lambda v: v is None, "send the earlier turns in input"),
+    "background": (lambda v: not v, "a background response would be kept by the engine, outside the "
+                   "experience store; send the request and wait for its answer (or stream it)"),
+    "prompt": (lambda v: v is None, "stored prompts (templates kept by OpenAI) are not served here: send "
+               "the prompt in input"),
+}
+"""/v1/responses fields refused away from their neutral value (besides `REFUSED`), each with its reason."""
 
 UNKNOWN_WHY = {
     "functions": "OpenAI's deprecated function calling is not served: use tools",
@@ -147,7 +173,8 @@ def check_limits(body: dict[str, Any], limits: RequestLimits) -> None:
     Raises:
         ApiError: 400 with ``param`` the field: ``user`` longer than ``max_user_chars``; more
             than `MAX_STOP` stop sequences or one longer than ``max_stop_chars``;
-            ``response_format`` or ``structured_outputs`` over ``max_schema_bytes``; more than
+            ``response_format``, ``structured_outputs`` or (responses) ``text`` over
+            ``max_schema_bytes``; more than
             ``max_tools`` tools or ``tools`` over ``max_tools_bytes``.
     """
     user = body.get("user")
@@ -163,7 +190,7 @@ def check_limits(body: dict[str, Any], limits: RequestLimits) -> None:
         if isinstance(s, str) and len(s) > limits.max_stop_chars:
             raise ApiError(400, f"a stop sequence is {len(s)} characters, at most {limits.max_stop_chars}",
                            "stop", code="string_above_max_length")
-    for name in ("response_format", "structured_outputs"):
+    for name in ("response_format", "structured_outputs", "text"):
         if body.get(name) is not None and (size := _json_bytes(body[name])) > limits.max_schema_bytes:
             raise ApiError(400, f"{name} is {size} bytes as JSON, at most {limits.max_schema_bytes}", name,
                            code="object_above_max_size")
@@ -181,16 +208,16 @@ def parse_request(body: Any, kind: str, max_n: int, limits: RequestLimits | None
     """A decoded JSON body -> (vLLM's request object, the `RequestContext`).
 
     Args:
-        kind: ``chat`` (``ChatCompletionRequest``) or ``completion`` (``CompletionRequest``).
+        kind: ``chat`` (``ChatCompletionRequest``), ``completion`` (``CompletionRequest``) or
+            ``responses`` (``ResponsesRequest``: one answer, named by its ``resp_...`` id; the fields
+            that need response state kept by the engine are refused, `RESPONSES_REFUSED`).
         max_n: the largest ``n`` accepted.
         limits: size bounds of fields (`check_limits`; None: `RequestLimits` defaults).
     Raises:
         ApiError: 400 naming the field: not an object, a wrong type, a refused field
-            (`REFUSED`), a field vLLM does not know (`UNKNOWN_WHY`), ``n`` too large, a field
-            over its size bound, more than one prompt, or vLLM's own validation.
+            (`REFUSED`, `RESPONSES_REFUSED`), a field vLLM does not know (`UNKNOWN_WHY`), ``n``
+            too large, a field over its size bound, more than one prompt, or vLLM's own validation.
     """
-    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
-    from vllm.entrypoints.openai.completion.protocol import CompletionRequest
     from vllm.exceptions import VLLMClientError
 
     if not isinstance(body, dict):
@@ -198,16 +225,17 @@ def parse_request(body: Any, kind: str, max_n: int, limits: RequestLimits | None
     ours = {k: body.pop(k) for k in list(body) if k in Extensions.model_fields}
     try:
         ext = Extensions.model_validate(ours)
-        (_StrictChat if kind == "chat" else _StrictCompletion).model_validate(body)
+        STRICT[kind].model_validate(body)
     except ValidationError as e:
         raise ApiError.invalid(e) from None
-    for name, (neutral, why) in REFUSED.items():
+    refused = {**REFUSED, **RESPONSES_REFUSED} if kind == "responses" else REFUSED
+    for name, (neutral, why) in refused.items():
         if name in body and not neutral(body[name]):
             raise ApiError(400, f"{name} is not supported by this service: {why}", name, code="unsupported_parameter")
-    model = ChatCompletionRequest if kind == "chat" else CompletionRequest
+    model = _request_model(kind)
     for name in body:
         if name not in model.model_fields:
-            why = UNKNOWN_WHY.get(name, f"not a parameter of {'chat' if kind == 'chat' else 'text'} completions here")
+            why = UNKNOWN_WHY.get(name, f"not a parameter of {KIND_NAMES[kind]} here")
             raise ApiError(400, f"Unrecognized request argument supplied: {name} ({why})", name,
                            code="unknown_parameter")
     if (body.get("n") or 1) > max_n:
@@ -216,14 +244,33 @@ def parse_request(body: Any, kind: str, max_n: int, limits: RequestLimits | None
     if kind == "completion" and _several_prompts(body.get("prompt")):
         raise ApiError(400, "one prompt per request: each answer is an experience named by the response id",
                        "prompt", code="unsupported_parameter")
+    named = {} if kind == "responses" else {"request_id": uuid.uuid4().hex}  # responses: vLLM's resp_... id
     try:
-        req = model.model_validate({**body, "request_id": uuid.uuid4().hex})
+        req = model.model_validate({**body, **named})
     except ValidationError as e:
         raise ApiError.invalid(e) from None
     except (VLLMClientError, ValueError, TypeError) as e:  # vLLM's own validators raise these directly
         raise ApiError(400, str(e), getattr(e, "parameter", None)) from None
     return req, RequestContext(store=ext.store, group_id=ext.group_id, group_size=ext.group_size,
                                conversation_id=ext.conversation_id, metadata=ext.metadata, user=req.user)
+
+
+KIND_NAMES = {"chat": "chat completions", "completion": "text completions", "responses": "responses"}
+
+
+def _request_model(kind: str):
+    """vLLM's request model of ``kind``."""
+    if kind == "chat":
+        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+
+        return ChatCompletionRequest
+    if kind == "completion":
+        from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+
+        return CompletionRequest
+    from vllm.entrypoints.openai.responses.protocol import ResponsesRequest
+
+    return ResponsesRequest
 
 
 def _several_prompts(prompt: Any) -> bool:

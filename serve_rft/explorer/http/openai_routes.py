@@ -1,4 +1,4 @@
-"""The OpenAI routes: ``/v1/chat/completions``, ``/v1/completions``, ``/v1/models[/{id}]``.
+"""The OpenAI routes: ``/v1/chat/completions``, ``/v1/completions``, ``/v1/responses``, ``/v1/models[/{id}]``.
 
 A mixin of `ExplorerReplica`. A request passes the weight swap's admission (serve; hold while
 this lone replica loads new weights, or while it drains a request too large for HAProxy to re-send;
@@ -7,7 +7,9 @@ or refuse with 503 while it drains, which HAProxy re-sends to a serving replica)
 by vLLM's own serving classes (`serve_rft.explorer.engine.openai_serving`), whose engine calls go through
 the tap that logs each answer as experiences before the answer ends
 (`serve_rft.explorer.engine.engine_tap`). Every answer carries the replica and its policy version in
-headers. ``/v1/responses`` is not served (404, with the reason).
+headers. ``/v1/responses`` is served without response state (vLLM's default: no response store):
+one answer per request, logged and rewardable by its ``resp_...`` id like a chat completion; what
+needs state kept by the engine is refused (`serve_rft.explorer.http.openai_request.RESPONSES_REFUSED`).
 
 Uses of the replica: ``cfg``, ``swap``, ``serving``, ``metrics``, ``costs``, ``replica_id``, ``cpu`` (its
 tokenizer thread), ``store`` and ``headers(version)``.
@@ -31,13 +33,42 @@ from serve_rft.explorer.http.ingress_mode import REQUEST_ID_HEADER, fits_a_retry
 from serve_rft.explorer.http.openai_request import check_against_store, parse_request
 from serve_rft.explorer.http.protocol import ApiError
 
-ROUTES = {"chat": "chat", "completion": "completions"}
+ROUTES = {"chat": "chat", "completion": "completions", "responses": "responses"}
 
 
 def answer_bound(req) -> int | None:
-    """The most tokens one answer of vLLM request ``req`` may have (``max_completion_tokens`` or
-    ``max_tokens``; None: up to the context length)."""
-    return getattr(req, "max_completion_tokens", None) or getattr(req, "max_tokens", None)
+    """The most tokens one answer of vLLM request ``req`` may have (``max_completion_tokens``,
+    ``max_tokens`` or ``max_output_tokens``; None: up to the context length)."""
+    return (getattr(req, "max_completion_tokens", None) or getattr(req, "max_tokens", None)
+            or getattr(req, "max_output_tokens", None))
+
+
+async def started(events: AsyncIterator, ctx: RequestContext) -> AsyncIterator:
+    """``events`` (a /v1/responses stream) read until the engine has the request (the tap set
+    ``ctx.version``, so the answer's headers name its version, and a refusal by the tap is an
+    error answer rather than a broken stream), then the same stream from its start. vLLM starts
+    a responses stream's engine request only when the stream is read; a chat stream's at once."""
+    it = aiter(events)
+    head = []
+    while ctx.version is None:
+        try:
+            head.append(await anext(it))
+        except StopAsyncIteration:
+            break
+
+    async def replay():
+        for event in head:
+            yield event
+        async for event in it:
+            yield event
+    return replay()
+
+
+async def sse_events(events) -> AsyncIterator[str]:
+    """vLLM's /v1/responses stream events (pydantic objects) as server-sent events, each named by
+    its type, as vLLM's own router sends them (``event: TYPE`` then ``data: JSON``)."""
+    async for event in events:
+        yield f"event: {getattr(event, 'type', 'unknown')}\ndata: {event.model_dump_json(indent=None, by_alias=True)}\n\n"
 
 
 def used_tokens(ctx: RequestContext) -> int:
@@ -46,7 +77,7 @@ def used_tokens(ctx: RequestContext) -> int:
 
 
 class OpenAIRoutes:
-    """``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``, ``/v1/models/{id}``."""
+    """``/v1/chat/completions``, ``/v1/completions``, ``/v1/responses``, ``/v1/models``, ``/v1/models/{id}``."""
 
     @app.post("/v1/chat/completions", dependencies=AUTHORIZED)
     async def chat_completions(self, request: Request):
@@ -57,10 +88,8 @@ class OpenAIRoutes:
         return await self._metered(request, "completion")
 
     @app.post("/v1/responses", dependencies=AUTHORIZED)
-    async def responses(self):
-        raise ApiError(404, "/v1/responses is not served here: its answers would be kept by the engine "
-                       "(previous_response_id) outside the experience store; use /v1/chat/completions",
-                       code="not_found")
+    async def responses(self, request: Request):
+        return await self._metered(request, "responses")
 
     @app.get("/v1/models", dependencies=AUTHORIZED)
     async def models(self) -> JSONResponse:
@@ -103,7 +132,8 @@ class OpenAIRoutes:
         ctx.t0, ctx.tenant, ctx.owner = t0, who.tenant, who.owner
         await check_against_store(self.store, ctx, self.cfg.buffer.store_wait_s)
         await self.costs.check_storage(who.tenant, "inference")
-        lease = await self.costs.admit(who.owner, who.tenant, len(raw), req.n or 1, answer_bound(req))
+        lease = await self.costs.admit(who.owner, who.tenant, len(raw), getattr(req, "n", None) or 1,
+                                       answer_bound(req))
         try:
             response = await self._generate(req, ctx, kind, t0, lease)
         except BaseException:
@@ -124,14 +154,17 @@ class OpenAIRoutes:
         try:
             if kind == "chat":
                 result = await self.serving.chat.create_chat_completion(req, None)
-            else:
+            elif kind == "completion":
                 result = await self.serving.completion.create_completion(req, None)
+            else:
+                result = await self.serving.responses.create_responses(req, None)
             if isinstance(result, ErrorResponse):
                 self.swap.record(ctx.version if ctx.version is not None else self.swap.version, False,
                                  time.perf_counter() - t0)
                 return JSONResponse(result.model_dump(), status_code=result.error.code)
             if isinstance(result, AsyncIterator):
-                return StreamingResponse(self._stream(result, ctx, kind, t0, lease),
+                events = sse_events(await started(result, ctx)) if kind == "responses" else result
+                return StreamingResponse(self._stream(events, ctx, kind, t0, lease),
                                          media_type="text/event-stream", headers=self.headers(ctx.version),
                                          background=BackgroundTask(self._settle_stream, lease, ctx))
         except EngineDeadError:  # nothing was sent: HAProxy re-sends a 503 to another replica,
@@ -148,7 +181,8 @@ class OpenAIRoutes:
         finally:
             CURRENT.reset(token)
         self.swap.record(ctx.version, True, time.perf_counter() - t0)
-        return JSONResponse(result.model_dump(), headers=self.headers(ctx.version))
+        body = result.model_dump(mode="json", by_alias=True) if kind == "responses" else result.model_dump()
+        return JSONResponse(body, headers=self.headers(ctx.version))
 
     async def _settle_stream(self, lease, ctx: RequestContext) -> None:
         """A stream's response ended (its body sent, or its client gone): settle its lease if
@@ -191,6 +225,5 @@ class OpenAIRoutes:
         finally:  # a client that went away cancels this generator: settled in a task of its own
             self.costs.settle_soon(lease, used_tokens(ctx))
         ok = ctx.finished
-        self.metrics.request(f"{ROUTES[kind]}_stream" if kind == "completion" else "chat_stream",
-                             200 if ok else 500, time.perf_counter() - t0)
+        self.metrics.request(f"{ROUTES[kind]}_stream", 200 if ok else 500, time.perf_counter() - t0)
         self.swap.record(ctx.version, ok, time.perf_counter() - t0)

@@ -74,9 +74,10 @@ def install(app: FastAPI, dependencies: list) -> None:
 
 
 def _openai_bodies() -> dict[str, Any]:
-    """vLLM's chat and completion request models with serve_rft's request extensions."""
+    """vLLM's chat, completion and responses request models with serve_rft's request extensions."""
     from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
     from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+    from vllm.entrypoints.openai.responses.protocol import ResponsesRequest
 
     from serve_rft.explorer.http.openai_request import Extensions
 
@@ -87,4 +88,5 @@ def _openai_bodies() -> dict[str, Any]:
         return Request
 
     return {"/v1/chat/completions": with_extensions(ChatCompletionRequest),
-            "/v1/completions": with_extensions(CompletionRequest)}
+            "/v1/completions": with_extensions(CompletionRequest),
+            "/v1/responses": with_extensions(ResponsesRequest)}

@@ -16,22 +16,36 @@ SCHEDULE = ("test_multinode", "test_stack", "test_shutdown", "test_stack_keep", 
             "test_engine_weights", "test_swap_verification", "test_sharded_trainer_faults",
             "test_train_offline", "test_sharded_trainer", "test_synchronizer_restart",
             "test_haproxy_resend", "test_nccl_sync", "test_stack_faults", "unit", "test_chaos",
-            "test_durability")
-"""The modules in the order they are handed out (``"unit"``: every unit-test module): the longest
-shared ones first, then the exclusive ones, which run one test at a time with the machine to
-themselves. The unit tests hold no lock: they are handed out right after the first exclusive
-module, so the worker that is not running it runs them instead of idling while the
-exclusive tests run in turn (a suite's timeline: ``SERVE_RFT_TEST_TIMELINE``, tests/conftest.py).
-A module not named here runs after the named shared ones."""
+            "test_durability", "unit_late")
+"""The modules in the order they are handed out (``"unit"``: the unit-test modules but those of
+`LATE_UNITS`, ``"unit_late"``: those): the longest shared ones first, then the exclusive ones,
+which run one test at a time with the machine to themselves. The unit tests hold no lock: they
+are handed out right after the first exclusive module, so the worker that is not running it runs
+them instead of idling while the exclusive tests run in turn; the late ones are handed out after
+the last two exclusive modules, so they fill the other worker while the last exclusive tests run
+(a suite's timeline: ``SERVE_RFT_TEST_TIMELINE``, tests/conftest.py). A module not named here
+runs after the named shared ones."""
+
+LATE_UNITS = ("test_keeper", "test_docs_browser", "test_docs")
+"""The longest unit-test modules (61, 24 and 17 s of a timeline), handed out last, in this order.
+Without them late, the other worker idled for the length of test_chaos's exclusive tests (about
+280 s) at the suite's end."""
 
 
 def group_of(item: pytest.Item) -> str:
-    """``"unit"`` for a unit test, else its module's name (``"test_chaos"``)."""
+    """``"unit"`` (or ``"unit_late"``: `LATE_UNITS`) for a unit test, else its module's name
+    (``"test_chaos"``)."""
     parts = item.nodeid.split("::", 1)[0].split("/")
-    return "unit" if "unit" in parts[:-1] else parts[-1].removesuffix(".py")
+    module = parts[-1].removesuffix(".py")
+    if "unit" in parts[:-1]:
+        return "unit_late" if module in LATE_UNITS else "unit"
+    return module
 
 
-def rank(item: pytest.Item) -> float:
-    """The item's place in `SCHEDULE` (a module not named there: after the named shared ones)."""
+def rank(item: pytest.Item) -> tuple[float, int]:
+    """The item's place in `SCHEDULE` (a module not named there: after the named shared ones),
+    then among `LATE_UNITS`."""
     order = {name: i for i, name in enumerate(SCHEDULE)}
-    return order.get(group_of(item), len(SCHEDULE) - len(EXCLUSIVE) - 0.5)
+    module = item.nodeid.split("::", 1)[0].rsplit("/", 1)[-1].removesuffix(".py")
+    late = LATE_UNITS.index(module) if group_of(item) == "unit_late" else 0
+    return order.get(group_of(item), len(SCHEDULE) - len(EXCLUSIVE) - 1.5), late

@@ -6,7 +6,9 @@ KL, entropy, clip fractions, advantages, staleness, publish seconds, ...): every
 statistics, under ``trainer/<name>``, at its step number. Runs are written under the run dir
 (``<service.run_dir>/tracking/<tracker>``) unless the tracker's own environment says otherwise
 (``WANDB_MODE`` / ``WANDB_DIR``, ``MLFLOW_TRACKING_URI``): W&B offline and MLflow to a local
-file store by default, so nothing leaves the machine unless asked.
+file store by default, so nothing leaves the machine unless asked. MLflow 3 keeps its file store in
+maintenance mode and refuses it unless ``MLFLOW_ALLOW_FILE_STORE=true``, which the default sets for
+the trainer's process; a database or server URI in ``MLFLOW_TRACKING_URI`` needs no opt-in.
 
 A tracker's package is installed with its extra (``pip install 'serve-rft[tensorboard]'``,
 ``[wandb]``, ``[mlflow]``); `check_available` refuses a named tracker whose package is missing
@@ -68,7 +70,10 @@ class StepTrackers:
         if "mlflow" in self.names:
             import mlflow
 
-            uri = os.environ.get("MLFLOW_TRACKING_URI") or (self.root / "mlflow").resolve().as_uri()
+            uri = os.environ.get("MLFLOW_TRACKING_URI")
+            if not uri:  # a local file store: MLflow 3 keeps it in maintenance mode, allowed by opting in
+                uri = (self.root / "mlflow").resolve().as_uri()
+                os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
             mlflow.set_tracking_uri(uri)
             mlflow.set_experiment("serve-rft")
             self._mlflow = mlflow.start_run(run_name=run_name)

@@ -11,7 +11,9 @@ version is not a tag (it grows without bound): it is the `serve_rft_replica_poli
 
 from __future__ import annotations
 
-from ray.util.metrics import Counter, Gauge, Histogram
+from ray.util.metrics import Counter, Histogram
+
+from serve_rft.observability.held import Gauge
 
 LATENCY_BUCKETS = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0]
 

@@ -10,7 +10,9 @@ synchronizer continues the series instead of starting it again at zero.
 
 from __future__ import annotations
 
-from ray.util.metrics import Counter, Gauge
+from ray.util.metrics import Counter
+
+from serve_rft.observability.held import Gauge
 
 STORE_COUNTS_PERIOD_S = 5.0
 """How often the synchronizer reads the store's counts, s."""

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import time
 
-from ray.util.metrics import Counter, Gauge, Histogram
+from ray.util.metrics import Counter, Histogram
 
+from serve_rft.observability.held import Gauge
 from serve_rft.types import ComponentState
 
 SYNC_SECONDS_BUCKETS = [0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0]
@@ -23,6 +24,7 @@ class SyncMetrics:
 
     def __init__(self, method: str):
         self.method = method
+        self._replicas: set[str] = set()  # the replica ids of the last refresh
         self.state = Gauge("serve_rft_replica_state",
                            description="1 if the replica is in this state (RUNNING/REQUIRE_SYNC/STOPPED).",
                            tag_keys=("replica", "state"))
@@ -71,6 +73,11 @@ class SyncMetrics:
             for s in ComponentState:
                 self.state.set(1.0 if r.state is s else 0.0, tags={"replica": r.replica_id, "state": s.value})
             self.replica_version.set(r.policy_version, tags={"replica": r.replica_id})
+        for gone in self._replicas - set(state.replicas):  # held gauges: a replica that left stops
+            for s in ComponentState:
+                self.state.forget({"replica": gone, "state": s.value})
+            self.replica_version.forget({"replica": gone})
+        self._replicas = set(state.replicas)
         self.latest_version.set(state.latest_version())
         self.incumbent.set(state.incumbent)
         self.candidate.set(state.candidate or 0)

@@ -8,7 +8,9 @@ trained or dropped are counted by the store (`serve_rft.observability.store_metr
 
 from __future__ import annotations
 
-from ray.util.metrics import Counter, Gauge, Histogram
+from ray.util.metrics import Counter, Histogram
+
+from serve_rft.observability.held import Gauge
 
 STALENESS_BUCKETS = [0.5, 1.5, 2.5, 4.5, 8.5, 16.5, 32.5, 64.5]
 STEP_SECONDS_BUCKETS = [0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0]

@@ -99,3 +99,66 @@ def test_operator_pins_rolls_back_and_pauses(stack):
     assert httpx.post(f"{u}/v1/sync/replicas/nope/drain", json={"drained": True}, headers=ADMIN).status_code == 404
     kinds = {e["kind"] for e in httpx.get(f"{u}/v1/sync/events", headers=ADMIN).json()["events"]}
     assert {"pinned", "unpinned", "rollback", "promotion_paused", "promotion_resumed"} <= kinds
+
+
+def test_a_real_prometheus_scrapes_the_stack_and_every_dashboard_query_and_alert_reads_data(stack, tmp_path):
+    """Debian's Prometheus, started here with the shipped scrape config (pointed at this
+    stack's metrics port, every 3 s) and alert rules, scrapes the stack after the canary ran
+    (verdicts, arms, syncs exist). After a little
+    traffic of every kind the dashboard shows (chat, streamed chat, a refused request, a
+    `store: false` request, a reward): every dashboard query returns data, with the labels it
+    groups by; every alert expression is accepted, every series it reads has data, and every rule
+    evaluates without error; only the series in `tests.support.prometheus.NEEDS_AN_EVENT` may be
+    absent, each for its reason. Checked after the trainer has not stepped for 25 s, longer than
+    Ray keeps a gauge nobody sets again: fails with the gauges not held
+    (`serve_rft.observability.held.REFRESH_S` set past the test's length), the trainer's
+    gauges without data."""
+    import shutil
+
+    from tests.support.prometheus import NOT_INSTALLED, check_pack, running_prometheus
+
+    assert shutil.which("prometheus"), NOT_INSTALLED
+    assert stack.metrics_url
+    with running_prometheus(stack.metrics_url, tmp_path) as prom:
+        u, lines = stack.url, 0
+        replicas = len(get_status(u, headers=ADMIN)["replicas"])
+
+        def traffic(k: int) -> None:
+            """Chat, streamed chat, a `store: false` chat, a refused request, a reward."""
+            nonlocal lines
+            chat = {"model": "serve-rft", "messages": [{"role": "user", "content": f"prometheus {k}"}],
+                    "max_tokens": 4}
+            r = httpx.post(f"{u}/v1/chat/completions", headers=ADMIN, timeout=120, json=chat)
+            assert r.status_code == 200, r.text
+            httpx.post(f"{u}/v1/rewards", headers=ADMIN, timeout=60, json={"completion_id": r.json()["id"], "reward": 1.0})
+            with httpx.stream("POST", f"{u}/v1/chat/completions", headers=ADMIN, timeout=120,
+                              json={**chat, "stream": True}) as streamed:
+                lines += sum(1 for _ in streamed.iter_lines())
+            assert httpx.post(f"{u}/v1/chat/completions", headers=ADMIN, timeout=120,
+                              json={**chat, "store": False}).status_code == 200
+            assert httpx.post(f"{u}/v1/chat/completions", headers=ADMIN, timeout=60,
+                              json={**chat, "messages": []}).status_code == 400
+
+        # two waves: the first creates each replica's request series (a series' first sample is not
+        # an increase, and HAProxy may send the next request to the other replica), the second,
+        # once Prometheus has scraped them (Ray's agent exports every 10 s), moves them inside its window
+        def every_replica_streamed():
+            traffic(0)
+            return prom.query(f"count(ray_serve_rft_time_to_first_token_seconds_count) >= {replicas}")
+        prom.wait_for("every replica's streamed-request series in Prometheus", every_replica_streamed, 120)
+        for k in range(2 * replicas):
+            traffic(k + 1)
+        assert lines
+        prom.wait_for("the second wave in Prometheus", lambda: prom.query(
+            "sum(increase(ray_serve_rft_time_to_first_token_seconds_count[2m])) > 0"))
+        # then no step for longer than Ray keeps a gauge nobody sets again (two export intervals,
+        # 20 s): the trainer's gauges must still have data
+        quiet, last, since = 25.0, None, time.monotonic()
+        deadline = since + 180
+        while time.monotonic() - since < quiet:
+            step = get_status(u, headers=ADMIN)["trainer"]["last_step"].get("step")
+            if step != last:
+                last, since = step, time.monotonic()
+            assert time.monotonic() < deadline, f"the trainer kept stepping (step {last})"
+            time.sleep(1)
+        check_pack(prom)

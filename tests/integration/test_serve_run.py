@@ -10,8 +10,9 @@ builder refuses to serve there without them), one of each scope, and each client
 
 The fresh venv's dependencies are this venv's (`tests.support.package.fresh_venv`): what it shows
 is that the wheel holds everything serve_rft needs (the builder, the shipped configs), not that
-pip resolves vLLM. It fails when the wheel lacks a module or the shipped configs (as it did before
-they were package data: ``config serve`` found no file), or when a process imports the checkout."""
+pip resolves vLLM. It fails when the wheel lacks a module or the shipped configs (a wheel built without
+pyproject's package-data line holds no Serve config, so ``config serve`` finds no file), or when
+the fresh venv's Python imports serve_rft from the checkout."""
 
 from __future__ import annotations
 

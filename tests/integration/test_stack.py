@@ -276,9 +276,10 @@ def test_the_responses_api_is_served_logged_token_exact_and_rewarded_by_its_id(s
     """/v1/responses through the openai SDK (``client.responses.create``, what the OpenAI Agents
     SDK calls), plain and streamed: vLLM's response object, the policy version header, one
     experience per answer under the ``resp_...`` id (its tokens the answer's text), rewarded by
-    that id; what needs response state the engine would keep is a 400 with the reason. (Failed
-    while the route answered 404; fails if the tap logs under vLLM's engine request id
-    ``resp_..._0``: the reward finds no completion.)"""
+    that id; what needs response state the engine would keep is a 400 with the reason. (A route
+    answering 404 fails it at the first call; the id the tap logs under is checked by the
+    experience read and the reward, and its mapping from vLLM's ``resp_..._0`` by
+    ``test_openai_request.py``, which fails without it.)"""
     u = stack.url
     client = openai.OpenAI(base_url=f"{u}/v1", api_key="x", max_retries=0)
     raw = client.responses.with_raw_response.create(model="serve-rft", input="hello", max_output_tokens=8,

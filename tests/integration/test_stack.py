@@ -292,14 +292,14 @@ def test_the_responses_api_is_served_logged_token_exact_and_rewarded_by_its_id(s
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(stack.model_path))
-    assert tokenizer.decode(exp.response_token_ids, skip_special_tokens=True) == resp.output_text
+    assert tokenizer.decode(exp.response_token_ids, skip_special_tokens=True).rstrip("\ufffd") == resp.output_text  # a cut character: vLLM holds it back
     events = list(client.responses.create(model="serve-rft", input=[{"role": "user", "content": "x y"}],
                                           instructions="Answer briefly.", max_output_tokens=6, stream=True))
     kinds = [e.type for e in events]
     assert kinds[0] == "response.created" and kinds[-1] in ("response.completed", "response.incomplete"), kinds
     streamed = events[-1].response
     sexp = asyncio.run(read_experience(stack, streamed.id, 0))
-    assert tokenizer.decode(sexp.response_token_ids, skip_special_tokens=True) == streamed.output_text
+    assert tokenizer.decode(sexp.response_token_ids, skip_special_tokens=True).rstrip("\ufffd") == streamed.output_text
     for rid in (resp.id, streamed.id):
         got = httpx.post(f"{u}/v1/rewards", json={"completion_id": rid, "reward": 0.5}).json()
         assert got["data"][0]["status"] == "recorded", got

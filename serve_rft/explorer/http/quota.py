@@ -132,14 +132,15 @@ class QuotaCheck:
         self._paused_until = 0.0
 
     @classmethod
-    def from_config(cls, cfg, keys: ApiKeys, metrics) -> "QuotaCheck":
+    def from_config(cls, cfg, keys: ApiKeys, metrics, clock=time.monotonic) -> "QuotaCheck":
         """The check of a `serve_rft.config.Config`: buckets on ``buffer.redis_url`` when keys
         and a limit are configured, with one connection per request a replica runs at once
         (``explorer.max_ongoing_requests``). A key's share while Redis is away divides by the
         most replicas the deployment may run (``explorer.autoscaling.max_replicas``, else
         ``explorer.num_replicas``): the config is what every replica knows without asking Redis
         or Serve, and the largest count keeps the replicas together within the quota (with
-        fewer running, a key gets less than its quota during the outage, never more)."""
+        fewer running, a key gets less than its quota during the outage, never more). ``clock``:
+        as in `QuotaCheck`."""
         quotas, ecfg = cfg.service.quotas, cfg.explorer
         tenants = cfg.service.tenants
         tiers = [q for t in tenants.values() for q in (t.quota, t.key_quota, *t.scope_quotas.values())
@@ -149,7 +150,7 @@ class QuotaCheck:
                                max_connections=ecfg.max_ongoing_requests) if on else None
         replicas = ecfg.autoscaling.max_replicas if ecfg.autoscaling is not None else ecfg.num_replicas
         own = {name: t.scope_quotas for name, t in tenants.items() if t.scope_quotas}
-        return cls(quotas, keys, buckets, metrics, replicas=replicas, tenant_scopes=own)
+        return cls(quotas, keys, buckets, metrics, replicas=replicas, clock=clock, tenant_scopes=own)
 
     def rates(self, scope: str, tenant: str | None = None) -> Rates:
         """The limits of ``scope`` for a key of ``tenant``: the tenant's own (``service.tenants.

@@ -61,6 +61,12 @@ class TrainerConfig(StrictSection):
     kl_coef: float = Field(
         0.0, ge=0, description="Weight of a k3 KL penalty to the initial weights (a frozen copy is "
         "kept in memory when > 0); 0: none.")
+    entropy_coef: float = Field(
+        0.0, ge=0, le=1, description="Weight of an entropy bonus: the loss less entropy_coef times the "
+        "mean entropy (nats) of the tempered, nucleus-masked next-token distribution at each response "
+        "token of the batch, aggregated as the loss is (Williams and Peng 1991; Mnih et al. 2016, arXiv 1602.01783, "
+        "section 4). It keeps the policy spread over answers that are rewarded alike, which GRPO "
+        "alone gives no advantage to tell apart. 0: none.")
     lora: LoraSettings | None = Field(
         None, description="LoRA adapters instead of full fine-tuning; None: train every weight.")
     micro_batch_size: int = Field(

@@ -135,6 +135,70 @@ def test_chunked_logprobs_and_gradients_equal_the_full_logits_path(kind, chunk):
     assert (lp - untruncated)[[2, 3, 4]].abs().max() > 1e-3 and torch.isfinite(lp).all()
 
 
+@pytest.mark.parametrize("kind", ["qwen2", "llama_tied", "lora"])
+@pytest.mark.parametrize("chunk", [3, 1024])
+def test_the_entropy_bonus_gradient_of_the_chunked_path_equals_autograd_of_the_full_path(kind, chunk):
+    """``trainer.entropy_coef``: the chunked backward's ``dH/dz = -p (log p + H)`` (masked words
+    0) gives the gradients autograd takes through the full path's log-softmax entropy, nucleus
+    masks included; without ``entropy_grad`` the entropy carries no graph. Shown to fail with the
+    entropy term left out of the chunked backward (the gradients differ by the bonus)."""
+    from serve_rft.trainer.policy.token_logprobs import response_logprobs
+
+    model = tiny_causal_lm(kind)
+    weights = torch.tensor([0.5, -1.0, 2.0, 1.5, 0.7]).unsqueeze(1)  # per answer; a negative one too
+
+    def grads(impl):
+        model.zero_grad(set_to_none=True)
+        lp, mask, ent = response_logprobs(model, PROMPTS, RESPONSES, TEMPS, with_entropy=True, top_ps=TOP_PS,
+                                          chunk_tokens=chunk, impl=impl, entropy_grad=True)
+        ((0.3 * lp + ent * weights) * mask).sum().backward()
+        return ent.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    ent, got = grads("chunked")
+    ref_ent, want = grads("full")
+    assert torch.allclose(ent, ref_ent, atol=1e-5) and float(ent.sum()) > 0
+    assert got.keys() == want.keys() and got
+    for name, g in got.items():
+        assert torch.allclose(g, want[name], atol=1e-5, rtol=1e-4), name
+    for impl in ("chunked", "full"):
+        _, _, plain = response_logprobs(model, PROMPTS, RESPONSES, TEMPS, with_entropy=True, top_ps=TOP_PS,
+                                        chunk_tokens=chunk, impl=impl)
+        assert not plain.requires_grad, impl
+
+
+def test_the_entropy_bonus_lowers_the_loss_by_its_weight_and_a_step_raises_the_entropy():
+    """``trainer.entropy_coef = 0.5`` with every advantage 0: the micro-batch loss is ``-0.5 x``
+    the token-mean entropy, and one SGD step along its gradient raises the entropy."""
+    from types import SimpleNamespace
+    from contextlib import nullcontext
+
+    from serve_rft.config.trainer import TrainerConfig
+    from serve_rft.trainer.algorithms import get_algorithm
+    from serve_rft.trainer.policy.objective import micro_batch_loss
+
+    model = tiny_causal_lm("qwen2")
+    exps = [SimpleNamespace(prompt_token_ids=p, response_token_ids=r, behaviour_logprobs=[0.0] * len(r),
+                            sampling=SimpleNamespace(temperature=1.0, top_p=1.0), token_versions=[(0, 0, len(r))])
+            for p, r in zip(PROMPTS, RESPONSES)]
+    n_tokens = float(sum(len(r) for r in RESPONSES))
+
+    def loss_of(coef):
+        cfg = TrainerConfig(entropy_coef=coef)
+        return micro_batch_loss(cfg, get_algorithm(cfg), model, None, 0, nullcontext, exps,
+                                torch.zeros(len(exps)), [0.0] * len(exps), None, n_tokens, float(len(exps)))
+
+    base, stats, _ = loss_of(0.0)
+    loss, stats, _ = loss_of(0.5)
+    assert float(loss - base) == pytest.approx(-0.5 * stats["entropy"], rel=1e-5)
+    model.zero_grad(set_to_none=True)
+    loss.backward()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.grad is not None:
+                p -= 0.5 * p.grad
+    assert loss_of(0.5)[1]["entropy"] > stats["entropy"]
+
+
 def test_lora_reference_with_the_adapter_disabled_is_the_base():
     from serve_rft.trainer.policy.token_logprobs import response_logprobs
 

@@ -1,8 +1,8 @@
 """The loss of one micro-batch of a policy-gradient step (`serve_rft.trainer.policy.policy.PolicyTrainer.step`
 sums its gradients over the micro-batches): the trainer's logprobs of the sampled tokens
 (`serve_rft.trainer.policy.token_logprobs.response_logprobs`), the configured algorithm's loss against
-the behaviour logprobs (`serve_rft.trainer.algorithms.losses`), the KL penalty to a reference, and the
-step's statistics.
+the behaviour logprobs (`serve_rft.trainer.algorithms.losses`), the KL penalty to a reference, the
+entropy bonus, and the step's statistics.
 
 Shapes: ``B`` experiences in the micro-batch, ``T`` response tokens (right-padded).
 """
@@ -22,7 +22,7 @@ def micro_batch_loss(cfg: TrainerConfig, algorithm, model, ref_model, pad_id: in
     """Loss of one micro-batch, normalised by the whole batch's ``n_tokens`` / ``n_seqs``.
 
     Args:
-        cfg: the trainer settings (KL coefficient, logprob path).
+        cfg: the trainer settings (KL and entropy coefficients, logprob path).
         algorithm: the configured `serve_rft.trainer.algorithms.Algorithm` (its loss and aggregation).
         model: the policy (a transformers or peft causal LM, possibly FSDP2-sharded).
         ref_model: the frozen KL reference, or None (LoRA: the policy with its adapter disabled).
@@ -52,8 +52,8 @@ def micro_batch_loss(cfg: TrainerConfig, algorithm, model, ref_model, pad_id: in
     top_ps = [e.sampling.top_p for e in exps]
     how = dict(chunk_tokens=c.logprob_chunk_tokens, impl=c.logprob_impl)
     with autocast():
-        logp, mask, ent = response_logprobs(model, prompts, responses, temps, pad_id,
-                                            with_entropy=True, top_ps=top_ps, **how)
+        logp, mask, ent = response_logprobs(model, prompts, responses, temps, pad_id, with_entropy=True,
+                                            top_ps=top_ps, entropy_grad=c.entropy_coef > 0, **how)
     behaviour = torch.zeros_like(logp)
     for i, e in enumerate(exps):
         behaviour[i, : len(e.behaviour_logprobs)] = torch.tensor(e.behaviour_logprobs)
@@ -74,7 +74,9 @@ def micro_batch_loss(cfg: TrainerConfig, algorithm, model, ref_model, pad_id: in
         kl = kl_k3(logp, ref)
         loss = loss + c.kl_coef * aggregate(kl, mask, agg, n_tokens, n_seqs)
         stats["kl_ref"] = float((kl.detach() * mask).sum() / here)
-    stats["entropy"] = float((ent * mask).sum() / here)
+    if c.entropy_coef > 0:  # the bonus: higher entropy, lower loss
+        loss = loss - c.entropy_coef * aggregate(ent, mask, agg, n_tokens, n_seqs)
+    stats["entropy"] = float((ent.detach() * mask).sum() / here)
     stats["max_abs_logprob_diff"] = float(((logp.detach() - behaviour).abs() * mask).max())
     stats.update(token_stats(logp.detach(), behaviour, mask, token_versions(exps, logp.shape[1]).to(logp.device),
                              held_version, version_lags, cfg.clip_low, cfg.clip_high))

@@ -137,7 +137,9 @@ class _ChunkedLogprobs(torch.autograd.Function):
     softmax 0), ``grad_logits = grad_z / T``, ``grad_h = grad_logits @ W``,
     ``grad_W += grad_logits.T @ h`` (the latter two in the head's matmul dtype, as autograd
     through autocast's ``linear`` computes them; ``grad_W`` accumulates over chunks in the
-    weight's dtype; skipped when the head is frozen, as with LoRA)."""
+    weight's dtype; skipped when the head is frozen, as with LoRA). With ``with_entropy`` the
+    entropy ``H = lse - sum_v p_v z_v`` is differentiable too: ``dH/dz_v = -p_v (log p_v + H)``
+    (0 on masked words), added to ``grad_z`` as ``g_ent * dH/dz``."""
 
     @staticmethod
     def forward(ctx, hidden, weight, tokens, temp, top_p, chunk, dtype, with_entropy):
@@ -169,15 +171,21 @@ class _ChunkedLogprobs(torch.autograd.Function):
                     if rows[k] is not None:
                         z = z.masked_fill_(p == 0, 0.0)
                     ent[s:e] = lse[s:e] - p.mul_(z).sum(-1)
-        ctx.save_for_backward(hidden, weight, tokens, temp, lse)
+        ctx.save_for_backward(hidden, weight, tokens, temp, lse, ent)
         ctx.chunk, ctx.dtype, ctx.rows, ctx.packed = chunk, dtype, rows, packed
-        ctx.mark_non_differentiable(ent)
+        ctx.set_materialize_grads(False)  # an output no loss used gets None: no entropy work
+        if not with_entropy:
+            ctx.mark_non_differentiable(ent)
         return lp, ent
 
     @staticmethod
     def backward(ctx, g_lp, g_ent):
-        hidden, weight, tokens, temp, lse = ctx.saved_tensors
+        hidden, weight, tokens, temp, lse, ent = ctx.saved_tensors
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        if g_lp is None and g_ent is None:
+            return None, None, None, None, None, None, None, None
+        if g_lp is None:
+            g_lp = torch.zeros_like(lse)
         n, chunk, dtype, v = hidden.shape[0], ctx.chunk, ctx.dtype, weight.shape[0]
         grad_h = torch.empty_like(hidden) if need_h else None
         grad_w = torch.zeros_like(weight) if need_w else None
@@ -190,7 +198,13 @@ class _ChunkedLogprobs(torch.autograd.Function):
                 if ctx.rows[k] is not None:
                     _mask_(z, ctx.rows[k], _unpack(ctx.packed[k], v))
                 g = g_lp[s:e].float()
-                grad = z.sub_(lse[s:e].unsqueeze(1)).exp_().mul_(-g.unsqueeze(1))  # -g * softmax
+                if g_ent is None:
+                    grad = z.sub_(lse[s:e].unsqueeze(1)).exp_().mul_(-g.unsqueeze(1))  # -g * softmax
+                else:  # also g_ent * -p (log p + H); masked words: p = 0, log p = -inf, term 0
+                    logp = z.sub_(lse[s:e].unsqueeze(1))
+                    p = logp.exp()
+                    dh = logp.add_(ent[s:e].unsqueeze(1)).mul_(p).masked_fill_(p == 0, 0.0)
+                    grad = p.mul_(-g.unsqueeze(1)).sub_(dh.mul_(g_ent[s:e].float().unsqueeze(1)))
                 grad[torch.arange(e - s, device=grad.device), tokens[s:e]] += g
                 grad = grad.div_(temp[s:e].unsqueeze(1)).to(dtype)  # d/d logits of logits / T
                 if need_h:
@@ -215,8 +229,8 @@ def chunked_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, tokens: t
         chunk_tokens: tokens per chunk (``[chunk_tokens, V]`` fp32 is the largest buffer).
         with_entropy: also the entropy (nats) of each tempered, masked distribution.
     Returns:
-        (``[N]`` fp32 logprobs with grad to ``hidden`` and ``weight``, ``[N]`` fp32 entropy
-        without grad, zeros unless ``with_entropy``).
+        (``[N]`` fp32 logprobs with grad to ``hidden`` and ``weight``, ``[N]`` fp32 entropy,
+        with grad to both when ``with_entropy``, else zeros).
     Raises:
         ValueError: ``chunk_tokens < 1``.
     """
@@ -280,7 +294,7 @@ def _padded_batch(prompts: list[list[int]], responses: list[list[int]], pad_id: 
 def response_logprobs(model, prompts: list[list[int]], responses: list[list[int]],
                       temperatures: list[float], pad_id: int = 0, with_entropy: bool = False,
                       top_ps: list[float] | None = None, *, chunk_tokens: int = 1024,
-                      impl: Literal["chunked", "full"] = "chunked"):
+                      impl: Literal["chunked", "full"] = "chunked", entropy_grad: bool = False):
     """Logprobs of the response tokens under ``model``, as vLLM's ``processed_logprobs``.
 
     Runs ``[B, L]`` right-padded prompt+response ids through the model, and per response token
@@ -300,7 +314,7 @@ def response_logprobs(model, prompts: list[list[int]], responses: list[list[int]
     Returns:
         (``[B, T]`` logprobs, ``[B, T]`` float mask of real response tokens), and with
         ``with_entropy`` a third ``[B, T]``: the entropy (nats) of each position's tempered
-        distribution, without grad.
+        distribution, with grad if ``entropy_grad`` (the entropy bonus, ``trainer.entropy_coef``).
     Raises:
         ValueError: a non-empty response after an empty prompt (no position predicts its
             first token).
@@ -311,7 +325,8 @@ def response_logprobs(model, prompts: list[list[int]], responses: list[list[int]
     if run is None:
         parts = lm_parts(model) if impl == "chunked" else None
         if parts is None:
-            return _response_logprobs_full(model, prompts, responses, temperatures, pad_id, with_entropy, top_ps)
+            return _response_logprobs_full(model, prompts, responses, temperatures, pad_id, with_entropy, top_ps,
+                                           entropy_grad)
         run = partial(decoder_head_logprobs, *parts)
     device = next(model.parameters()).device
     ids, attn, T = _padded_batch(prompts, responses, pad_id, device)
@@ -334,14 +349,15 @@ def response_logprobs(model, prompts: list[list[int]], responses: list[list[int]
     index = torch.tensor([rows, pos, cols, toks], dtype=torch.long).to(device)
     scalars = torch.tensor([temps, tps], dtype=torch.float32).to(device)
     lp, e = run(ids, attn, index, scalars, chunk_tokens, with_entropy)
+    e = e if entropy_grad else e.detach()
     where = (index[0], index[2])
     out = out.index_put(where, lp)
     mask = mask.index_put_(where, torch.ones_like(lp))
-    return (out, mask, ent.index_put_(where, e)) if with_entropy else (out, mask)
+    return (out, mask, ent.index_put(where, e)) if with_entropy else (out, mask)
 
 
 def _response_logprobs_full(model, prompts, responses, temperatures, pad_id=0, with_entropy=False,
-                            top_ps=None):
+                            top_ps=None, entropy_grad=False):
     """`response_logprobs` from the full ``[B, L, V]`` fp32 logits of ``model(...)``: any
     causal LM; the reference the chunked path is tested against."""
     from serve_rft.trainer.algorithms.losses import token_entropy
@@ -371,7 +387,7 @@ def _response_logprobs_full(model, prompts, responses, temperatures, pad_id=0, w
         out[i, : len(r)] = lp.gather(1, tok.unsqueeze(1)).squeeze(1)
         mask[i, : len(r)] = 1.0
         if with_entropy:
-            with torch.no_grad():
+            with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
                 ent[i, : len(r)] = token_entropy(step_logits)
     return (out, mask, ent) if with_entropy else (out, mask)
 

@@ -68,3 +68,16 @@ def history(path: Path) -> list[dict]:
             rows.append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
                          for item in record.history.item})
     return rows
+
+
+def record_types(path: Path) -> dict[str, int]:
+    """How many records of each ``Record`` type ``path`` holds (what a failed read-back shows)."""
+    from wandb.proto import wandb_internal_pb2
+
+    counts: dict[str, int] = {}
+    for raw in records(path):
+        record = wandb_internal_pb2.Record()
+        record.ParseFromString(raw)
+        kind = str(record.WhichOneof("record_type"))
+        counts[kind] = counts.get(kind, 0) + 1
+    return counts

@@ -38,7 +38,7 @@ def test_tensorboard_run_reads_back_every_steps_statistics(tmp_path):
 def test_wandb_offline_run_reads_back_every_steps_statistics(tmp_path, monkeypatch):
     """W&B offline by default: the run file under the run dir holds each step's numbers at its
     step (read back from the file itself: tests/support/wandb_run.py)."""
-    from tests.support.wandb_run import history
+    from tests.support.wandb_run import history, record_types
 
     for name in ("WANDB_MODE", "WANDB_DIR", "WANDB_API_KEY"):
         monkeypatch.delenv(name, raising=False)
@@ -50,7 +50,8 @@ def test_wandb_offline_run_reads_back_every_steps_statistics(tmp_path, monkeypat
     (run_file,) = (tmp_path / "wandb").rglob("run-*.wandb")
     assert "offline-run-" in str(run_file)  # nothing left the machine
     rows = history(run_file)
-    assert [(r["_step"], r["trainer/loss"]) for r in rows] == [(1, 0.5), (2, 0.25), (3, 0.125)]
+    assert [(r["_step"], r["trainer/loss"]) for r in rows] == [(1, 0.5), (2, 0.25), (3, 0.125)], \
+        (run_file.stat().st_size, record_types(run_file))
     assert [r["_step"] for r in rows if "trainer/kl" in r] == [1, 3]
     assert {k for r in rows for k in r if not k.startswith("_")} == {
         "trainer/loss", "trainer/kl", "trainer/policy_version"}

@@ -12,8 +12,9 @@ its config overrides; by default its defaults alone).
 
 Reported per run: the reward curve (30 s buckets) with the share of distinct answers among each
 request's ``n`` (1: all differ; 1/n: all alike, a collapsed policy), the final reward (the last
-two buckets), the trainer's entropy at its last step seen (this code reports it), requests and
-failures; per side, the mean over seeds.
+two buckets), the last bucket's reward, the mean of the buckets' rewards (the area under the
+curve), the first bucket at 0.8 or more, the trainer's entropy at its last step seen (this code
+reports it), requests and failures; per side, the means over seeds.
 
     git worktree add ../baseline <earlier commit> && ln -s "$PWD/.venv" ../baseline/.venv
     .venv/bin/python benchmarks/learning_vs_baseline.py --baseline ../baseline --seeds 0 1 2 \\
@@ -76,8 +77,13 @@ def run(side: str, root: Path, sets: list[str], seed: int, duration: float, user
         finally:
             _stop(proc)
     entropies = [s["entropy"] for s in rep.get("steps_seen", []) if "entropy" in s]
-    tail = [c["distinct_share"] for c in rep["reward_curve"][-2:] if c.get("distinct_share") is not None]
+    curve = rep["reward_curve"]
+    tail = [c["distinct_share"] for c in curve[-2:] if c.get("distinct_share") is not None]
+    rewards = [c["mean_reward"] for c in curve if c.get("mean_reward") is not None]
     return {"side": side, "seed": seed, "settings": sets, "final_reward": round(plateau(rep), 4),
+            "last_bucket_reward": rewards[-1] if rewards else None,
+            "mean_reward_over_run": round(statistics.fmean(rewards), 4) if rewards else None,
+            "first_bucket_at_0_8_s": next((c["t_s"] for c in curve if (c.get("mean_reward") or 0) >= 0.8), None),
             "start_reward": rep["reward_curve"][0]["mean_reward"], "reward_curve": rep["reward_curve"],
             "final_distinct_share": round(statistics.fmean(tail), 4) if tail else None,
             "policy_version": rep["policy_version"], "entropy_last": entropies[-1] if entropies else None,
@@ -144,9 +150,10 @@ def main() -> None:
     ap.add_argument("--variant", type=variant, action="append", default=None,
                     help="a side of this code: LABEL=SET[,SET...] (repeat; default: defaults=)")
     ap.add_argument("--out", default="benchmarks/results/learning_vs_baseline.json")
+    ap.add_argument("--figure", default=str(FIGURE.relative_to(ROOT)), help="the figure's path (repo-relative)")
     a = ap.parse_args()
     if a.render:
-        print("figure:", render(json.loads(Path(a.render).read_text())))
+        print("figure:", render(json.loads(Path(a.render).read_text()), ROOT / a.figure))
         return
     if not a.baseline:
         ap.error("--baseline is required")
@@ -172,6 +179,10 @@ def main() -> None:
                       "final_rewards": [r["final_reward"] for r in runs if r["side"] == side],
                       "final_distinct_share_mean": mean([r["final_distinct_share"] for r in runs
                                                          if r["side"] == side]),
+                      "last_bucket_reward_mean": mean([r["last_bucket_reward"] for r in runs if r["side"] == side]),
+                      "mean_reward_over_run_mean": mean([r["mean_reward_over_run"] for r in runs
+                                                         if r["side"] == side]),
+                      "first_bucket_at_0_8_s": [r["first_bucket_at_0_8_s"] for r in runs if r["side"] == side],
                       "entropy_last": [r["entropy_last"] for r in runs if r["side"] == side]}
                for side, label, _, sets in sides}
     out = {**record(), "task": a.task,
@@ -180,7 +191,7 @@ def main() -> None:
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(out, indent=2))
     print(json.dumps(summary, indent=2))
-    print("figure:", render(out))
+    print("figure:", render(out, ROOT / a.figure))
 
 
 if __name__ == "__main__":

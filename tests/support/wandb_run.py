@@ -56,28 +56,26 @@ def records(path: Path) -> list[bytes]:
     return out
 
 
-def history(path: Path) -> list[dict]:
-    """The run's history rows (one per ``wandb.log`` call): key -> value, ``_step`` included."""
+def parsed(path: Path) -> list:
+    """Every record of ``path`` as a ``wandb_internal_pb2.Record``, in order."""
     from wandb.proto import wandb_internal_pb2
 
-    rows = []
+    out = []
     for raw in records(path):
         record = wandb_internal_pb2.Record()
         record.ParseFromString(raw)
-        if record.WhichOneof("record_type") == "history":
-            rows.append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
-                         for item in record.history.item})
-    return rows
+        out.append(record)
+    return out
+
+
+def history(path: Path) -> list[dict]:
+    """The run's history rows (one per ``wandb.log`` call): key -> value, ``_step`` included."""
+    return [{item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item}
+            for record in parsed(path) if record.WhichOneof("record_type") == "history"]
 
 
 def record_types(path: Path) -> dict[str, int]:
     """How many records of each ``Record`` type ``path`` holds (what a failed read-back shows)."""
-    from wandb.proto import wandb_internal_pb2
+    from collections import Counter
 
-    counts: dict[str, int] = {}
-    for raw in records(path):
-        record = wandb_internal_pb2.Record()
-        record.ParseFromString(raw)
-        kind = str(record.WhichOneof("record_type"))
-        counts[kind] = counts.get(kind, 0) + 1
-    return counts
+    return dict(Counter(str(record.WhichOneof("record_type")) for record in parsed(path)))

@@ -25,6 +25,10 @@ from pathlib import Path
 PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}
 """The package each tracker needs (and the extra that installs it)."""
 
+TRACKERS_CLOSE_S = 30.0
+"""How long the trainer waits for its trackers to finish their runs (`StepTrackers.close`) at a
+stop or before exiting for a restart (seconds)."""
+
 
 def check_available(names: list[str]) -> None:
     """Raises:
@@ -80,8 +84,9 @@ class StepTrackers:
             mlflow.log_dict(config, "config.json")
 
     def log(self, stats: dict, step: int) -> None:
-        """Write ``stats``' numbers at ``step`` to every tracker (flushed: a crash loses nothing
-        logged before it)."""
+        """Write ``stats``' numbers at ``step`` to every tracker. TensorBoard's are flushed and
+        MLflow's written at once; W&B's service process holds a run's last records in memory until
+        the run ends (`close`), so a ``kill -9`` of this process loses those."""
         values = scalars(stats)
         if self._tb is not None:
             for k, v in values.items():
@@ -95,10 +100,20 @@ class StepTrackers:
             mlflow.log_metrics({k.replace("/", "."): v for k, v in values.items()}, step=step)
 
     def close(self) -> None:
+        """Finish every tracker's run; on return each run is complete on disk.
+
+        W&B's ``finish()`` returns before its service process has closed the run's ``.wandb`` log
+        (``ServiceConnection.inform_finish`` only publishes; wandb-core's stream writer closes the
+        log, flushing its last block, when the stream ends: ``core/internal/stream/writer.go``), so
+        ``wandb.teardown()`` follows it: it waits for the service process to exit.
+        """
         if self._tb is not None:
             self._tb.close()
         if self._wandb is not None:
+            import wandb
+
             self._wandb.finish()
+            wandb.teardown()
         if self._mlflow is not None:
             import mlflow
 

@@ -214,7 +214,12 @@ class ServiceStack:
                             serve.shutdown()
                 finally:
                     with _timed("the trainer and synchronizer actors"):
-                        for actor in filter(None, map(find_actor, owned)):
+                        for name in owned:
+                            actor = find_actor(name)
+                            if actor is None:
+                                continue
+                            if name == TRAINER_NAME:
+                                _finish_trackers(actor)
                             ray.kill(actor)
                     if self.started_ray:
                         with _timed("Ray"):
@@ -234,6 +239,21 @@ class ServiceStack:
                 with _timed("redis-server"):
                     self.redis.stop()
                 self.redis = None
+
+
+def _finish_trackers(trainer) -> None:
+    """Let the trainer finish its experiment trackers' runs before it is killed
+    (`serve_rft.trainer.actor.Trainer.close_trackers`), waiting at most
+    ``2 * TRACKERS_CLOSE_S``; a trainer that is dead or stuck is killed without it."""
+    import ray
+    from ray.exceptions import GetTimeoutError, RayActorError
+
+    from serve_rft.observability.trackers import TRACKERS_CLOSE_S
+
+    try:
+        ray.get(trainer.close_trackers.remote(), timeout=2 * TRACKERS_CLOSE_S)
+    except (GetTimeoutError, RayActorError) as e:
+        log.warning("the trainer's experiment trackers were not finished before it was stopped: %r", e)
 
 
 @contextlib.contextmanager

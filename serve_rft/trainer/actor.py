@@ -29,6 +29,7 @@ import asyncio
 import json
 import logging
 import os
+import threading
 import time
 from functools import partial
 from pathlib import Path
@@ -39,6 +40,7 @@ from serve_rft.buffer.ready import ReadyStream
 from serve_rft.buffer.store import ExperienceStore
 from serve_rft.config import Config
 from serve_rft.names import NAMESPACE, TRAINER_NAME, get_synchronizer
+from serve_rft.observability.trackers import TRACKERS_CLOSE_S
 from serve_rft.observability.trainer_metrics import STEP_STATS
 from serve_rft.trainer.intake.feed import ExperienceFeed
 from serve_rft.trainer.policy.policy import PolicyTrainer
@@ -114,16 +116,34 @@ class Trainer:
             # the actor, which resumes from its saved state once Redis is back.
             log.exception("trainer lost Redis; exiting for Ray to restart it")
             self.error = repr(e)
-            os._exit(1)
+            self._exit_for_restart()
         except Exception as e:
             self.error = repr(e)
             if self.started:  # never halt: Ray restarts the process, which resumes from its state
                 log.exception("trainer loop failed; exiting for Ray to restart it")
-                os._exit(1)
+                self._exit_for_restart()
             self.publishing.phase = "stopped"  # setting up failed (model, store, resume): stays visible
             log.exception("trainer stopped")
             await sync.set_trainer.remote(ComponentState.STOPPED.value, self.publishing.step_num)
             raise
+
+    def _exit_for_restart(self) -> None:
+        """End the process for Ray to restart it, the experiment trackers' runs finished first
+        (waiting at most `TRACKERS_CLOSE_S`)."""
+        trackers, self.trackers = self.trackers, None
+        if trackers is not None:
+            closing = threading.Thread(target=trackers.close, daemon=True)
+            closing.start()
+            closing.join(TRACKERS_CLOSE_S)
+        os._exit(1)
+
+    async def close_trackers(self) -> None:
+        """Finish the experiment trackers' runs (`StepTrackers.close`); steps after this are not
+        logged to them. The launcher calls it before ``ray.kill``, which runs no exit handler:
+        W&B keeps a run's last records in its service process's memory until the run ends."""
+        trackers, self.trackers = self.trackers, None
+        if trackers is not None:
+            await asyncio.to_thread(trackers.close)
 
     async def _loop(self, sync) -> None:
         from serve_rft.weights import make_method

@@ -4,13 +4,17 @@ mode, §2.1): no explorer runs.
 A run directory's embedded redis-server holds rewarded experiences (written through the store's
 own code, then stopped); ``serve-rft up --mode train --max-steps 1`` restarts that redis-server
 from its AOF, trains, publishes, saves its state and exits; a second run resumes from that state.
-Both runs log their steps to TensorBoard (``trainer.loggers``), read back at the end.
+Both runs log their steps to TensorBoard and Weights & Biases (``trainer.loggers``), read back at
+the end: the W&B runs are complete on disk only because the stop finishes them before it kills
+the trainer (``Trainer.close_trackers``; shown failing with that call taken out of the launcher's
+stop: the run files held no history).
 """
 
 from __future__ import annotations
 
 import asyncio
 import math
+import os
 import subprocess
 import sys
 
@@ -54,8 +58,9 @@ def _train(run_dir) -> str:
         [sys.executable, "-m", "serve_rft.cli", "up", "--mode", "train", "--max-steps", "1",
          "--set", f"service.run_dir={run_dir}", "--set", "trainer.min_batch_size=4",
          "--set", "trainer.batch_size=16", "--set", "trainer.batch_wait_s=0.5",
-         "--set", "trainer.loggers=[tensorboard]"],
-        capture_output=True, text=True, timeout=600)
+         "--set", "trainer.loggers=[tensorboard,wandb]"],
+        capture_output=True, text=True, timeout=600,
+        env={**os.environ, "WANDB_SILENT": "true", "WANDB_MODE": "offline"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc.stdout + proc.stderr
 
@@ -97,3 +102,8 @@ def test_train_only_on_a_store_collected_earlier_then_resume(tmp_path):
     loss = acc.Scalars("trainer/loss")
     assert [e.step for e in loss] == [1, 3] and all(math.isfinite(e.value) for e in loss), loss
     assert [e.value for e in acc.Scalars("trainer/policy_version")] == [1.0, 3.0]
+    # ... and in W&B's offline runs, one per trainer process
+    from tests.support.wandb_run import history
+
+    runs = sorted((tmp_path / "tracking" / "wandb").rglob("run-*.wandb"))
+    assert [[r["_step"] for r in history(f)] for f in runs] == [[1], [3]], runs

@@ -5,6 +5,7 @@ refused before anything starts."""
 from __future__ import annotations
 
 import importlib.util
+import os
 
 import pytest
 
@@ -55,6 +56,42 @@ def test_wandb_offline_run_reads_back_every_steps_statistics(tmp_path, monkeypat
     assert [r["_step"] for r in rows if "trainer/kl" in r] == [1, 3]
     assert {k for r in rows for k in r if not k.startswith("_")} == {
         "trainer/loss", "trainer/kl", "trainer/policy_version"}
+
+
+def test_wandb_run_is_complete_on_disk_when_close_returns_even_with_a_slow_service(tmp_path, monkeypatch):
+    """``close()`` returns only once W&B's service process has closed the run file. ``finish()``
+    alone returns before it (the service is told to finish by a one-way message), so the test
+    pauses the service (SIGSTOP) just before that message and wakes it 2 s later.
+
+    Shown failing with ``wandb.teardown()`` taken out of ``StepTrackers.close``: the file then
+    holds only its 7-byte header when read."""
+    import signal
+    import threading
+
+    import psutil
+    from wandb.sdk.lib.service.service_connection import ServiceConnection
+
+    from tests.support.wandb_run import history
+
+    for name in ("WANDB_MODE", "WANDB_DIR", "WANDB_API_KEY"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    trackers = StepTrackers(["wandb"], tmp_path, "run-a", {})
+    (service,) = [p for p in psutil.Process().children(recursive=True) if "wandb-core" in " ".join(p.cmdline())]
+    inform_finish = ServiceConnection.inform_finish
+
+    def paused_service_then_inform_finish(self, run_id):
+        os.kill(service.pid, signal.SIGSTOP)
+        threading.Timer(2.0, os.kill, (service.pid, signal.SIGCONT)).start()
+        inform_finish(self, run_id)
+
+    monkeypatch.setattr(ServiceConnection, "inform_finish", paused_service_then_inform_finish)
+    for step, stats in enumerate(STEPS, start=1):
+        trackers.log(stats, step)
+    trackers.close()
+    (run_file,) = (tmp_path / "wandb").rglob("run-*.wandb")
+    assert [r["_step"] for r in history(run_file)] == [1, 2, 3], run_file.stat().st_size
+    assert not service.is_running()
 
 
 def test_mlflow_run_reads_back_every_steps_statistics(tmp_path, monkeypatch):

@@ -23,7 +23,8 @@ def preflight(cfg: Config) -> None:
             settings; ``model.path`` is neither a model directory nor a hub id that is cached or
             can be downloaded (`serve_rft.model.embedded.resolve_model_path`); a tracker of
             ``trainer.loggers`` is not installed; no ``buffer.redis_url`` and no ``redis-server``
-            on PATH to start the embedded store with.
+            on PATH to start the embedded store with; ``explorer.tensor_parallel_size`` does not
+            divide the model's attention heads (what vLLM checks when the engine starts).
     """
     import shutil
 
@@ -34,13 +35,19 @@ def preflight(cfg: Config) -> None:
 
         raise ValueError(MISSING)
 
+    model_dir = None
     if cfg.model.path:
         from serve_rft.model.embedded import resolve_model_path
 
         try:
-            resolve_model_path(cfg.model.path, cfg.model.cache_dir)
+            model_dir = resolve_model_path(cfg.model.path, cfg.model.cache_dir)
         except FileNotFoundError as e:
             raise ValueError(f"model.path: {e}") from None
+    tp = cfg.explorer.tensor_parallel_size
+    heads = attention_heads(model_dir)
+    if heads is not None and heads % tp:
+        raise ValueError(f"explorer.tensor_parallel_size={tp} does not divide the model's {heads} attention "
+                         "heads (each worker holds a whole number of them)")
 
     from serve_rft.trainer.algorithms import get_algorithm
 
@@ -67,6 +74,20 @@ def preflight(cfg: Config) -> None:
 
         if not torch.cuda.is_available():
             raise ValueError("trainer.device=cuda but torch sees no CUDA device; use trainer.device=cpu")
+
+
+def attention_heads(model_dir: Path | None) -> int | None:
+    """The attention heads of the model in ``model_dir`` (its ``config.json``, or its
+    ``text_config``), of the embedded model for None; None where the config names none."""
+    import json
+
+    if model_dir is None:
+        from serve_rft.model.embedded import ARCH
+
+        return ARCH["num_attention_heads"]
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    heads = config.get("num_attention_heads", (config.get("text_config") or {}).get("num_attention_heads"))
+    return heads if isinstance(heads, int) and heads > 0 else None
 
 
 def start_training(cfg: Config, model_path: str | Path):

@@ -30,8 +30,10 @@ ENGINE_ARGS_OWNED = {
     "max_loras": "set explorer.max_loras instead",
     "max_cpu_loras": "set explorer.max_loras instead",
     "logging_config": "vLLM logs through the replica's handlers (set VLLM_LOGGING_LEVEL)",
-    "tensor_parallel_size": "one vLLM worker per replica for now (weight sync and NCCL assume it)",
-    "pipeline_parallel_size": "one vLLM worker per replica for now (weight sync and NCCL assume it)",
+    "tensor_parallel_size": "set explorer.tensor_parallel_size instead",
+    "pipeline_parallel_size": "a replica's workers split each layer (explorer.tensor_parallel_size), never "
+                              "the layers between them",
+    "distributed_executor_backend": "a replica's tensor-parallel workers are its child processes (mp)",
     "data_parallel_size": "set explorer.num_replicas instead (each replica is one engine)",
     "logits_processors": "custom logits processors change the sampling distribution; the trainer does not "
                          "reproduce them",
@@ -128,9 +130,17 @@ class ExplorerConfig(StrictSection):
                               "initial count when `autoscaling` is set).")
     autoscaling: AutoscalingSettings | None = Field(
         None, description="Let Ray Serve add and remove replicas by load (null: a fixed num_replicas).")
-    num_cpus_per_replica: float = Field(1.0, gt=0, description="Ray logical CPUs per replica.")
+    tensor_parallel_size: int = Field(
+        1, ge=1, le=64, description="vLLM workers per replica, each holding a slice of every layer (vLLM's "
+        "tensor_parallel_size, Megatron-LM's tensor parallelism): for a model larger than one GPU. The "
+        "workers are the replica's child processes on its node (vLLM's multiprocessing executor); every "
+        "sync method loads each version into all of them. Must divide the model's attention heads.")
+    num_cpus_per_replica: float = Field(
+        1.0, gt=0, description="Ray logical CPUs per tensor-parallel worker: a replica reserves "
+        "tensor_parallel_size times this.")
     num_gpus_per_replica: float = Field(
-        0.0, ge=0, description="Ray GPUs per replica (GPU machines with the `vllm` package; NCCL needs > 0).")
+        0.0, ge=0, description="Ray GPUs per tensor-parallel worker (GPU machines with the `vllm` package; "
+        "NCCL needs > 0): a replica reserves tensor_parallel_size times this, all visible to its workers.")
     max_model_len: int = Field(1024, ge=16, description="Context length (prompt + response), tokens.")
     kv_cache_gib: int = Field(1, ge=1, description="VLLM_CPU_KVCACHE_SPACE per replica, GiB.")
     max_num_seqs: int = Field(64, ge=1, description="vLLM scheduler: concurrent sequences per replica.")

@@ -76,7 +76,10 @@ def explorer_deployment(cfg: Config):
         serve.ingress(app)(ExplorerReplica),
         name="explorer",
         **scaling,
-        ray_actor_options={"num_cpus": ecfg.num_cpus_per_replica, "num_gpus": ecfg.num_gpus_per_replica,
+        # the replica's tensor-parallel workers are its child processes: it holds all their resources,
+        # so Ray places it where they fit and makes all its GPUs visible to them
+        ray_actor_options={"num_cpus": ecfg.num_cpus_per_replica * ecfg.tensor_parallel_size,
+                           "num_gpus": ecfg.num_gpus_per_replica * ecfg.tensor_parallel_size,
                            "runtime_env": {"env_vars": replica_env(ecfg)}},
         max_ongoing_requests=ecfg.max_ongoing_requests,
         **routing,

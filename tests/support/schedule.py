@@ -13,7 +13,7 @@ near what the tested part takes); their stacks start and stop beside other work
 
 SCHEDULE = ("test_multinode", "test_stack", "test_shutdown", "test_stack_keep", "test_stack_canary",
             "test_stack_memory", "test_stack_lora", "test_serve_run", "test_logprob_agreement",
-            "test_engine_weights", "test_swap_verification", "test_sharded_trainer_faults",
+            "test_engine_weights", "test_engine_tensor_parallel", "test_swap_verification", "test_sharded_trainer_faults",
             "test_train_offline", "test_sharded_trainer", "test_synchronizer_restart",
             "test_haproxy_resend", "test_nccl_sync", "test_stack_faults", "unit", "test_chaos",
             "test_durability", "unit_late")

@@ -74,6 +74,45 @@ def test_engine_kwargs_put_serve_rfts_arguments_first_and_pass_the_rest_through(
     assert lora["enable_lora"] and lora["max_lora_rank"] == 8 and lora["max_loras"] == 2
 
 
+def test_tensor_parallel_replicas_get_a_worker_process_each_and_the_resources_of_all():
+    """explorer.tensor_parallel_size: vLLM's argument, its workers this replica's child processes
+    (vLLM's mp executor), the replica reserving every worker's CPUs and GPUs; vLLM's own argument
+    and executor choice refused in engine_args; pipeline parallelism refused."""
+    from pydantic import ValidationError
+
+    from serve_rft.config import load_config
+    from serve_rft.config.explorer import ExplorerConfig
+    from serve_rft.explorer.engine.engine_args import engine_kwargs
+    from serve_rft.service.app import explorer_deployment
+
+    assert "distributed_executor_backend" not in engine_kwargs(ExplorerConfig(), "/m", seed=0, on_cpu=True)
+    kw = engine_kwargs(ExplorerConfig(tensor_parallel_size=2), "/m", seed=0, on_cpu=True)
+    assert kw["tensor_parallel_size"] == 2 and kw["distributed_executor_backend"] == "mp"
+    for key in ("tensor_parallel_size", "pipeline_parallel_size", "distributed_executor_backend"):
+        with pytest.raises(ValidationError, match=f"explorer.engine_args.{key} is serve_rft's to set"):
+            load_config(None, [f"explorer.engine_args={{{key}: 2}}"])
+    cfg = load_config(None, ["explorer.tensor_parallel_size=4", "explorer.num_cpus_per_replica=0.5",
+                             "explorer.num_gpus_per_replica=1"])
+    actor = explorer_deployment(cfg).ray_actor_options
+    assert (actor["num_cpus"], actor["num_gpus"]) == (2.0, 4.0), actor
+
+
+def test_a_tensor_parallel_size_that_does_not_divide_the_heads_is_refused_before_anything_starts(tmp_path):
+    """The embedded model has 4 attention heads: 2 and 4 workers hold 2 and 1 each, 3 cannot
+    (vLLM refuses it only once a replica's engine starts)."""
+    from serve_rft.config import load_config
+    from serve_rft.control import attention_heads, preflight
+
+    assert attention_heads(None) == 4
+    for tp in (2, 4):
+        preflight(load_config(None, [f"explorer.tensor_parallel_size={tp}", f"service.run_dir={tmp_path}"]))
+    result = CliRunner().invoke(cli, ["up", "--set", "explorer.tensor_parallel_size=3",
+                                      "--set", f"service.run_dir={tmp_path}"])
+    assert result.exit_code == 2, result.output
+    assert "tensor_parallel_size=3 does not divide the model's 4 attention heads" in " ".join(result.output.split())
+    assert not (tmp_path / "redis").exists()
+
+
 KEY_ENV = ("SERVE_RFT_API_KEYS", "SERVE_RFT_REWARD_KEYS", "SERVE_RFT_ADMIN_KEYS")
 
 

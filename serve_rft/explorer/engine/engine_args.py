@@ -60,7 +60,12 @@ def engine_kwargs(cfg, model_path: str, *, seed: int, on_cpu: bool, weight_trans
         logging_config=LoggingConfig(configure_logging=False),
         gpu_memory_utilization=cfg.gpu_memory_utilization,
         worker_extension_cls="serve_rft.explorer.engine.worker_ext.PolicyWeightsExtension",
+        tensor_parallel_size=cfg.tensor_parallel_size,
     )
+    if cfg.tensor_parallel_size > 1:
+        # the workers are this replica's child processes: on its node, seeing the GPUs Ray gave it
+        # (vLLM would pick its Ray executor inside a Ray actor, with workers placed elsewhere)
+        kwargs["distributed_executor_backend"] = "mp"
     if weight_transfer is not None:
         from vllm.config.weight_transfer import WeightTransferConfig
 

@@ -35,9 +35,9 @@ def engine_env(cfg: ExplorerConfig) -> None:
     their time handing over: with ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` the worker runs
     inside the EngineCore process (``UniProcExecutor``, what vLLM runs on one GPU), and
     handing over stops (`benchmarks/executor_ab.py` compares the two on a two-replica stack;
-    its figures are on the Performance page). A replica's
-    engine has one worker (``explorer.engine_args`` may not set its parallelism:
-    `serve_rft.config.explorer`)."""
+    its figures are on the Performance page). With ``explorer.tensor_parallel_size`` > 1 the
+    EngineCore still runs in the replica's process and its workers in child processes
+    (``MultiprocExecutor``, `serve_rft.explorer.engine.engine_args.engine_kwargs`)."""
     from vllm.platforms import current_platform
 
     if current_platform.is_cpu():
@@ -174,7 +174,7 @@ class ExplorerEngine:
         ipc_dir: the folder of vLLM's IPC sockets (removed at shutdown), or None where the
             operator set ``VLLM_RPC_BASE_PATH`` or a socket path in it would be too long.
         replica_id: the Serve replica this engine belongs to (names its NCCL group).
-        world_size: vLLM workers of this engine (tensor x pipeline parallel; 1 here).
+        world_size: vLLM workers of this engine (``explorer.tensor_parallel_size``).
         nccl_update_info: names/dtypes/shapes the NCCL receive uses, once the group is joined.
     """
 
@@ -236,6 +236,7 @@ class ExplorerEngine:
             if ipc_dir is not None:
                 os.environ.pop("VLLM_RPC_BASE_PATH", None)
         engine = cls(llm, 0, replica_id, adapter_sync=lora_rank is not None)
+        engine.world_size = cfg.tensor_parallel_size
         engine.ipc_dir = ipc_dir
         engine.direct_weight_load = cfg.direct_weight_load
         try:

@@ -24,24 +24,32 @@ class PolicyWeightsExtension:
         vLLM's EngineCore is a child of the replica; when the replica dies by SIGKILL nothing
         tells it, and it kept running as an orphan holding the model (~2.4 GB here, the GPU
         memory the replacement needs on a GPU). On CPU (and single-GPU) the worker runs inside
-        the EngineCore, so this ends the EngineCore; vLLM's multiprocess workers watch their
-        EngineCore themselves. Idempotent.
+        the EngineCore, so this ends the EngineCore. A tensor-parallel replica's workers are the
+        EngineCore's children (vLLM's ``MultiprocExecutor``): they watch their EngineCore
+        themselves, but it does not watch them, so a worker that sees the replica gone ends its
+        parent EngineCore first (SIGKILL, by the pid it had when the watch began, and only while
+        that is still its parent). Idempotent.
 
         Returns:
             This process's pid.
         """
         import os
+        import signal
         import threading
         import time
 
         if getattr(self, "_replica_watch", None) is None:
+            engine_core = os.getppid() if os.getppid() != pid else None  # a MultiprocExecutor worker's
+
             def watch() -> None:
                 while True:
                     time.sleep(period_s)
                     try:
                         os.kill(pid, 0)
-                    except ProcessLookupError:
-                        os._exit(1)  # the replica is gone: nothing here can be used again
+                    except ProcessLookupError:  # the replica is gone: nothing here can be used again
+                        if engine_core is not None and os.getppid() == engine_core:
+                            os.kill(engine_core, signal.SIGKILL)
+                        os._exit(1)
                     except PermissionError:  # alive (another user's pid cannot be ours)
                         pass
 

@@ -77,7 +77,13 @@ def test_wandb_run_is_complete_on_disk_when_close_returns_even_with_a_slow_servi
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("WANDB_SILENT", "true")
     trackers = StepTrackers(["wandb"], tmp_path, "run-a", {})
-    (service,) = [p for p in psutil.Process().children(recursive=True) if "wandb-core" in " ".join(p.cmdline())]
+    def command_line(process) -> str:
+        try:
+            return " ".join(process.cmdline())
+        except psutil.Error:  # gone, or a zombie an earlier test left
+            return ""
+
+    (service,) = [p for p in psutil.Process().children(recursive=True) if "wandb-core" in command_line(p)]
     inform_finish = ServiceConnection.inform_finish
 
     def paused_service_then_inform_finish(self, run_id):

@@ -8,6 +8,11 @@ all samples, and p50/p99 latency of requests that overlapped a sync vs those tha
 
     .venv/bin/python benchmarks/zero_downtime.py --duration 90 --users 6 --rate 1 \
         --out benchmarks/results/zero_downtime.json
+
+``--set KEY=VALUE`` adds a stack setting, e.g. tensor-parallel replicas of two workers each::
+
+    .venv/bin/python benchmarks/zero_downtime.py --duration 90 --users 6 --rate 1 --modes wait \
+        --set explorer.tensor_parallel_size=2 --out benchmarks/results/zero_downtime_tp2.json
 """
 
 from __future__ import annotations
@@ -46,7 +51,7 @@ def _sync_windows(events: list[dict]) -> list[tuple[float, float]]:
 
 
 def run_mode(drain_mode: str, duration: float, users: int, rate: float, run_dir: Path,
-             ingress: str = "haproxy") -> dict:
+             ingress: str = "haproxy", settings: list[str] = ()) -> dict:
     from serve_rft.config import load_config
     from serve_rft.service.launcher import ServiceStack, quiet_env
 
@@ -54,7 +59,7 @@ def run_mode(drain_mode: str, duration: float, users: int, rate: float, run_dir:
     cfg = load_config(None, [f"synchronizer.drain_mode={drain_mode}", "service.port=0",
                              f"service.run_dir={run_dir}", "synchronizer.sync_style=trainer_driven",
                              "trainer.min_batch_size=16", "trainer.batch_wait_s=2.0",
-                             f"service.ingress={ingress}"])
+                             f"service.ingress={ingress}", *settings])
     with ServiceStack(cfg) as stack:
         samples: list[tuple[float, int, int]] = []
         stop = threading.Event()
@@ -124,6 +129,8 @@ def main() -> None:
     ap.add_argument("--rate", type=float, default=1.0, help="requests/s per user")
     ap.add_argument("--modes", default="wait,keep")
     ap.add_argument("--ingress", choices=["haproxy", "proxy"], default="haproxy", help="service.ingress")
+    ap.add_argument("--set", dest="settings", action="append", default=[], metavar="KEY=VALUE",
+                    help="another setting of the stack (serve-rft's --set), e.g. explorer.tensor_parallel_size=2")
     ap.add_argument("--run-dir", default="runs/bench-zero-downtime",
                     help="each mode's folder under it is deleted and recreated (a fresh store)")
     ap.add_argument("--out", default="benchmarks/results/zero_downtime.json")
@@ -138,12 +145,12 @@ def main() -> None:
         # its stop removed), and a second HAProxy stack in the same process then finds no binary
         environ = dict(os.environ)
         try:
-            results.append(run_mode(mode, a.duration, a.users, a.rate, run_dir, a.ingress))
+            results.append(run_mode(mode, a.duration, a.users, a.rate, run_dir, a.ingress, a.settings))
         finally:
             os.environ.clear()
             os.environ.update(environ)
         print(json.dumps(results[-1], indent=2), flush=True)
-    out = {**record(), "ingress": a.ingress, "results": results}
+    out = {**record(), "ingress": a.ingress, "settings": a.settings, "results": results}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(out, indent=2))
     bad = [r for r in results if r["failed"] or r["rolling_syncs"] < 10 or r["min_running_replicas_sampled"] < 1]

@@ -7,9 +7,10 @@ finish_weight_update`` on a replica); `tests/gpu/test_nccl_sync.py` runs it wher
 are present. The handshake logic below is unit-tested on CPU with fakes.
 
 Process groups, set up by the synchronizer (`Synchronizer.nccl_group`): one group per replica,
-rank 0 = the trainer, ranks 1..W = the replica's vLLM workers (W = tensor x pipeline parallel
-size). The synchronizer asks the trainer for a rendezvous endpoint (its node address and a free
-port); the replica joins from its workers while the trainer joins rank 0, at the same time.
+rank 0 = the trainer, ranks 1..W = the replica's vLLM workers (W = ``explorer.tensor_parallel_size``;
+vLLM gives each worker its rank from the group's offset). The synchronizer asks the trainer for a
+rendezvous endpoint (its node address and a free port); the replica joins from its workers while
+the trainer joins rank 0, at the same time.
 One group per replica, not one for all, because replicas sync at different moments (rolling).
 
 Two-way handshake (the Trinity-RFT Synchronizer documentation, "NCCL Synchronization"): both sides must be in the collective at

@@ -218,7 +218,7 @@ class ServiceStack:
                             actor = find_actor(name)
                             if actor is None:
                                 continue
-                            if name == TRAINER_NAME:
+                            if name == TRAINER_NAME and self.cfg.trainer.loggers:
                                 _finish_trackers(actor)
                             ray.kill(actor)
                     if self.started_ray:

@@ -103,7 +103,7 @@ async def _run(model_dir: Path, work: Path, tp: int) -> dict:
     if tp == 1:
         return got
     mem_model = perturbed(model_dir, 2)
-    mem = MemoryMethod(bucket_bytes=1 << 18)  # several buckets for the tiny model
+    mem = MemoryMethod(bucket_bytes=1 << 20)  # two buckets for the tiny model
     await engine.pause("wait")
     await mem.receive(engine, mem.send(mem_model, 2), 2)
     await engine.resume()
@@ -190,8 +190,11 @@ def test_two_workers_answer_as_one_every_sync_method_reaches_both_and_they_end_w
             time.sleep(0.2)
         left = [pid for pid in engine_processes if _running(pid)]
     finally:
-        if child.poll() is None:
+        try:  # the child's session: what is left of it (Ray's processes; anything if a check failed)
             os.killpg(child.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        child.wait()
         for pid in engine_processes:  # should they outlive it (the assertion below fails), end them
             if _running(pid):
                 os.kill(pid, signal.SIGKILL)

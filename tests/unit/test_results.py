@@ -41,7 +41,6 @@ NOT_REGENERATED: dict[str, str] = {
     "adapter_sync_half_b.json": _LIVE,
     "autoscaling_ramp.json": _LIVE,
     "ramp.json": _LIVE,
-    "ramp_proxy.json": _LIVE,
     "soak.json": "an hour of the live service; not rerun: " + _MACHINE,
     "staleness.json": _LIVE + " (it records the date)",
     **{name: _TRAINER for name in (

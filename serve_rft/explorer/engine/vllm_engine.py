@@ -36,8 +36,8 @@ def engine_env(cfg: ExplorerConfig) -> None:
     inside the EngineCore process (``UniProcExecutor``, what vLLM runs on one GPU), and
     handing over stops (`benchmarks/executor_ab.py` compares the two on a two-replica stack;
     its figures are on the Performance page). With ``explorer.tensor_parallel_size`` > 1 the
-    EngineCore still runs in the replica's process and its workers in child processes
-    (``MultiprocExecutor``, `serve_rft.explorer.engine.engine_args.engine_kwargs`)."""
+    EngineCore runs its workers in processes of their own, its children (``MultiprocExecutor``,
+    `serve_rft.explorer.engine.engine_args.engine_kwargs`), and they hand over as above."""
     from vllm.platforms import current_platform
 
     if current_platform.is_cpu():

@@ -90,8 +90,30 @@ def attention_heads(model_dir: Path | None) -> int | None:
     return heads if isinstance(heads, int) and heads > 0 else None
 
 
+def launch_training(cfg: Config, model_path: str | Path):
+    """Create (or find) the synchronizer and the trainer and ask the trainer to start its loop,
+    without waiting: the caller can start the explorer replicas while the trainer loads the
+    policy model, then wait on the returned reference.
+
+    Returns:
+        ``(the trainer actor handle, the ObjectRef of its start)``; ``ray.get`` of the reference
+        raises ray.exceptions.RayActorError when the trainer failed to start (its error is in
+        the message).
+    Raises:
+        ValueError: no Redis URL.
+    """
+    from serve_rft.synchronizer.actor import get_or_create_synchronizer
+    from serve_rft.trainer.actor import get_or_create_trainer
+
+    if not cfg.buffer.redis_url:
+        raise ValueError("buffer.redis_url must be set to train")
+    get_or_create_synchronizer(cfg.synchronizer, cfg.buffer)
+    trainer = get_or_create_trainer(cfg, str(model_path))
+    return trainer, trainer.start.remote()
+
+
 def start_training(cfg: Config, model_path: str | Path):
-    """Create (or find) the synchronizer and the trainer and wait until the training loop runs.
+    """`launch_training`, then wait until the training loop runs.
 
     Returns:
         The trainer actor handle.
@@ -101,14 +123,8 @@ def start_training(cfg: Config, model_path: str | Path):
     """
     import ray
 
-    from serve_rft.synchronizer.actor import get_or_create_synchronizer
-    from serve_rft.trainer.actor import get_or_create_trainer
-
-    if not cfg.buffer.redis_url:
-        raise ValueError("buffer.redis_url must be set to train")
-    get_or_create_synchronizer(cfg.synchronizer, cfg.buffer)
-    trainer = get_or_create_trainer(cfg, str(model_path))
-    ray.get(trainer.start.remote())
+    trainer, started = launch_training(cfg, model_path)
+    ray.get(started)
     return trainer
 
 

@@ -122,7 +122,7 @@ class ServiceStack:
         import ray
         from ray import serve
 
-        from serve_rft.control import ensure_control, start_training
+        from serve_rft.control import ensure_control, launch_training, start_training
         from serve_rft.service.app import APP_NAME, build_app
 
         if not ray.is_initialized():
@@ -160,9 +160,11 @@ class ServiceStack:
             self.progress("starting the trainer (loading the policy model)")
             start_training(cfg, self.model_path)
         else:
-            if cfg.trainer.enabled:  # a trainer that cannot start fails `up` here, with its error
+            # the trainer loads the policy model while the replicas start their engines
+            trainer_started = None
+            if cfg.trainer.enabled:
                 self.progress("starting the trainer (loading the policy model)")
-                start_training(cfg, self.model_path)
+                _, trainer_started = launch_training(cfg, self.model_path)
             else:
                 ensure_control(cfg, self.model_path)
             self.progress(f"deploying {cfg.explorer.num_replicas} explorer replicas (each starts a vLLM engine)")
@@ -170,6 +172,8 @@ class ServiceStack:
             app = build_app(cfg, self.model_path)
             serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
             self.url = f"http://{cfg.service.host}:{cfg.service.port}"
+            if trainer_started is not None:  # a trainer that cannot start fails `up` here, with its error
+                ray.get(trainer_started)
             self._wait_healthy(timeout_s=600)
         self.startup_seconds = time.monotonic() - t0
 

@@ -78,7 +78,7 @@ PROXY_HEALTH_CHECK_PERIOD_S = 2
 HAProxy mode a check asks HAProxy's admin socket ``show info``; Serve replaces the proxy (and
 starts a new HAProxy on the same port) after three failed checks in a row, so the period bounds
 how long a kill -9 of HAProxy leaves a one-node service answering nothing
-(benchmarks/front_door_kill.py measures it; tests/integration/test_chaos.py checks a bound of 20 s). A healthy
+(benchmarks/front_door_kill.py measures it; tests/integration/test_stack_faults.py checks a bound of 20 s). A healthy
 HAProxy is replaced only if its socket stays unanswered for three checks (>= 4 s); a reload's gap
 is far shorter, and each check may still take Ray's 10 s timeout."""
 

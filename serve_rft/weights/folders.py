@@ -126,7 +126,7 @@ def prune(root: str | Path, keep: int, in_use: Collection[int] | None = ()) -> N
     Each goes in two steps: one atomic rename out of the committed set (to a hidden folder), then
     the deletion. A kill during a deletion thus leaves a hidden folder, which the next prune
     removes, never a committed version with files missing (a trainer killed mid-prune once left
-    one, and its restart failed to resume: CI, test_chaos.py)."""
+    one, and its restart failed to resume: CI, test_stack_faults.py)."""
     root = Path(root)
     for leftover in root.glob(f"{PRUNED}*"):  # what an earlier prune did not finish
         shutil.rmtree(leftover, ignore_errors=True)

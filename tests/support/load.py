@@ -1,6 +1,6 @@
 """Load and bookkeeping for tests and benchmarks that run a service: closed-loop users that chat
 and reward (`Users`: the fault tests that kill parts of a running service,
-tests/integration/test_chaos.py and test_multinode.py, and benchmarks/front_door_kill.py), a
+tests/integration/test_stack_faults.py and test_multinode.py, and benchmarks/front_door_kill.py), a
 ``/v1/status`` read with a bounded retry, a bounded wait, and the end-of-run check that every
 accepted reward was kept and none trained twice."""
 

@@ -41,7 +41,7 @@ import redis
 
 from serve_rft.buffer.redis_auth import embedded_url
 
-from provenance import command, machine  # benchmarks/ (the script's folder)
+from provenance import record  # benchmarks/ (the script's folder)
 
 ROOT = Path(__file__).resolve().parents[1]
 REWARD_TIMEOUT_S, TRAINED_TTL_S = 300, 600
@@ -182,7 +182,7 @@ def main() -> None:
         proc.wait(timeout=120)
         stop_s = time.monotonic() - t_stop
     out = {
-        "command": command(), "machine": machine(),
+        **record(),
         "settings": {"reward_timeout_s": REWARD_TIMEOUT_S, "trained_ttl_s": TRAINED_TTL_S, "users": a.users,
                      "rate_per_user": a.rate, "duration_s": a.duration, "reward_skip": 0.1},
         "requests": sum(q["name"] in ("chat", "chat_stream") for q in reqs),

@@ -23,11 +23,10 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 from pathlib import Path
 
 from demo_runs import demo_report
-from provenance import command, machine
+from provenance import record
 
 MODES = ("ppo", "tis", "mis_token", "mis_sequence")
 FIGURE = Path(__file__).resolve().parents[1] / "docs" / "assets" / "staleness.png"
@@ -118,7 +117,7 @@ def main() -> None:
     a = ap.parse_args()
     base = ["synchronizer.sync_style=fixed", f"synchronizer.sync_interval={a.sync_interval}", *a.sets]
     runs = []
-    started = time.strftime("%Y-%m-%d")
+    provenance = record()  # the machine's load and the date as the runs begin
     for seed in a.seeds:  # seeds outermost: a drift of the machine over the hour spreads over every mode
         for mode in a.modes:
             rep = demo_report([f"trainer.off_policy={mode}", f"trainer.seed={seed}", *base], a.duration, a.users,
@@ -131,7 +130,7 @@ def main() -> None:
                                           max(r["final_reward"] for r in runs if r["mode"] == m)],
                    "start_reward_mean": round(statistics.fmean(r["start_reward"] for r in runs if r["mode"] == m), 4)}
                for m in a.modes}
-    out = {"command": command(), "machine": machine(), "date": started, "settings": base, "task": "letter",
+    out = {**provenance, "settings": base, "task": "letter",
            "duration_s": a.duration, "users": a.users, "by_mode": by_mode, "runs": runs}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(out, indent=2))

@@ -139,6 +139,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--chunk-tokens", type=int, default=1024)
     ap.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     ap.add_argument("--precision", choices=["auto", "fp32", "bf16"], default="auto")
+    ap.add_argument("--autocast", choices=["recast", "plain"], default="recast",
+                    help="bf16: recast the weights in the backward (one trainer process) or plain autocast "
+                         "(FSDP2 ranks), which holds their bf16 copies from the forward")
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--group-size", type=int, default=8)
     ap.add_argument("--prompt-tokens", type=int, default=64)
@@ -180,6 +183,7 @@ def main(argv: list[str] | None = None) -> dict:
         t0 = time.perf_counter()
         arch = build_model(a.shape, Path(tmp), a.seed)
         trainer = PolicyTrainer(cfg, tmp)
+        trainer.recast_bf16 = a.autocast == "recast"
         setup_s = time.perf_counter() - t0
     batch = make_batch(a, arch["vocab_size"])
     exps = [b.experience for b in batch]
@@ -219,7 +223,9 @@ def main(argv: list[str] | None = None) -> dict:
         "device": torch.cuda.get_device_name() if cuda else f"cpu ({platform.processor() or platform.machine()}, "
                                                               f"{torch.get_num_threads()} threads)",
         "precision": ("fp32" if not trainer.bf16 else "bf16 autocast, bf16 frozen base, fp32 adapter"
-                      if a.lora_rank else "bf16 autocast (fp32 weights, recast in the backward)"),
+                      if a.lora_rank else "bf16 autocast (fp32 weights, recast in the backward)"
+                      if trainer.recast_bf16 else "bf16 autocast (fp32 weights, plain: bf16 copies held)"),
+        "autocast": a.autocast if trainer.bf16 else None,
         "lora_rank": a.lora_rank or None,
         "trainable_parameters": sum(p.numel() for p in trainer.model.parameters() if p.requires_grad),
         "torch": torch.__version__, "transformers": transformers.__version__,

@@ -48,6 +48,9 @@ class PolicyTrainer:
         self.cfg = cfg.trainer
         self.algorithm = get_algorithm(cfg.trainer)
         self.rank, self.world = rank, world
+        # bf16 weight copies cast again in the backward (one process) or held from the forward
+        # (plain autocast: FSDP2 ranks; benchmarks/trainer_throughput.py --autocast plain)
+        self.recast_bf16 = world == 1
         self.device = torch.device(cfg.trainer.device)
         self.bf16 = cfg.trainer.precision == "bf16" or (cfg.trainer.precision == "auto" and self.device.type == "cuda")
         from serve_rft.trainer.sharding.fsdp import load_sharded, pretrained
@@ -368,7 +371,7 @@ class PolicyTrainer:
         (`serve_rft.trainer.policy.precision.bf16_autocast`); FSDP2 ranks use plain autocast."""
         from serve_rft.trainer.policy.precision import bf16_autocast
 
-        return bf16_autocast(self.device.type, enabled=self.bf16, recast=self.world == 1)
+        return bf16_autocast(self.device.type, enabled=self.bf16, recast=self.recast_bf16)
 
     def _micro_step(self, exps, adv, rewards, tlz, n_tokens: float, n_seqs: float, held_version: int | None = None,
                     version_lags: dict[int, int] | None = None):

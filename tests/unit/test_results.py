@@ -33,8 +33,6 @@ MACHINE_PATH = re.compile("|".join([r"/tmp/", r"/work/", r"/home/", r"/root/", r
 GIT_ID = re.compile(r"(?<![0-9A-Za-z_.])(?=[0-9a-f]*[a-f])(?=[0-9a-f]*[0-9])[0-9a-f]{7,40}(?![0-9A-Za-z_])")
 
 _MACHINE = "measured before results recorded the machine, the code version and the date"
-_TRAINER = ("CPU trainer-step timings of random-init models; not rerun (minutes of both cores per "
-            "file): " + _MACHINE)
 _LIVE = ("a run of the live service (Ray Serve, vLLM-CPU replicas) that takes the whole machine for "
          "many minutes; not rerun: " + _MACHINE)
 NOT_REGENERATED: dict[str, str] = {
@@ -43,22 +41,6 @@ NOT_REGENERATED: dict[str, str] = {
     "ramp.json": _LIVE,
     "soak.json": "an hour of the live service; not rerun: " + _MACHINE,
     "staleness.json": _LIVE + " (it records the date)",
-    **{name: _TRAINER for name in (
-        "trainer_throughput_qwen05b_cpu_b16mb8_chunked_bf16.json",
-        "trainer_throughput_qwen05b_cpu_b16mb8_chunked_bf16_recast.json",
-        "trainer_throughput_qwen05b_cpu_b16mb8_chunked_fp32.json",
-        "trainer_throughput_qwen05b_cpu_b16mb8_full_bf16.json",
-        "trainer_throughput_qwen05b_cpu_b16mb8_full_fp32.json",
-        "trainer_throughput_qwen05b_cpu_chunked.json",
-        "trainer_throughput_qwen05b_cpu_chunked_bf16.json",
-        "trainer_throughput_qwen05b_cpu_chunked_bf16_lora16.json",
-        "trainer_throughput_qwen05b_cpu_chunked_bf16_recast.json",
-        "trainer_throughput_qwen05b_cpu_chunked_bf16_recast_lora16.json",
-        "trainer_throughput_qwen05b_cpu_chunked_fp32.json",
-        "trainer_throughput_qwen05b_cpu_chunked_fp32_lora16.json",
-        "trainer_throughput_qwen05b_cpu_full.json",
-        "trainer_throughput_qwen05b_cpu_full_bf16.json",
-        "trainer_throughput_qwen05b_cpu_full_fp32.json")},
 }
 """Results published without all of `REQUIRED`, and why each was not rerun to gain them."""
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import signal
 import threading
@@ -16,6 +17,19 @@ import openai
 import psutil
 
 from tests.support.stack_checks import ADMIN
+
+TIMINGS_ENV = "SERVE_RFT_FAULT_TIMINGS"
+"""With this set to a file, `record_timing` appends each fault test's measured figures to it
+(benchmarks/fault_timings.py runs the fault module so and keeps them as a result)."""
+
+
+def record_timing(fault: str, **figures) -> None:
+    """Append ``{"fault": fault, **figures}`` (seconds, counts) as one JSON line to the file named
+    by `TIMINGS_ENV`; nothing when it is unset."""
+    path = os.environ.get(TIMINGS_ENV)
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps({"fault": fault, **figures}) + "\n")
 
 
 class Load:

@@ -213,3 +213,52 @@ def test_masked_tokens_stay_in_each_answers_length_under_seq_mean_token_mean():
                                            torch.ones_like(logp), clip_low=0.2, clip_high=0.28, clip_ratio_c=3.0,
                                            is_cap=2.0, agg=agg, n_tokens=4.0, n_seqs=1.0)
         assert float(loss) == pytest.approx(-0.75) and stats["is_masked_fraction"] == 0.25
+
+
+@pytest.mark.parametrize("mode", ["ppo", "tis", "mis_token", "mis_sequence"])
+def test_every_watchable_statistic_of_a_step_reaches_the_status_and_a_gauge(embedded_model, mode):
+    """A step of the embedded model on answers of two versions (the one the trainer holds and an
+    older one) in each ``off_policy`` mode: the mismatch and drift statistics and the mode's
+    importance-weight statistics come out of the step, `Trainer.service_status` keeps them (its
+    `STEP_STATS` filter) and `TrainerMetrics` sets one gauge each. Shown failing with
+    ``mismatch_k3`` taken out of `STEP_GAUGES`: the step reported it, `STEP_STATS` lacked it."""
+    from unittest import mock
+
+    from serve_rft.config import load_config
+    from serve_rft.observability import trainer_metrics
+    from serve_rft.trainer.policy.policy import PolicyTrainer
+    from tests.support.batches import small_batch
+
+    trainer = PolicyTrainer(load_config(None, ["trainer.lr=0", f"trainer.off_policy={mode}"]), str(embedded_model))
+    batch = small_batch()
+    for b in batch[3:]:  # the second group sampled by version 1, the trainer holds version 2
+        b.experience.token_versions = [(1, 0, len(b.experience.response_token_ids))]
+    for b in batch[:3]:
+        b.experience.token_versions = [(2, 0, len(b.experience.response_token_ids))]
+    stats = trainer.step(batch, held_version=2, version_lags={2: 0, 1: 1})
+    watched = {"mismatch_k3", "max_abs_mismatch", "drift_k3", "max_abs_drift", "clip_fraction_lag0",
+               "clip_fraction_lag1", "grad_norm", "entropy"}
+    watched |= {"ppo": {"approx_kl"}, "tis": {"is_weight_mean", "is_weight_max", "is_truncated_fraction"}}.get(
+        mode, {"approx_kl", "is_weight_mean", "is_weight_max", "is_masked_fraction"})  # tis: no PPO ratio
+    assert watched <= {k for k, v in stats.items() if isinstance(v, float) and math.isfinite(v)}, watched - set(stats)
+    assert watched <= set(trainer_metrics.STEP_STATS)
+
+    set_values: dict[str, float] = {}
+
+    class Recorder:
+        def __init__(self, name, description="", boundaries=None, tag_keys=()):
+            self.name = name
+
+        def set(self, value, tags=None):
+            set_values[self.name] = value
+
+        def inc(self, value=1.0, tags=None):
+            pass
+
+        def observe(self, value, tags=None):
+            pass
+
+    with mock.patch.multiple(trainer_metrics, Counter=Recorder, Gauge=Recorder, Histogram=Recorder):
+        trainer_metrics.TrainerMetrics().step(stats)
+    for stat in watched:
+        assert set_values[trainer_metrics.STEP_GAUGES[stat][0]] == pytest.approx(stats[stat]), stat

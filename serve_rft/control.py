@@ -2,7 +2,8 @@
 
 Below both the explorer replicas (each calls `ensure_control` when it starts, so `serve deploy`
 needs nothing else) and the service launcher (`serve-rft up` runs `preflight`, then
-`start_training` to surface a trainer that cannot start before any replica is up). The actors are
+`launch_training`, so the trainer loads its model while the replicas start, and waits for the
+trainer's start before the replicas': a trainer that cannot start fails `up` with its error). The actors are
 named, detached and ``get_if_exists`` (`serve_rft.names`): whoever comes first creates them.
 """
 
@@ -97,8 +98,8 @@ def launch_training(cfg: Config, model_path: str | Path):
 
     Returns:
         ``(the trainer actor handle, the ObjectRef of its start)``; ``ray.get`` of the reference
-        raises ray.exceptions.RayActorError when the trainer failed to start (its error is in
-        the message).
+        raises ray.exceptions.RayTaskError (wrapping the trainer's RuntimeError) when setting up
+        failed, or ray.exceptions.RayActorError when the actor died; the cause is in the message.
     Raises:
         ValueError: no Redis URL.
     """
@@ -119,7 +120,8 @@ def start_training(cfg: Config, model_path: str | Path):
         The trainer actor handle.
     Raises:
         ValueError: no Redis URL.
-        ray.exceptions.RayActorError: the trainer failed to start (its error is in the message).
+        ray.exceptions.RayTaskError / RayActorError: the trainer failed to start or died (the
+            cause is in the message).
     """
     import ray
 

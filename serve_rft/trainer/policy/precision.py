@@ -4,8 +4,8 @@ the backward.
 Under ``torch.autocast`` a matmul casts its fp32 weight to bf16, and autograd saves that copy
 (as a ``.t()`` view for ``F.linear``) because the input gradient needs it: 2 bytes per parameter
 held from each layer's forward to its backward, on top of the fp32 weights, their gradients and
-AdamW's moments. On the Qwen2.5-0.5B shape that is 0.92 GiB, and it made a bf16 step's peak
-higher than the fp32 step's at micro-batch 4 (docs/performance.md, Trainer step memory). `bf16_autocast`
+AdamW's moments. On the Qwen2.5-0.5B shape that is 0.92 GiB, which cancels most of what bf16
+activations save at micro-batch 4 (docs/performance.md, Trainer step memory). `bf16_autocast`
 saves a reference to the fp32 parameter instead and casts it again when the backward needs it:
 the same cast of the same weights, so the same bits, and gradients equal to plain autocast's
 (unit test); ``cache_enabled=False`` keeps autocast from also caching the copies until the

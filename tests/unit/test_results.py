@@ -37,7 +37,6 @@ _LIVE = ("a run of the live service (Ray Serve, vLLM-CPU replicas) that takes th
          "many minutes; not rerun: " + _MACHINE)
 NOT_REGENERATED: dict[str, str] = {
     "adapter_sync_half_b.json": _LIVE,
-    "autoscaling_ramp.json": _LIVE,
     "soak.json": "an hour of the live service; not rerun: " + _MACHINE,
     "staleness.json": _LIVE + " (it records the date)",
 }

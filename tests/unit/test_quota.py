@@ -606,3 +606,44 @@ def test_a_tenants_own_buckets_hold_its_keys_and_no_other_keys(redis_server, pre
 
     e = run(go())
     assert e.status == 429 and e.body()["error"]["code"] == "rate_limit_exceeded"
+
+
+class _StallOnce:
+    """Quota buckets whose first call times out while another check overlaps it (the replica's
+    event loop stalled), then answer: the shape of a replica loading weights beside its engine."""
+
+    def __init__(self, stalls: int):
+        self.stalls, self.calls = stalls, 0
+
+    def overlap(self):
+        return SimpleNamespace(others=1)
+
+    async def take(self, scope, identity, rates, cost):
+        self.calls += 1
+        if self.calls <= self.stalls:
+            raise TimeoutError
+        return Decision(True)
+
+
+@pytest.mark.parametrize("stalls, outcome", [(1, "ok"), (2, "quota_check_busy")])
+def test_a_check_slow_once_while_redis_answers_is_asked_again_and_slow_twice_is_busy(stalls, outcome):
+    """A check slower than the timeout while Redis answered this replica's other checks is asked
+    of Redis again once (`BUSY_RETRIES`): a stall of the replica's own loop answers the caller,
+    two in a row refuse it as busy (429 ``quota_check_busy``), and nothing passes unchecked.
+    Shown failing with ``BUSY_RETRIES = 0``: the once-slow check was refused as busy (the keyed
+    stack's reward poster got that 429 while its replica loaded a version)."""
+    metrics = Metrics()
+    buckets = _StallOnce(stalls)
+    check = QuotaCheck(_quotas(inference={"requests_per_s": 1.0}), KEYS, buckets, metrics)
+
+    async def go():
+        try:
+            await check.check(_request("/v1/chat/completions", "inf"))
+            return "ok"
+        except ApiError as e:
+            assert e.status == 429 and e.retry_after == 1
+            return e.code
+
+    assert run(go()) == outcome
+    assert buckets.calls == 2
+    assert [c for c in metrics.calls if c[1] is None] == []  # none unchecked

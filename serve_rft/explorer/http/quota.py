@@ -15,7 +15,8 @@ larger than the byte burst can never fit: 413 ``body_over_quota``.
 
 Redis away: fail safe. While the shared buckets cannot be reached (unreachable or refusing, or
 slower than ``quotas.timeout_s`` alone or with no check answered for `AWAY_AFTER_S`; a slow check
-that others overlapped while Redis answered is a busy replica: 429 ``quota_check_busy``) each replica holds every key to its share of the quota
+that others overlapped while Redis answered is asked again (`BUSY_RETRIES`), and slow again it is
+a busy replica: 429 ``quota_check_busy``) each replica holds every key to its share of the quota
 (the quota divided by the replicas, `serve_rft.buffer.quota.LocalBuckets`) from memory, counted
 (``serve_rft_quota_unchecked_total``: not checked against the shared buckets); after a failure the
 replica stays on its share for a second before trying Redis again, so an outage adds at most one
@@ -48,6 +49,14 @@ again, s."""
 AWAY_AFTER_S = 2.0
 """A check that times out finds Redis away only when no check of this replica got an answer for
 this long; before that it is a busy check (429 ``quota_check_busy``), s."""
+
+
+BUSY_RETRIES = 1
+"""A check that was slow while Redis answered this replica's other checks is asked of Redis again
+this many times before it is refused as busy: a replica whose event loop stalled for a moment
+(its engine loading a version beside it on a small machine) answers the request instead of
+refusing it. The late answer of the first call may have charged the bucket already, so such a
+request may cost its key twice: the error is on the quota's side, never the caller's gain."""
 
 
 class RedisHealth:
@@ -180,19 +189,24 @@ class QuotaCheck:
         if self.clock() < self._paused_until:
             decision = self._local(scope, identity, rates, cost)
         else:
-            overlap = self.buckets.overlap()
-            try:
-                decision = await self.buckets.take(scope, identity, rates, cost)
-                self.health.answered()
-            except QuotaBusy:
-                raise busy(scope, self.metrics) from None
-            except (RedisError, TimeoutError) as e:
-                if not self.health.away(e, overlap.others):
+            decision = None
+            for attempt in range(1 + BUSY_RETRIES):
+                overlap = self.buckets.overlap()
+                try:
+                    decision = await self.buckets.take(scope, identity, rates, cost)
+                    self.health.answered()
+                    break
+                except QuotaBusy:
                     raise busy(scope, self.metrics) from None
-                self._paused_until = self.clock() + PAUSE_AFTER_FAILURE_S
-                log.warning("quota store unreachable (%r); keys are held to this replica's share for %.0f s",
-                            e, PAUSE_AFTER_FAILURE_S)
-                decision = self._local(scope, identity, rates, cost)
+                except (RedisError, TimeoutError) as e:
+                    if self.health.away(e, overlap.others):
+                        self._paused_until = self.clock() + PAUSE_AFTER_FAILURE_S
+                        log.warning("quota store unreachable (%r); keys are held to this replica's share "
+                                    "for %.0f s", e, PAUSE_AFTER_FAILURE_S)
+                        decision = self._local(scope, identity, rates, cost)
+                        break
+                    if attempt == BUSY_RETRIES:  # slow again: a busy replica
+                        raise busy(scope, self.metrics) from None
         if decision.allowed:
             return
         self.metrics.quota(scope, decision.limit)

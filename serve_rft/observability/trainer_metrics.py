@@ -61,6 +61,9 @@ STEP_GAUGES: dict[str, tuple[str, str]] = {
     "groups": ("serve_rft_trainer_batch_groups", "Groups of two or more experiences in the step's batch."),
     "zero_variance_groups": ("serve_rft_trainer_batch_zero_variance_groups", "Groups of the step's batch "
                              "with no reward spread."),
+    "zero_variance_filtered": ("serve_rft_trainer_batch_zero_variance_filtered", "Experiences of the step's "
+                               "batch left out of its loss as members of groups with no reward spread "
+                               "(trainer.filter_zero_variance)."),
 }
 """`PolicyTrainer.step` statistic -> (gauge name, meaning): one gauge per statistic, the last
 step's value."""

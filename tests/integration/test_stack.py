@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import random
 import time
 
 import httpx
 import openai
 import pytest
 
+from tests.support.fuzz import fuzz_seed as seeded
 from tests.support.load import get_status
 from tests.support.stack_checks import (ADMIN, check_served_logprobs, check_training_rolls_new_versions,
                                          open_store, read_experience, until_every_replica_is_routed_to)
@@ -539,8 +538,7 @@ def test_fuzzed_requests_get_4xx_never_5xx_and_the_service_survives(stack):
     from hypothesis import strategies as st
 
     u = stack.url
-    fuzz_seed = int(os.environ.get("SERVE_RFT_FUZZ_SEED") or random.randrange(2**32))
-    print(f"fuzz seed: {fuzz_seed} (SERVE_RFT_FUZZ_SEED={fuzz_seed} replays this run)")
+    fuzz_seed = seeded("hypothesis fuzz")
     junk = st.one_of(st.none(), st.booleans(), st.integers(-10**12, 10**12), st.text(max_size=20),
                      st.floats(allow_nan=True, allow_infinity=True), st.lists(st.integers(), max_size=3),
                      st.dictionaries(st.text(max_size=5), st.integers(), max_size=3))
@@ -620,14 +618,16 @@ def test_fuzzed_requests_get_4xx_never_5xx_and_the_service_survives(stack):
 def test_schemathesis_over_the_openapi_document_finds_no_5xx(stack):
     """schemathesis reads the served /openapi.json (request bodies included) and sends valid and
     invalid cases to chat, responses, rewards, experiences, status, models and health: no answer
-    is a 5xx.
-    The operator routes (/v1/sync/...) are left out: they would pin or drain the shared stack."""
+    is a 5xx. Randomized like the fuzz above (`tests.support.fuzz`: ``SERVE_RFT_FUZZ_SEED``, printed).
+    The operator routes (/v1/sync/...) are left out: they would pin or drain the shared stack
+    (the fuzz above sends them bodies that name no version)."""
     import schemathesis
-    from hypothesis import HealthCheck, given, settings
+    from hypothesis import HealthCheck, given, seed, settings
     from hypothesis.errors import Unsatisfiable
     from schemathesis import GenerationMode
 
     u = stack.url
+    fuzz_seed = seeded("schemathesis")
     doc = httpx.get(f"{u}/openapi.json", timeout=60).json()
     assert "requestBody" in doc["paths"]["/v1/chat/completions"]["post"]
     schema = schemathesis.openapi.from_dict(doc)
@@ -640,13 +640,13 @@ def test_schemathesis_over_the_openapi_document_finds_no_5xx(stack):
         # generate up to the context length), 25 elsewhere
         examples = 10 if op.path == "/v1/responses" else 25
         for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
-            @settings(max_examples=examples, deadline=None, derandomize=True, database=None,
-                      suppress_health_check=list(HealthCheck))
+            @seed(fuzz_seed)
+            @settings(max_examples=examples, deadline=None, database=None, suppress_health_check=list(HealthCheck))
             @given(op.as_strategy(generation_mode=mode))
             def call(case):
                 r = case.call(base_url=u, headers=ADMIN, timeout=120)
                 checked.setdefault(op.label, []).append(r.status_code)
-                assert r.status_code < 500, (op.label, mode, case.body, r.status_code, r.text[:300])
+                assert r.status_code < 500, (fuzz_seed, op.label, mode, case.body, r.status_code, r.text[:300])
             try:
                 call()
             except Unsatisfiable:  # nothing to make invalid (no parameters, no body): no negative case

@@ -11,9 +11,10 @@ import time
 
 import httpx
 import pytest
+import yaml
 
 from benchmarks.canary_run import CANARY_OVERRIDES, scenario
-from tests.support.load import get_status
+from tests.support.load import Users, get_status
 from tests.support.stack import stack_fixture
 from tests.support.stack_checks import ADMIN
 
@@ -22,6 +23,13 @@ pytestmark = pytest.mark.integration
 
 # on_reject=reset: after the rollback the trainer continues from the incumbent's weights
 stack = stack_fixture("canary", [*CANARY_OVERRIDES, "synchronizer.canary.on_reject=reset"])
+
+
+def pause(url: str, paused: bool) -> dict:
+    """POST /v1/sync/promotion; the answer's JSON (asserted 200)."""
+    r = httpx.post(f"{url}/v1/sync/promotion", json={"paused": paused}, headers=ADMIN, timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()
 
 
 def test_a_bad_candidate_is_rolled_back_and_a_good_one_promoted(stack):
@@ -51,8 +59,8 @@ def test_a_bad_candidate_is_rolled_back_and_a_good_one_promoted(stack):
 def test_operator_pins_rolls_back_and_pauses(stack):
     """The operator's routes: a pin to v0 moves every replica there; a rollback to a version
     below the incumbent makes it the incumbent, rejects the one rolled back from, and every
-    replica answers with it; pauses toggle (that a pause holds a candidate on its canary, and a
-    resume lets it roll: tests/integration/test_synchronizer_restart.py).
+    replica answers with it; pauses toggle (that a pause holds a candidate on its canary:
+    `test_a_pause_holds_a_candidate_on_its_canary_and_a_resume_judges_it`).
 
     Shown to fail with the rollback skipped (`Rollout.rollback` returning before it changes
     anything): the answer still named the old incumbent (``assert ... 18 == 0``, a rollback from
@@ -94,11 +102,50 @@ def test_operator_pins_rolls_back_and_pauses(stack):
         "model": "serve-rft", "messages": [{"role": "user", "content": f"after rollback {k}"}],
         "max_tokens": 2}).headers["x-serve-rft-policy-version"]) for k in range(4)}
     assert earlier in served and not served & rejected, (earlier, served, sorted(rejected))
-    assert httpx.post(f"{u}/v1/sync/promotion", json={"paused": True}, headers=ADMIN).json()["promotion_paused"]
-    assert not httpx.post(f"{u}/v1/sync/promotion", json={"paused": False}, headers=ADMIN).json()["promotion_paused"]
+    assert pause(u, True)["promotion_paused"] and not pause(u, False)["promotion_paused"]
     assert httpx.post(f"{u}/v1/sync/replicas/nope/drain", json={"drained": True}, headers=ADMIN).status_code == 404
     kinds = {e["kind"] for e in httpx.get(f"{u}/v1/sync/events", headers=ADMIN).json()["events"]}
     assert {"pinned", "unpinned", "rollback", "promotion_paused", "promotion_resumed"} <= kinds
+
+
+def test_a_pause_holds_a_candidate_on_its_canary_and_a_resume_judges_it(stack):
+    """A pause stops the rollout: with promotions paused and traffic rewarded, the trainer's next
+    version becomes the candidate on its one canary replica and stays there past the moment its
+    verdict was due (window end + ``reward_wait_s``, when even an undecided canary is judged): no
+    verdict, the incumbent unchanged, no other replica on it. A resume gets the candidate judged
+    at the next decision.
+
+    Shown to fail with the pause ignored (`Rollout.decide` not checking ``promotion_paused``):
+    the candidate was judged while paused (``verdicts ... != []``)."""
+    u = stack.url
+    rollout = lambda: httpx.get(f"{u}/v1/sync/rollout", headers=ADMIN, timeout=30).json()  # noqa: E731
+    canary = yaml.safe_load(next(o for o in CANARY_OVERRIDES if o.startswith("synchronizer.canary=")).split("=", 1)[1])
+    assert pause(u, True)["promotion_paused"]
+    try:
+        before = rollout()
+        with Users(u, users=2) as users:
+            deadline = time.monotonic() + 300
+            while (ro := rollout())["canary_window"] is None or ro["candidate"] in (None, before["incumbent"]):
+                assert time.monotonic() < deadline, f"no candidate in 300 s: {ro}"
+                time.sleep(0.5)
+            candidate, end = ro["candidate"], ro["canary_window"][1]
+            due = end + canary["reward_wait_s"] + 3.0  # every verdict comes by then, undecided too
+            while time.time() < due:
+                time.sleep(1)
+            held = rollout()
+            live = [r["policy_version"] for r in get_status(u, ADMIN)["replicas"] if r["alive"]]
+            assert users.chats and not [c for c in users.chats if not c["ok"]], users.chats[-3:]
+        assert held["promotion_paused"] and held["candidate"] == candidate, held
+        assert held["incumbent"] == before["incumbent"], (before["incumbent"], held["incumbent"])
+        assert [v for v in held["verdicts"] if v["version"] == candidate] == [], held["verdicts"]
+        assert live.count(candidate) <= canary["replicas"] and before["incumbent"] in live, (candidate, live)
+    finally:
+        resumed = pause(u, False)
+    assert not resumed["promotion_paused"]
+    deadline = time.monotonic() + 60
+    while not [v for v in (ro := rollout())["verdicts"] if v["version"] == candidate]:
+        assert time.monotonic() < deadline, f"v{candidate} not judged 60 s after the resume: {ro}"
+        time.sleep(0.5)
 
 
 def test_a_real_prometheus_scrapes_the_stack_and_every_dashboard_query_and_alert_reads_data(stack, tmp_path):

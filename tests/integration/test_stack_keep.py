@@ -12,6 +12,7 @@ import openai
 import pytest
 
 from serve_rft.client import RewardClient, RewardError
+from tests.support.fuzz import fuzz_seed as seeded
 from tests.support.load import get_status, live_replicas
 from tests.support.stack import stack_fixture
 from tests.support.stack_checks import ADMIN, check_training_rolls_new_versions, read_experience
@@ -342,13 +343,14 @@ def test_schemathesis_with_api_keys_no_key_is_401_everywhere_and_the_admin_key_f
     a 2xx or 5xx (the key is checked before the body is read, so nothing is pinned or drained);
     (b) with the admin key no generated request (valid or not) gets a 5xx. The operator routes
     (/v1/sync/...) are left out of (b): they would pin or drain the shared stack. A few examples
-    per route keep it to seconds."""
+    per route keep it to seconds. Randomized (`tests.support.fuzz`: ``SERVE_RFT_FUZZ_SEED``, printed)."""
     import schemathesis
-    from hypothesis import HealthCheck, given, settings
+    from hypothesis import HealthCheck, given, seed, settings
     from hypothesis.errors import Unsatisfiable
     from schemathesis import GenerationMode
 
     u = stack.url
+    fuzz_seed = seeded("schemathesis with keys")
     schema = schemathesis.openapi.from_dict(httpx.get(f"{u}/openapi.json", headers=ADMIN, timeout=60).json())
     refused: dict[str, list[int]] = {}
     served: dict[str, list[int]] = {}
@@ -357,8 +359,8 @@ def test_schemathesis_with_api_keys_no_key_is_401_everywhere_and_the_admin_key_f
         if op.path == "/health":
             continue
 
-        @settings(max_examples=3, deadline=None, derandomize=True, database=None,
-                  suppress_health_check=list(HealthCheck))
+        @seed(fuzz_seed)
+        @settings(max_examples=3, deadline=None, database=None, suppress_health_check=list(HealthCheck))
         @given(op.as_strategy(generation_mode=GenerationMode.POSITIVE))
         def without_key(case):
             if case.headers:
@@ -371,7 +373,7 @@ def test_schemathesis_with_api_keys_no_key_is_401_everywhere_and_the_admin_key_f
             for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "Basic eA=="}):
                 r = case.call(base_url=u, headers=headers, timeout=60)
                 refused.setdefault(op.label, []).append(r.status_code)
-                why = (op.label, headers, case.path_parameters, case.body, r.status_code, r.text[:300])
+                why = (fuzz_seed, op.label, headers, case.path_parameters, case.body, r.status_code, r.text[:300])
                 if routed:
                     assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", why
                 else:
@@ -381,13 +383,13 @@ def test_schemathesis_with_api_keys_no_key_is_401_everywhere_and_the_admin_key_f
         if op.path.startswith("/v1/sync"):
             continue
         for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
-            @settings(max_examples=5, deadline=None, derandomize=True, database=None,
-                      suppress_health_check=list(HealthCheck))
+            @seed(fuzz_seed)
+            @settings(max_examples=5, deadline=None, database=None, suppress_health_check=list(HealthCheck))
             @given(op.as_strategy(generation_mode=mode))
             def with_admin_key(case):
                 r = case.call(base_url=u, headers=ADMIN, timeout=120)
                 served.setdefault(op.label, []).append(r.status_code)
-                assert r.status_code < 500, (op.label, mode, case.body, r.status_code, r.text[:300])
+                assert r.status_code < 500, (fuzz_seed, op.label, mode, case.body, r.status_code, r.text[:300])
             try:
                 with_admin_key()
             except Unsatisfiable:  # nothing to make invalid (no parameters, no body): no negative case

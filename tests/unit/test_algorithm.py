@@ -312,3 +312,48 @@ def test_a_late_member_of_a_group_without_spread_is_scored_as_a_singleton():
     b.update([1.0, 0.0])  # baseline 0.5, spread 1
     made = group_advantages([1.0, 0.0], ["g", "g"], b, [flat, flat])
     assert made.values.tolist() == [0.0, -0.5]
+
+
+def test_filter_zero_variance_leaves_groups_without_spread_out_of_the_step(embedded_model):
+    """trainer.filter_zero_variance (DAPO's dynamic sampling, arXiv 2503.14476, §3.2): a step on a
+    group rewarded [1, 1, 1] (no spread) and two groups rewarded [0, 1, 2] has the loss and every
+    gradient of a step on the two groups alone (the group without spread no longer dilutes the
+    token-mean normaliser), counts the three left out, and keeps them in ``batch_size``; without
+    the filter the same batch's gradient differs. A batch of only such groups trains whole.
+    Shown to fail with the filter ignored (``kept`` always empty in `PolicyTrainer.step`): the
+    three were not counted (``assert 0 == 3``): the whole batch was trained."""
+    from serve_rft.config import load_config
+    from serve_rft.trainer.policy.policy import PolicyTrainer
+    from tests.support.batches import small_batch
+
+    flat = [b.model_copy(update={"reward": 1.0}) for b in small_batch(1, 3)]
+    spread = small_batch(0, 6)
+    sets = ["trainer.lr=0", "trainer.kl_coef=0.1"]
+    on = PolicyTrainer(load_config(None, sets + ["trainer.filter_zero_variance=true"]), str(embedded_model))
+    alone = PolicyTrainer(load_config(None, sets), str(embedded_model))
+    a, b = on.step(flat + spread), alone.step(spread)
+    assert a["zero_variance_filtered"] == 3 and a["zero_variance_groups"] == 1 and a["batch_size"] == 9, a
+    assert b["zero_variance_filtered"] == 0
+    for k in ("loss", "entropy", "kl_ref", "grad_norm"):
+        assert a[k] == pytest.approx(b[k], rel=1e-5, abs=1e-7), k
+    for x, y in zip(on.model.parameters(), alone.model.parameters()):
+        if x.grad is not None:
+            assert torch.allclose(x.grad, y.grad, rtol=1e-4, atol=1e-7)
+    alone.optimizer.zero_grad(set_to_none=True)
+    c = alone.step(flat + spread)
+    assert c["loss"] != pytest.approx(a["loss"], rel=1e-3), (c["loss"], a["loss"])
+    only_flat = on.step(flat)
+    assert only_flat["zero_variance_filtered"] == 0 and only_flat["batch_size"] == 3
+
+
+@pytest.mark.parametrize("algorithm", ["opmd_kimi", "reinforce"])
+def test_filter_zero_variance_is_refused_where_it_does_not_apply(algorithm):
+    """opmd_kimi's consistency term has a gradient at advantage 0, reinforce has no groups: the
+    filter would change the one's objective and do nothing for the other."""
+    from serve_rft.config import load_config
+    from serve_rft.trainer.algorithms import get_algorithm
+
+    cfg = load_config(None, [f"trainer.algorithm={algorithm}", "trainer.filter_zero_variance=true"])
+    with pytest.raises(ValueError, match="filter_zero_variance does not apply"):
+        get_algorithm(cfg.trainer)
+    assert get_algorithm(load_config(None, ["trainer.algorithm=opmd", "trainer.filter_zero_variance=true"]).trainer)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal, Sequence
 
 import torch
@@ -71,11 +71,14 @@ class Advantages:
         groups: groups of two or more members among the batch's experiences.
         zero_variance_groups: of those, groups whose reward std is below ``zero_std``: their
             members' advantages are exactly 0.
+        zero_variance: ``[B]`` whether each experience is a member of such a group (empty when
+            made without group statistics).
     """
 
     values: torch.Tensor
     groups: int = 0
     zero_variance_groups: int = 0
+    zero_variance: list[bool] = field(default_factory=list)
 
 
 def _std(xs: Sequence[float]) -> float:
@@ -148,6 +151,7 @@ def group_advantages(rewards: Sequence[float], group_ids: Sequence[str], baselin
             for i in members:
                 stats[i] = fixed
     adv = [0.0] * len(rewards)
+    without_spread = [False] * len(rewards)
     seen: dict[str, bool] = {}
     def single(r: float) -> float:
         a = (r - b) / single_scale
@@ -166,7 +170,7 @@ def group_advantages(rewards: Sequence[float], group_ids: Sequence[str], baselin
         zero = g.std < zero_std
         seen[group_ids[i]] = zero
         if zero:
-            adv[i] = 0.0
+            adv[i], without_spread[i] = 0.0, True
         elif estimator == "grpo" and scale == "group":
             adv[i] = (r - g.mean) / (g.std + eps)
         elif estimator == "grpo":
@@ -175,7 +179,7 @@ def group_advantages(rewards: Sequence[float], group_ids: Sequence[str], baselin
             adv[i] = r - g.mean
     baseline.update(rewards)
     return Advantages(torch.tensor(adv, dtype=torch.float32), groups=len(seen),
-                      zero_variance_groups=sum(seen.values()))
+                      zero_variance_groups=sum(seen.values()), zero_variance=without_spread)
 
 
 def compute_advantages(rewards: Sequence[float], group_ids: Sequence[str], baseline: RunningBaseline,

@@ -61,10 +61,17 @@ class Algorithm:
     name: ClassVar[str]
     default_aggregation: ClassVar[Aggregation] = "token_mean"
     Settings: ClassVar[type[BaseModel]] = NoSettings
+    filters_zero_variance: ClassVar[bool] = True
+    """Whether ``trainer.filter_zero_variance`` applies: the algorithm scores answers in groups,
+    and a group without reward spread has no policy gradient (advantage 0 and nothing else)."""
 
     def __init__(self, cfg: TrainerConfig):
         """Raises:
-            pydantic.ValidationError: ``trainer.algorithm_args`` is not this algorithm's settings."""
+            pydantic.ValidationError: ``trainer.algorithm_args`` is not this algorithm's settings.
+            ValueError: ``trainer.filter_zero_variance`` with an algorithm it does not apply to."""
+        if cfg.filter_zero_variance and not self.filters_zero_variance:
+            raise ValueError(f"trainer.filter_zero_variance does not apply to trainer.algorithm={self.name!r}: "
+                             "its answers without reward spread still have a gradient, or it has no groups")
         self.cfg = cfg
         self.settings = self.Settings.model_validate(cfg.algorithm_args)
         self.aggregation: Aggregation = cfg.loss_agg or self.default_aggregation

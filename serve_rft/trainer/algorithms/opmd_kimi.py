@@ -28,6 +28,7 @@ class OpmdKimi(Algorithm):
     (``r_i - mean_g``) are reported, not used by the loss."""
 
     name = "opmd_kimi"
+    filters_zero_variance = False  # the consistency term -tau (log pi - log mu) has a gradient at A = 0
     default_aggregation = "seq_mean_token_sum"
     Settings = OpmdKimiSettings
 

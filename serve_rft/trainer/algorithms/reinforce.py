@@ -10,4 +10,5 @@ class Reinforce(Grpo):
     """``A_i = r_i - b`` for every experience (groups ignored), PPO-clip loss."""
 
     name = "reinforce"
+    filters_zero_variance = False  # no groups: nothing is ever without spread
     estimator = "baseline"

@@ -291,8 +291,10 @@ class PolicyTrainer:
             loss, reward / advantage / ratio / clip / entropy / KL statistics (the unsplit
             batch's, `serve_rft.trainer.policy.micro_batches.accumulate`), the learning rate,
             ``max_abs_logprob_diff`` (trainer vs behaviour logprobs), ``micro_batches`` (the
-            number of parts), seconds. A step that would apply a non-finite update is skipped
-            (`serve_rft.trainer.policy.finite.skip_reason`; with ``grad_norm_spike`` also a gradient-norm
+            number of parts), ``zero_variance_filtered`` (experiences left out of the loss by
+            ``trainer.filter_zero_variance``; ``batch_size``, ``tokens`` and ``reward_mean``
+            count them, the loss's statistics and ``adv_abs_mean`` do not), seconds. A step that
+            would apply a non-finite update is skipped (`serve_rft.trainer.policy.finite.skip_reason`; with ``grad_norm_spike`` also a gradient-norm
             spike, `serve_rft.trainer.policy.finite.GradNormGuard`: weights, AdamW state, LR schedule
             and running baseline unchanged): then only ``skipped`` (why), ``loss``, ``grad_norm``,
             ``batch_size`` and seconds.
@@ -309,12 +311,19 @@ class PolicyTrainer:
         t0 = time.perf_counter()
         c = self.cfg
         exps = [b.experience for b in batch]
-        rewards = [b.reward for b in batch]
+        rewards = all_rewards = [b.reward for b in batch]
+        all_tokens = float(sum(len(e.response_token_ids) for e in exps))
         baseline_before = (self.baseline.value, self.baseline.var)  # a skipped step leaves it as it was
         made = self.algorithm.advantages(batch, self.baseline)
         adv = made.values.to(self.device)
         tlz = self.algorithm.batch_values(batch)
         tlz = tlz.to(self.device) if tlz is not None else None
+        kept = [i for i, zero in enumerate(made.zero_variance) if not zero] if c.filter_zero_variance else []
+        filtered = len(batch) - len(kept) if kept else 0  # a batch with nothing else trains whole
+        if filtered:
+            idx = torch.tensor(kept, dtype=torch.long)
+            exps, rewards = [exps[i] for i in kept], [rewards[i] for i in kept]
+            adv, tlz = adv[idx.to(adv.device)], tlz[idx.to(tlz.device)] if tlz is not None else None
         n_tokens = float(sum(len(e.response_token_ids) for e in exps))
         n_seqs = float(len(exps))
         parts = partition([len(e.prompt_token_ids) + len(e.response_token_ids) for e in exps],
@@ -347,9 +356,10 @@ class PolicyTrainer:
         self.optimizer.step()
         self.scheduler.step()
         self.check_finite()
-        totals.update(grad_norm=float(grad_norm), lr=lr, reward_mean=sum(rewards) / len(rewards),
+        totals.update(grad_norm=float(grad_norm), lr=lr, reward_mean=sum(all_rewards) / len(all_rewards),
                       adv_abs_mean=float(adv.abs().mean()), groups=made.groups,
-                      zero_variance_groups=made.zero_variance_groups, batch_size=len(batch), tokens=n_tokens,
+                      zero_variance_groups=made.zero_variance_groups, zero_variance_filtered=filtered,
+                      batch_size=len(batch), tokens=all_tokens,
                       micro_batches=len(parts), step_seconds=time.perf_counter() - t0)
         return totals
 

@@ -116,7 +116,8 @@ def test_a_pause_holds_a_candidate_on_its_canary_and_a_resume_judges_it(stack):
     at the next decision.
 
     Shown to fail with the pause ignored (`Rollout.decide` not checking ``promotion_paused``):
-    the candidate was judged while paused (``verdicts ... != []``)."""
+    the held candidate, v1, was judged and promoted while paused, and by its due time the
+    rollout had moved on (incumbent v18, candidate v35: ``assert (True and 35 == 1)``)."""
     u = stack.url
     rollout = lambda: httpx.get(f"{u}/v1/sync/rollout", headers=ADMIN, timeout=30).json()  # noqa: E731
     canary = yaml.safe_load(next(o for o in CANARY_OVERRIDES if o.startswith("synchronizer.canary=")).split("=", 1)[1])
@@ -143,7 +144,10 @@ def test_a_pause_holds_a_candidate_on_its_canary_and_a_resume_judges_it(stack):
         resumed = pause(u, False)
     assert not resumed["promotion_paused"]
     deadline = time.monotonic() + 60
-    while not [v for v in (ro := rollout())["verdicts"] if v["version"] == candidate]:
+    while True:
+        ro = rollout()
+        if [v for v in ro["verdicts"] if v["version"] == candidate]:
+            break
         assert time.monotonic() < deadline, f"v{candidate} not judged 60 s after the resume: {ro}"
         time.sleep(0.5)
 

@@ -24,8 +24,6 @@ def test_memory_method_rolls_versions_without_failures(stack):
     # 0 failed requests is the claim; whether a request happens to reach a draining replica is
     # timing (one CI run here saw none), so refusals are only required on the default stack.
     check_training_rolls_new_versions(stack)
-    import httpx
-
     st = get_status(stack.url)
     assert st["sync_style"] == "explorer_driven"
     assert all(r["last_sync"] and r["last_sync"]["bytes"] > 0 for r in st["replicas"]), st
@@ -35,10 +33,16 @@ def test_memory_method_rolls_versions_without_failures(stack):
 
 def test_a_replaced_replica_loads_the_latest_version_before_serving(stack):
     """Kill one replica's actor: Ray Serve starts a new one, which loads the latest (MEMORY)
-    version before it takes traffic: its first answers (told by the replica header) carry the
-    incumbent's version or a later one, never the base weights'; requests keep succeeding
-    meanwhile. A replica that served before its first load (`WeightSwap.start`) would answer with
-    version 0 here."""
+    version before it takes traffic: it joins the synchronizer (its ``joined`` event in
+    ``/v1/sync/events``) already on the incumbent's version or a later one, and its first answers
+    (told by the replica header) carry such a version, never the base weights'; requests keep
+    succeeding meanwhile.
+
+    Shown to fail with the first load skipped (`WeightSwap.start` taking ``initial`` as None):
+    the replacement joined on version 0 (``assert ... 0 >= 9``, the incumbent v9). Its answers
+    alone do not show it: the synchronizer orders such a replica to the incumbent at its first
+    poll, and on this stack that sync ended before HAProxy routed a request to it (the answers'
+    check passed)."""
     import subprocess
     import sys
     import time
@@ -80,6 +84,9 @@ def test_a_replaced_replica_loads_the_latest_version_before_serving(stack):
                 new = fresh[0] if fresh else None
             time.sleep(0.2)
     assert new is not None, "no replacement replica registered"
+    joined = [e for e in httpx.get(f"{stack.url}/v1/sync/events", timeout=60).json()["events"]
+              if e["component"] == new["id"] and e["kind"] == "joined"]
+    assert joined and joined[0]["policy_version"] >= latest, (joined, latest)
     assert new["policy_version"] >= latest, (new, latest)
     firsts = [v for rid, v in answers if rid == new["id"]]
     assert len(firsts) >= 3 and min(firsts) >= latest, (firsts, latest)

@@ -139,7 +139,8 @@ def test_a_pause_holds_a_candidate_on_its_canary_and_a_resume_judges_it(stack):
         assert held["promotion_paused"] and held["candidate"] == candidate, held
         assert held["incumbent"] == before["incumbent"], (before["incumbent"], held["incumbent"])
         assert [v for v in held["verdicts"] if v["version"] == candidate] == [], held["verdicts"]
-        assert live.count(candidate) <= canary["replicas"] and before["incumbent"] in live, (candidate, live)
+        assert 1 <= live.count(candidate) <= canary["replicas"] and before["incumbent"] in live, (candidate, live)
+        assert users.accepted, "no reward was accepted"
     finally:
         resumed = pause(u, False)
     assert not resumed["promotion_paused"]

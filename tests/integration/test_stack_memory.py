@@ -39,10 +39,10 @@ def test_a_replaced_replica_loads_the_latest_version_before_serving(stack):
     succeeding meanwhile.
 
     Shown to fail with the first load skipped (`WeightSwap.start` taking ``initial`` as None):
-    the replacement joined on version 0 (``assert ... 0 >= 9``, the incumbent v9). Its answers
-    alone do not show it: the synchronizer orders such a replica to the incumbent at its first
-    poll, and on this stack that sync ended before HAProxy routed a request to it (the answers'
-    check passed)."""
+    the replacement joined on version 0 (``assert ... 0 >= 9``: v9, the latest published
+    version, is the incumbent under rolling rollout). Its answers alone do not show it: the
+    synchronizer orders such a replica to the incumbent at its first poll, and on this stack that
+    sync ended before HAProxy routed a request to it (the answers' check passed)."""
     import subprocess
     import sys
     import time

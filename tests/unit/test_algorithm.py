@@ -317,7 +317,7 @@ def test_a_late_member_of_a_group_without_spread_is_scored_as_a_singleton():
 def test_filter_zero_variance_leaves_groups_without_spread_out_of_the_step(embedded_model):
     """trainer.filter_zero_variance (DAPO's dynamic sampling, arXiv 2503.14476, §3.2): a step on a
     group rewarded [1, 1, 1] (no spread) and two groups rewarded [0, 1, 2] has the loss and every
-    gradient of a step on the two groups alone (the group without spread no longer dilutes the
+    gradient of a step on the two groups alone (the group without spread does not dilute the
     token-mean normaliser), counts the three left out, and keeps them in ``batch_size``; without
     the filter the same batch's gradient differs. A batch of only such groups trains whole.
     Shown to fail with the filter ignored (``kept`` always empty in `PolicyTrainer.step`): the

@@ -8,8 +8,12 @@ reproduces it, the machine, the code version and the date, as `benchmarks/proven
 ``record()`` writes them), except the results in `NOT_REGENERATED`, each with the reason it was
 not rerun on the code that records all four; a result that gains them must leave the list.
 
+Each result's command runs a committed script that writes that very file, and every result the
+README or the docs cite is in ``benchmarks/results/``.
+
 Shown to fail: a result with ``"model": "/root/.cache/..."``, a command with ``--before ef2d263``,
-or a regenerated result without ``"date"`` each fail one test below.
+a regenerated result without ``"date"``, a command with ``--out /elsewhere/x.json`` or a docs
+citation of a missing result each fail one test below.
 """
 
 from __future__ import annotations
@@ -92,6 +96,40 @@ def test_results_record_their_provenance():
         if lacks:
             missing[path.name] = lacks
     assert not missing, f"results without their provenance: {missing}"
+
+
+def test_each_recorded_command_runs_a_committed_script_that_writes_this_result():
+    """A result's command reproduces this file: its script is in the repository, and its
+    ``--out`` names the file, or (no ``--out``) the script's own default output names it.
+    Shown to fail with a result whose command writes elsewhere (``--out /tmp/x.json`` or a
+    results file renamed after its run)."""
+    import shlex
+
+    wrong = {}
+    for path in _jsons():
+        argv = shlex.split(json.loads(path.read_text())["command"])
+        scripts = [a for a in argv if a.endswith(".py")]
+        if not scripts or not (ROOT / scripts[0]).is_file():
+            wrong[path.name] = f"no committed script in {argv}"
+            continue
+        outs = [b for a, b in zip(argv, argv[1:]) if a == "--out"] + [a[6:] for a in argv if a.startswith("--out=")]
+        rel = str(path.relative_to(ROOT))
+        if outs and outs[-1] != rel:
+            wrong[path.name] = f"--out {outs[-1]}"
+        elif not outs and path.name not in (ROOT / scripts[0]).read_text():
+            wrong[path.name] = f"{scripts[0]} does not write it by default"
+    assert not wrong, f"results whose command does not write them: {wrong}"
+
+
+def test_every_result_the_docs_cite_exists():
+    """A figure's source named in the README or the docs (``benchmarks/results/...``) is a file;
+    a family written as a pattern (``trainer_throughput_qwen05b_cpu_{impl}_fp32.json``, ``[_lora16]``
+    optional) names at least one. Shown to fail with a citation of a result that is not there."""
+    cited = {m.group(0) for f in [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+             for m in re.finditer(r"benchmarks/results/[^\s)`'\"]*\.(?:json|png|csv)", f.read_text())}
+    absent = [c for c in sorted(cited)
+              if not list(ROOT.glob(re.sub(r"\*+", "*", re.sub(r"\{[^}]*\}|\[[^\]]*\]", "*", c))))]
+    assert len(cited) > 20 and not absent, f"cited in the docs, not in benchmarks/results/: {absent}"
 
 
 @pytest.mark.parametrize("name", sorted(NOT_REGENERATED))

@@ -5,8 +5,7 @@ Every file under ``benchmarks/results/`` is free of machine paths (``/tmp/``, ``
 and a digit, as a short or full commit hash is written), as the docs are
 (tests/unit/test_docs.py). Every JSON result records `provenance.REQUIRED` (the command that
 reproduces it, the machine, the code version and the date, as `benchmarks/provenance.py`'s
-``record()`` writes them), except the results in `NOT_REGENERATED`, each with the reason it was
-not rerun on the code that records all four; a result that gains them must leave the list.
+``record()`` writes them).
 
 Each result's command runs a committed script that writes that very file, and every result the
 README or the docs cite is in ``benchmarks/results/``.
@@ -23,7 +22,6 @@ import re
 import sys
 from pathlib import Path
 
-import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -35,13 +33,6 @@ MACHINE_PATH = re.compile("|".join([r"/tmp/", r"/work/", r"/home/", r"/root/", r
 # a git id as written: 7-40 hex digits, at least one letter and one digit, not part of a longer
 # word or number (a float's digits, a SHA-256 digest of 64 digits and words like "deadline" pass)
 GIT_ID = re.compile(r"(?<![0-9A-Za-z_.])(?=[0-9a-f]*[a-f])(?=[0-9a-f]*[0-9])[0-9a-f]{7,40}(?![0-9A-Za-z_])")
-
-_MACHINE = "measured before results recorded the machine, the code version and the date"
-NOT_REGENERATED: dict[str, str] = {
-    "soak.json": "an hour of the live service; not rerun: " + _MACHINE,
-}
-"""Results published without all of `REQUIRED`, and why each was not rerun to gain them."""
-
 
 def _files() -> list[Path]:
     return sorted(p for p in RESULTS.rglob("*") if p.is_file())
@@ -80,8 +71,6 @@ def test_results_record_their_provenance():
     missing = {}
     for path in _jsons():
         result = json.loads(path.read_text())
-        if path.name in NOT_REGENERATED:
-            continue
         lacks = [f for f in REQUIRED if f not in result]
         if not lacks:
             if not result["command"].startswith((".venv/bin/python benchmarks/", ".venv/bin/python scripts/",
@@ -130,16 +119,6 @@ def test_every_result_the_docs_cite_exists():
     absent = [c for c in sorted(cited)
               if not list(ROOT.glob(re.sub(r"\*+", "*", re.sub(r"\{[^}]*\}|\[[^\]]*\]", "*", c))))]
     assert len(cited) > 20 and not absent, f"cited in the docs, not in benchmarks/results/: {absent}"
-
-
-@pytest.mark.parametrize("name", sorted(NOT_REGENERATED))
-def test_each_exception_is_a_result_that_still_lacks_its_provenance(name):
-    """An entry names a published result that lacks part of `REQUIRED` and says why."""
-    path = RESULTS / name
-    assert path.exists(), f"{name} is not in benchmarks/results/: drop it from NOT_REGENERATED"
-    result = json.loads(path.read_text())
-    assert not all(f in result for f in REQUIRED), f"{name} records its provenance: drop it from NOT_REGENERATED"
-    assert NOT_REGENERATED[name].strip()
 
 
 def test_the_patterns_catch_what_they_are_for():

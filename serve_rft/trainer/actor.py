@@ -180,6 +180,7 @@ class Trainer:
                 if handle is not None:
                     diff = await asyncio.to_thread(policy.reset_to, handle, version)
                     pub.held_version = version
+                    feed.reset_to(version)
                     self.reset_count += 1
                     self.last_reset = {"version": version, "probe_max_diff": diff, "at": time.time()}
                     log.warning("trainer reset to the weights of version %d (canary rollback; probe "

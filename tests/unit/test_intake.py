@@ -85,6 +85,28 @@ def test_staleness_counts_sync_cycles_not_trainer_steps():
     assert [sync_cycles(published, v) for v in (12, 8, 5, 4, 0)] == [0, 1, 2, 2, 3]
 
 
+def test_a_reset_counts_staleness_from_the_version_taken_back():
+    """After a rollback to v0 with 18 versions published since (sync_interval 4, max_staleness
+    16), the answers the replicas now sample from v0 are 0 cycles behind the weights the trainer
+    holds, not 18: counted against the whole history every one was dropped as stale and the
+    trainer never published again (tests/integration/test_stack_canary.py saw no new candidate
+    in 300 s after the operator's rollback). Shown to fail without `ExperienceFeed.reset_to`'s
+    rewind: 18 cycles."""
+    from serve_rft.config import TrainerConfig
+    from serve_rft.trainer.intake.feed import ExperienceFeed
+
+    feed = ExperienceFeed(TrainerConfig(max_staleness=16), store=None)
+    for v in range(4, 73, 4):
+        feed.published(v)
+    assert feed.staleness(0) == 18 and stale_threshold(feed.published_versions, 16) == 8
+    feed.reset_to(0)
+    assert feed.staleness(0) == 0 and stale_threshold(feed.published_versions, 16) is None
+    feed.published(76)  # the first version trained from v0's weights
+    assert feed.staleness(0) == 1 and feed.staleness(76) == 0 and feed.staleness(40) == 1
+    feed.reset_to(76)
+    assert feed.published_versions == [0, 76]
+
+
 @given(st.lists(st.integers(0, 60), unique=True, max_size=20).map(sorted), st.integers(0, 60),
        st.one_of(st.none(), st.integers(0, 8)))
 def test_the_stale_threshold_agrees_with_counting_sync_cycles(published, version, max_staleness):

@@ -177,6 +177,16 @@ class ExperienceFeed:
         published (`serve_rft.trainer.intake.admission.sync_cycles`)."""
         return sync_cycles(self.published_versions, version)
 
+    def reset_to(self, version: int) -> None:
+        """The trainer took ``version``'s weights back (a canary or operator rollback,
+        ``canary.on_reject=reset``): staleness counts from that version again. The versions
+        published after it leave the history, so an experience of ``version`` is 0 sync cycles
+        behind the weights it is trained into, not as many as were published (and rejected)
+        since: counted against the whole history, a rollback more than ``max_staleness`` cycles
+        back would drop every new experience as stale, and the trainer would never publish
+        again."""
+        self.published_versions = [v for v in self.published_versions if v < version] + [version]
+
     def published(self, version: int) -> None:
         """The trainer published ``version`` (a new sync cycle begins)."""
         if version > self.published_versions[-1]:

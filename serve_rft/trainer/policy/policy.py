@@ -294,9 +294,10 @@ class PolicyTrainer:
             number of parts), ``zero_variance_filtered`` (experiences left out of the loss by
             ``trainer.filter_zero_variance``; ``batch_size``, ``tokens`` and ``reward_mean``
             count them, the loss's statistics and ``adv_abs_mean`` do not), seconds. A step that
-            would apply a non-finite update is skipped (`serve_rft.trainer.policy.finite.skip_reason`; with ``grad_norm_spike`` also a gradient-norm
-            spike, `serve_rft.trainer.policy.finite.GradNormGuard`: weights, AdamW state, LR schedule
-            and running baseline unchanged): then only ``skipped`` (why), ``loss``, ``grad_norm``,
+            would apply a non-finite update is skipped
+            (`serve_rft.trainer.policy.finite.skip_reason`; with ``grad_norm_spike`` also a
+            gradient-norm spike, `serve_rft.trainer.policy.finite.GradNormGuard`: weights, AdamW
+            state, LR schedule and running baseline unchanged): then only ``skipped`` (why), ``loss``, ``grad_norm``,
             ``batch_size`` and seconds.
         Raises:
             NonFiniteState: the update left a weight or AdamW state non-finite (the process
@@ -312,7 +313,7 @@ class PolicyTrainer:
         c = self.cfg
         exps = [b.experience for b in batch]
         rewards = all_rewards = [b.reward for b in batch]
-        all_tokens = float(sum(len(e.response_token_ids) for e in exps))
+        n_tokens = all_tokens = float(sum(len(e.response_token_ids) for e in exps))
         baseline_before = (self.baseline.value, self.baseline.var)  # a skipped step leaves it as it was
         made = self.algorithm.advantages(batch, self.baseline)
         adv = made.values.to(self.device)
@@ -324,7 +325,7 @@ class PolicyTrainer:
             idx = torch.tensor(kept, dtype=torch.long)
             exps, rewards = [exps[i] for i in kept], [rewards[i] for i in kept]
             adv, tlz = adv[idx.to(adv.device)], tlz[idx.to(tlz.device)] if tlz is not None else None
-        n_tokens = float(sum(len(e.response_token_ids) for e in exps))
+            n_tokens = float(sum(len(e.response_token_ids) for e in exps))
         n_seqs = float(len(exps))
         parts = partition([len(e.prompt_token_ids) + len(e.response_token_ids) for e in exps],
                           c.micro_batch_size, c.micro_batch_tokens)

@@ -8,7 +8,9 @@ reward is the share of the answer in that set; the sets are disjoint, so a polic
 prompt scores at most 1/3, and every mix of a set's letters is an optimum, so a policy that learns
 the task need not lose its entropy), then the service is stopped (SIGTERM to its keeper's pid).
 The sides are the earlier code at its defaults and this code once per ``--variant`` (a label and
-its config overrides; by default its defaults alone).
+its config overrides; by default its defaults alone); ``--common`` settings apply to every side,
+the earlier code's too (for example the trainer held behind the traffic:
+``synchronizer.sync_interval=4``, as benchmarks/staleness.py runs it).
 
 Reported per run: the reward curve (30 s buckets) with the share of distinct answers among each
 request's ``n`` (1: all differ; 1/n: all alike, a collapsed policy), the final reward (the last
@@ -20,6 +22,10 @@ reports it), requests and failures; per side, the means over seeds.
     .venv/bin/python benchmarks/learning_vs_baseline.py --baseline ../baseline --seeds 0 1 2 \\
         --variant defaults= --variant mis_token=trainer.off_policy=mis_token \\
         --out benchmarks/results/learning_vs_baseline.json
+    .venv/bin/python benchmarks/learning_vs_baseline.py --baseline ../baseline --seeds 0 1 2 --task letter \\
+        --common synchronizer.sync_style=fixed --common synchronizer.sync_interval=4 \\
+        --variant defaults= --variant entropy_0.03=trainer.entropy_coef=0.03 \\
+        --out benchmarks/results/learning_behind.json --figure docs/assets/learning_behind.png
 """
 
 from __future__ import annotations
@@ -147,6 +153,8 @@ def main() -> None:
     ap.add_argument("--users", type=int, default=8)
     ap.add_argument("--task", default="letters", help="the demo task (serve_rft/demo/driver.py)")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    ap.add_argument("--common", action="append", default=[],
+                    help="a config override every side runs with, the earlier code's too (repeat)")
     ap.add_argument("--variant", type=variant, action="append", default=None,
                     help="a side of this code: LABEL=SET[,SET...] (repeat; default: defaults=)")
     ap.add_argument("--out", default="benchmarks/results/learning_vs_baseline.json")
@@ -161,8 +169,8 @@ def main() -> None:
     baseline_commit = subprocess.run(["git", "-C", str(base), "log", "-1", "--format=%cs %s"], capture_output=True,
                                      text=True).stdout.strip()
     variants = a.variant or [("defaults", [])]
-    sides = [("baseline", a.baseline_label, base, [])] + [(lbl, f"this code, {lbl}", ROOT, sets)
-                                                          for lbl, sets in variants]
+    sides = [("baseline", a.baseline_label, base, a.common)] + [
+        (lbl, f"this code, {lbl}", ROOT, [*a.common, *sets]) for lbl, sets in variants]
     runs = []
     for seed in a.seeds:
         for side, _, root, sets in sides:
@@ -187,7 +195,7 @@ def main() -> None:
                for side, label, _, sets in sides}
     out = {**record(), "task": a.task,
            "baseline": {"label": a.baseline_label, "commit": baseline_commit},
-           "duration_s": a.duration, "users": a.users, "sides": summary, "runs": runs}
+           "common_settings": a.common, "duration_s": a.duration, "users": a.users, "sides": summary, "runs": runs}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(out, indent=2))
     print(json.dumps(summary, indent=2))

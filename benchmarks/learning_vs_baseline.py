@@ -25,6 +25,7 @@ reports it), requests and failures; per side, the means over seeds.
     .venv/bin/python benchmarks/learning_vs_baseline.py --baseline ../baseline --seeds 0 1 2 --task letter \\
         --common synchronizer.sync_style=fixed --common synchronizer.sync_interval=4 \\
         --variant defaults= --variant entropy_0.03=trainer.entropy_coef=0.03 \\
+        --variant mis_token_entropy_0.03=trainer.off_policy=mis_token,trainer.entropy_coef=0.03 \\
         --out benchmarks/results/learning_behind.json --figure docs/assets/learning_behind.png
 """
 

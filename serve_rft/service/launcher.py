@@ -37,6 +37,7 @@ from serve_rft.names import SYNCHRONIZER_NAME, TRAINER_NAME, find_actor, get_tra
 from serve_rft.service.haproxy_home import haproxy_folder, home_env
 from serve_rft.service.ingress import (DRAIN_ENV, HAPROXY_FLAG, haproxy_env, haproxy_node_dirs,
                                       remove_dead_haproxy_dirs)
+from serve_rft.service.ray_start import init_local_ray
 from serve_rft.model.embedded import resolve_model_path
 
 log = logging.getLogger("serve_rft.service")
@@ -148,9 +149,9 @@ class ServiceStack:
                         log.info("removed %d folders of HAProxy instances that no longer run", len(gone))
                 else:
                     os.environ.pop(HAPROXY_FLAG, None)
-                ray.init(address="local", num_cpus=cfg.service.ray_num_cpus, include_dashboard=False,
-                         log_to_driver=False, runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}},
-                         _metrics_export_port=cfg.service.metrics_port)
+                init_local_ray(ray.init, num_cpus=cfg.service.ray_num_cpus, include_dashboard=False,
+                               log_to_driver=False, runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}},
+                               _metrics_export_port=cfg.service.metrics_port)
                 self.started_ray = True
                 self.metrics_url = f"http://127.0.0.1:{cfg.service.metrics_port}/metrics"
                 if cfg.service.ingress == "haproxy":

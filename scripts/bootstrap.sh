@@ -11,6 +11,8 @@
 #     in (they break `import transformers` against CPU torch; vLLM serves text without them)
 #   - the docs site's Mermaid script, so the site renders offline (scripts/docs_assets.sh)
 #   - builds the embedded default model into the cache (~10 s, once)
+# The Debian packages and the Python packages install at the same time (both wait mostly on
+# downloads); the script fails if either does.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
@@ -22,7 +24,7 @@ BARE=()       # without them (prometheus recommends its node exporter, which the
 command -v redis-server >/dev/null 2>&1 || APT+=(redis-server)
 command -v chromium >/dev/null 2>&1 || APT+=(chromium)
 { command -v prometheus && command -v promtool; } >/dev/null 2>&1 || BARE+=(prometheus)
-if [ $((${#APT[@]} + ${#BARE[@]})) -gt 0 ]; then
+debian_packages() {
   echo "[bootstrap] installing ${APT[*]} ${BARE[*]} (apt-get)"
   SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
   $SUDO apt-get update -qq
@@ -32,6 +34,13 @@ if [ $((${#APT[@]} + ${#BARE[@]})) -gt 0 ]; then
     # the package enables a system-wide server on :9090; the tests start their own
     if [ -d /run/systemd/system ]; then $SUDO systemctl disable --now prometheus >/dev/null 2>&1 || true; fi
   fi
+  echo "[bootstrap] installed ${APT[*]} ${BARE[*]}"
+}
+APT_PID=""
+if [ $((${#APT[@]} + ${#BARE[@]})) -gt 0 ]; then
+  debian_packages &  # in a subshell, with set -e: its first failure ends it with that status
+  APT_PID=$!
+  trap '[ -z "$APT_PID" ] || wait "$APT_PID" || true' EXIT  # a failure of the rest waits for it (never a half-done dpkg)
 fi
 
 if [ ! -x "$VENV/bin/python" ]; then
@@ -70,6 +79,10 @@ if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ]; then
   echo "$WANT" > "$STAMP"
 fi
 
+if [ -n "$APT_PID" ]; then  # before docs_assets.sh, which may apt-get install npm (one dpkg at a time)
+  wait "$APT_PID" || { echo "[bootstrap] apt-get failed"; exit 1; }  # its status, under set -e too
+  APT_PID=""
+fi
 bash scripts/docs_assets.sh
 "$VENV/bin/serve-rft" init-model >/dev/null
 echo "[bootstrap] ready: $VENV/bin/serve-rft"

@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from serve_rft.service.ray_start import init_local_ray
 from tests.support.weights import perturbed
 
 pytestmark = pytest.mark.integration
@@ -131,7 +132,7 @@ def _child(model_dir: str, work: str) -> None:
     killed (the engine's processes watch this one)."""
     import ray
 
-    ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False)
+    init_local_ray(ray.init, num_cpus=1, include_dashboard=False, log_to_driver=False)
 
     async def go():
         got = await _run(Path(model_dir), Path(work), 2)
@@ -166,10 +167,12 @@ def test_two_workers_answer_as_one_every_sync_method_reaches_both_and_they_end_w
     vLLM pickles only with ``VLLM_ALLOW_INSECURE_SERIALIZATION``)."""
     import psutil
 
-    child = subprocess.Popen(
-        [sys.executable, "-m", "tests.integration.test_engine_tensor_parallel", str(embedded_model),
-         str(tmp_path / "tp2")], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-        env={**os.environ, "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}, start_new_session=True)
+    child_log = tmp_path / "child.log"  # its errors, for the assertion below
+    with open(child_log, "w") as err:
+        child = subprocess.Popen(
+            [sys.executable, "-m", "tests.integration.test_engine_tensor_parallel", str(embedded_model),
+             str(tmp_path / "tp2")], cwd=ROOT, stdout=subprocess.PIPE, stderr=err, text=True,
+            env={**os.environ, "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}, start_new_session=True)
     engine_processes: list[int] = []
     try:
         async def one_worker() -> dict:
@@ -179,7 +182,7 @@ def test_two_workers_answer_as_one_every_sync_method_reaches_both_and_they_end_w
 
         one = asyncio.run(one_worker())
         line = next((x for x in child.stdout if x.startswith("{")), None)  # vLLM may print before it
-        assert line, f"the two-worker child exited with {child.wait()}"
+        assert line, f"the two-worker child exited with {child.wait()}:\n{child_log.read_text()[-3000:]}"
         two = json.loads(line)
         engine_processes = [p.pid for p in psutil.Process(child.pid).children(recursive=True)
                             if p.name().startswith("VLLM::")]

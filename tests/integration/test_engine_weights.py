@@ -12,6 +12,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from serve_rft.service.ray_start import init_local_ray
 from tests.support.weights import perturbed
 
 pytestmark = pytest.mark.integration
@@ -55,7 +56,7 @@ def test_checkpoint_and_memory_loads_give_exactly_the_new_policy(embedded_model,
     from serve_rft.weights import CheckpointMethod, LoadFailed, MemoryMethod, load_or_restore
     from serve_rft.weights.memory import checkpoint_tensors, iter_buckets
 
-    ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False)
+    init_local_ray(ray.init, num_cpus=1, include_dashboard=False, log_to_driver=False)
     try:
         async def go():
             # a buffered handler like Ray Serve's replica log handler: the engine's start must not
@@ -242,7 +243,7 @@ def test_adapter_only_sync_serves_each_version_as_its_adapter(embedded_model, tm
         return out
 
     a1, a2 = _trained_adapter(embedded_model, 1), _trained_adapter(embedded_model, 2)
-    ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False)
+    init_local_ray(ray.init, num_cpus=1, include_dashboard=False, log_to_driver=False)
     try:
         async def go():
             from vllm import SamplingParams

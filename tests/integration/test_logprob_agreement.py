@@ -10,6 +10,8 @@ import random
 
 import pytest
 
+from serve_rft.service.ray_start import init_local_ray
+
 pytestmark = pytest.mark.integration
 
 HONOURED = {"greedy": {}, "ignore_eos": {"ignore_eos": True}, "stop_token_ids": {"stop_token_ids": [40, 41, 42]},
@@ -28,7 +30,7 @@ def test_trainer_logprobs_match_vllm_behaviour_logprobs(embedded_model):
 
     rnd = random.Random(0)
     prompts = [[rnd.randrange(3, 900) for _ in range(rnd.randrange(4, 40))] for _ in range(6)]
-    ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False)
+    init_local_ray(ray.init, num_cpus=1, include_dashboard=False, log_to_driver=False)
     try:
         async def go():
             engine = await ExplorerEngine.create(str(embedded_model), ExplorerConfig())

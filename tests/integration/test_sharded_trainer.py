@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from serve_rft.service.ray_start import init_local_ray
 from tests.support.batches import uneven_batch
 
 pytestmark = pytest.mark.integration
@@ -19,7 +20,7 @@ pytestmark = pytest.mark.integration
 def ray_local():
     import ray
 
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    init_local_ray(ray.init, num_cpus=2, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()
 

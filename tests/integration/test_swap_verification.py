@@ -9,6 +9,7 @@ import asyncio
 
 import pytest
 
+from serve_rft.service.ray_start import init_local_ray
 from tests.support.weights import perturbed
 
 pytestmark = pytest.mark.integration
@@ -55,7 +56,7 @@ def test_swap_verifies_before_serving_and_never_reuses_another_versions_cache(em
     from serve_rft.types import SyncOrder
 
     cfg = Config(synchronizer=SynchronizerConfig(verify_tolerance=0.01))
-    ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False)
+    init_local_ray(ray.init, num_cpus=1, include_dashboard=False, log_to_driver=False)
     try:
         async def go():
             engine = await ExplorerEngine.create(str(embedded_model), cfg.explorer)

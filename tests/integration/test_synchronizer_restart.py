@@ -12,6 +12,7 @@ import pytest
 import ray
 
 from serve_rft.config import BufferConfig, SynchronizerConfig
+from serve_rft.service.ray_start import init_local_ray
 from serve_rft.synchronizer.actor import NAMESPACE, get_or_create_synchronizer
 from serve_rft.trainer.actor import TRAINER_NAME
 from serve_rft.types import PublishedVersion
@@ -35,7 +36,7 @@ class _StandInTrainer:
 
 @pytest.fixture
 def ray_local():
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    init_local_ray(ray.init, num_cpus=2, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()
 
@@ -176,7 +177,7 @@ def test_states_are_exported_as_prometheus_metrics(monkeypatch):
 
     monkeypatch.setenv("RAY_metrics_report_interval_ms", "500")
     port = free_port()
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
+    init_local_ray(ray.init, num_cpus=2, include_dashboard=False, log_to_driver=False,
              _metrics_export_port=port)
     try:
         sync = get_or_create_synchronizer(CFG)

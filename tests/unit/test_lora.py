@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from serve_rft.config import load_config
+from serve_rft.service.ray_start import init_local_ray
 from serve_rft.trainer.policy.policy import PolicyTrainer
 from serve_rft.trainer.publishing.state import save_state
 from tests.support.batches import small_batch
@@ -117,7 +118,7 @@ def test_adapter_only_sync_publishes_the_adapter_alone(embedded_model, tmp_path)
             self.adapters[version] = path
             return 0.0
 
-    ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False)
+    init_local_ray(ray.init, num_cpus=1, include_dashboard=False, log_to_driver=False)
     try:
         mh = MemoryMethod().send(p.publish_model(), 3)
         assert mh["adapter"] and 0 < mh["bytes"] < 200_000

@@ -29,6 +29,13 @@ class Starts:
             raise self.errors.pop(0)
         return "started"
 
+    def close(self) -> None:
+        """End what the failing calls left that is still running (a failed assertion leaves it)."""
+        for p in self.left:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
 
 def _gone(p: subprocess.Popen) -> bool:
     try:
@@ -49,20 +56,25 @@ def test_a_node_that_did_not_register_in_time_is_ended_and_started_again():
     finally:
         keep.kill()
         keep.wait()
+        starts.close()
 
 
 def test_any_other_error_propagates_at_once():
     starts = Starts(RuntimeError("port in use"))
-    with pytest.raises(RuntimeError, match="port in use"):
-        init_local_ray(starts)
-    assert len(starts.calls) == 1
-    starts.left[0].kill()
-    starts.left[0].wait()
+    try:
+        with pytest.raises(RuntimeError, match="port in use"):
+            init_local_ray(starts)
+        assert len(starts.calls) == 1
+    finally:
+        starts.close()
 
 
 def test_the_timeout_is_raised_after_the_last_attempt():
     starts = Starts(*[Exception(TIMED_OUT)] * 3)
-    with pytest.raises(Exception, match="timed out during startup"):
-        init_local_ray(starts, attempts=3)
-    assert len(starts.calls) == 3
-    assert all(_gone(p) for p in starts.left)
+    try:
+        with pytest.raises(Exception, match="timed out during startup"):
+            init_local_ray(starts, attempts=3)
+        assert len(starts.calls) == 3
+        assert all(_gone(p) for p in starts.left)
+    finally:
+        starts.close()

@@ -66,7 +66,17 @@ class TrainerConfig(StrictSection):
         "mean entropy (nats) of the tempered, nucleus-masked next-token distribution at each response "
         "token of the batch, aggregated as the loss is (Williams and Peng 1991; Mnih et al. 2016, arXiv 1602.01783, "
         "section 4). It keeps the policy spread over answers that are rewarded alike, which GRPO "
-        "alone gives no advantage to tell apart. 0: none.")
+        "alone gives no advantage to tell apart. With entropy_target set: the largest coefficient the "
+        "adaptive control may reach. 0: none.")
+    entropy_target: float | None = Field(
+        None, gt=0, le=20, description="Adaptive entropy control (Skywork-OR1 technical report, He et al. "
+        "2025, arXiv 2505.22312, 'Adaptive Entropy Control'): the bonus's coefficient starts at 0 and moves "
+        "by entropy_coef_delta after each step, up while the step's mean token entropy (nats) is below this "
+        "target and down while it is not, within [0, entropy_coef]; a step applies it only while the last "
+        "step's entropy was below the target, so a policy above the target learns as with no bonus "
+        "(serve_rft/trainer/policy/entropy_control.py). Needs entropy_coef > 0. None: entropy_coef fixed.")
+    entropy_coef_delta: float = Field(
+        0.001, gt=0, le=1, description="entropy_target: how far the coefficient moves per step.")
     lora: LoraSettings | None = Field(
         None, description="LoRA adapters instead of full fine-tuning; None: train every weight.")
     micro_batch_size: int = Field(
@@ -215,3 +225,10 @@ class TrainerConfig(StrictSection):
     keep_states: int = Field(2, ge=1, description="Trainer states kept on disk.")
 
     seed: int = 0
+
+    @model_validator(mode="after")
+    def _entropy_target_has_a_bound(self) -> "TrainerConfig":
+        if self.entropy_target is not None and self.entropy_coef <= 0:
+            raise ValueError("trainer.entropy_target needs trainer.entropy_coef > 0: the largest coefficient "
+                             "the adaptive control may reach")
+        return self

@@ -40,6 +40,8 @@ STEP_GAUGES: dict[str, tuple[str, str]] = {
     "kl_ref": ("serve_rft_trainer_kl_ref", "KL penalty term against the reference policy, nats per token "
                "(present when trainer.kl_coef > 0)."),
     "entropy": ("serve_rft_trainer_entropy", "Mean token entropy of the trainer's policy, nats."),
+    "entropy_coef": ("serve_rft_trainer_entropy_coef", "Coefficient of the entropy bonus the step applied "
+                     "(trainer.entropy_coef, or the adaptive control's with trainer.entropy_target)."),
     "grad_norm": ("serve_rft_trainer_grad_norm", "Gradient norm before clipping."),
     "lr": ("serve_rft_trainer_learning_rate", "Learning rate of the step (after the schedule)."),
     "max_abs_logprob_diff": ("serve_rft_trainer_max_abs_logprob_diff", "Largest |log pi - log mu| over the "

@@ -237,7 +237,7 @@ def test_every_watchable_statistic_of_a_step_reaches_the_status_and_a_gauge(embe
         b.experience.token_versions = [(2, 0, len(b.experience.response_token_ids))]
     stats = trainer.step(batch, held_version=2, version_lags={2: 0, 1: 1})
     watched = {"mismatch_k3", "max_abs_mismatch", "drift_k3", "max_abs_drift", "clip_fraction_lag0",
-               "clip_fraction_lag1", "grad_norm", "entropy"}
+               "clip_fraction_lag1", "grad_norm", "entropy", "entropy_coef"}
     watched |= {"ppo": {"approx_kl"}, "tis": {"is_weight_mean", "is_weight_max", "is_truncated_fraction"}}.get(
         mode, {"approx_kl", "is_weight_mean", "is_weight_max", "is_masked_fraction"})  # tis: no PPO ratio
     assert watched <= {k for k, v in stats.items() if isinstance(v, float) and math.isfinite(v)}, watched - set(stats)

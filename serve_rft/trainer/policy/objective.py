@@ -18,7 +18,7 @@ from serve_rft.config.trainer import TrainerConfig
 def micro_batch_loss(cfg: TrainerConfig, algorithm, model, ref_model, pad_id: int,
                      autocast: Callable[[], AbstractContextManager], exps, adv, rewards, extras,
                      n_tokens: float, n_seqs: float, held_version: int | None = None,
-                     version_lags: dict[int, int] | None = None):
+                     version_lags: dict[int, int] | None = None, entropy_coef: float | None = None):
     """Loss of one micro-batch, normalised by the whole batch's ``n_tokens`` / ``n_seqs``.
 
     Args:
@@ -34,6 +34,8 @@ def micro_batch_loss(cfg: TrainerConfig, algorithm, model, ref_model, pad_id: in
         n_tokens, n_seqs: response tokens and experiences of the whole batch.
         held_version: the version whose weights the trainer holds, or None (`token_stats`).
         version_lags: ``{version: sync cycles behind}`` (`token_stats`), or None.
+        entropy_coef: the entropy bonus's coefficient for this step
+            (`serve_rft.trainer.policy.entropy_control.EntropyControl.coef`); None: ``cfg.entropy_coef``.
     Returns:
         (scalar loss with grad, statistics of this micro-batch, its response token count).
     """
@@ -45,6 +47,7 @@ def micro_batch_loss(cfg: TrainerConfig, algorithm, model, ref_model, pad_id: in
     from serve_rft.trainer.policy.token_logprobs import response_logprobs
 
     c = cfg
+    bonus = c.entropy_coef if entropy_coef is None else entropy_coef
     agg = algorithm.aggregation
     prompts = [e.prompt_token_ids for e in exps]
     responses = [e.response_token_ids for e in exps]
@@ -53,7 +56,7 @@ def micro_batch_loss(cfg: TrainerConfig, algorithm, model, ref_model, pad_id: in
     how = dict(chunk_tokens=c.logprob_chunk_tokens, impl=c.logprob_impl)
     with autocast():
         logp, mask, ent = response_logprobs(model, prompts, responses, temps, pad_id, with_entropy=True,
-                                            top_ps=top_ps, entropy_grad=c.entropy_coef > 0, **how)
+                                            top_ps=top_ps, entropy_grad=bonus > 0, **how)
     behaviour = torch.zeros_like(logp)
     for i, e in enumerate(exps):
         behaviour[i, : len(e.behaviour_logprobs)] = torch.tensor(e.behaviour_logprobs)
@@ -74,8 +77,8 @@ def micro_batch_loss(cfg: TrainerConfig, algorithm, model, ref_model, pad_id: in
         kl = kl_k3(logp, ref)
         loss = loss + c.kl_coef * aggregate(kl, mask, agg, n_tokens, n_seqs)
         stats["kl_ref"] = float((kl.detach() * mask).sum() / here)
-    if c.entropy_coef > 0:  # the bonus: higher entropy, lower loss
-        loss = loss - c.entropy_coef * aggregate(ent, mask, agg, n_tokens, n_seqs)
+    if bonus > 0:  # the bonus: higher entropy, lower loss
+        loss = loss - bonus * aggregate(ent, mask, agg, n_tokens, n_seqs)
     stats["entropy"] = float((ent.detach() * mask).sum() / here)
     stats["max_abs_logprob_diff"] = float(((logp.detach() - behaviour).abs() * mask).max())
     stats.update(token_stats(logp.detach(), behaviour, mask, token_versions(exps, logp.shape[1]).to(logp.device),

@@ -40,6 +40,7 @@ class PolicyTrainer:
 
         from serve_rft.trainer.algorithms import get_algorithm
         from serve_rft.trainer.algorithms.advantages import RunningBaseline
+        from serve_rft.trainer.policy.entropy_control import EntropyControl
         from serve_rft.trainer.policy.finite import GradNormGuard
         from serve_rft.trainer.publishing.state import load_state
 
@@ -93,6 +94,8 @@ class PolicyTrainer:
         self.baseline = RunningBaseline(self.cfg.baseline_momentum)  # its spread (var) restarts with
         # the process: a trainer state saves the baseline's value only
         self.spikes = GradNormGuard(self.cfg.grad_norm_spike, self.cfg.grad_norm_window)
+        self.entropy_control = EntropyControl(self.cfg.entropy_coef, self.cfg.entropy_target,
+                                              self.cfg.entropy_coef_delta)
         self.resumed = None
         if resume is not None:
             self.resumed = load_state(resume, self.optimizer, self.scheduler, self.model, rank, world)
@@ -290,6 +293,8 @@ class PolicyTrainer:
         Returns:
             loss, reward / advantage / ratio / clip / entropy / KL statistics (the unsplit
             batch's, `serve_rft.trainer.policy.micro_batches.accumulate`), the learning rate,
+            ``entropy_coef`` (the entropy bonus's coefficient the step applied,
+            `serve_rft.trainer.policy.entropy_control.EntropyControl`),
             ``max_abs_logprob_diff`` (trainer vs behaviour logprobs), ``micro_batches`` (the
             number of parts), ``zero_variance_filtered`` (experiences left out of the loss by
             ``trainer.filter_zero_variance``; ``batch_size``, ``tokens`` and ``reward_mean``
@@ -330,12 +335,13 @@ class PolicyTrainer:
         parts = partition([len(e.prompt_token_ids) + len(e.response_token_ids) for e in exps],
                           c.micro_batch_size, c.micro_batch_tokens)
         self.optimizer.zero_grad(set_to_none=True)
+        bonus = self.entropy_control.coef()  # one coefficient for every micro-batch and rank
         totals: dict[str, float] = {}
         for part, counts in my_parts(parts, self.rank, self.world):  # all parts when world == 1
             idx = torch.tensor(part, dtype=torch.long, device=self.device)
             loss, stats, tokens = self._micro_step([exps[i] for i in part], adv[idx], [rewards[i] for i in part],
                                                    tlz[idx] if tlz is not None else None, n_tokens, n_seqs,
-                                                   held_version, version_lags)
+                                                   held_version, version_lags, bonus)
             if not counts:  # a filler: the same collectives as the other ranks, no gradient
                 (loss * 0.0).backward()
                 continue
@@ -357,7 +363,8 @@ class PolicyTrainer:
         self.optimizer.step()
         self.scheduler.step()
         self.check_finite()
-        totals.update(grad_norm=float(grad_norm), lr=lr, reward_mean=sum(all_rewards) / len(all_rewards),
+        self.entropy_control.update(totals.get("entropy", math.nan))
+        totals.update(grad_norm=float(grad_norm), lr=lr, entropy_coef=bonus, reward_mean=sum(all_rewards) / len(all_rewards),
                       adv_abs_mean=float(adv.abs().mean()), groups=made.groups,
                       zero_variance_groups=made.zero_variance_groups, zero_variance_filtered=filtered,
                       batch_size=len(batch), tokens=all_tokens,
@@ -385,10 +392,10 @@ class PolicyTrainer:
         return bf16_autocast(self.device.type, enabled=self.bf16, recast=self.recast_bf16)
 
     def _micro_step(self, exps, adv, rewards, tlz, n_tokens: float, n_seqs: float, held_version: int | None = None,
-                    version_lags: dict[int, int] | None = None):
+                    version_lags: dict[int, int] | None = None, entropy_coef: float | None = None):
         """Loss of one micro-batch of this policy (`serve_rft.trainer.policy.objective.micro_batch_loss`)."""
         from serve_rft.trainer.policy.objective import micro_batch_loss
 
         return micro_batch_loss(self.cfg, self.algorithm, self.model, self.ref_model, self.pad_id, self._autocast, exps, adv,
                                 rewards, tlz, n_tokens, n_seqs, held_version,
-                                version_lags)
+                                version_lags, entropy_coef)

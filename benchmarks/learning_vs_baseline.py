@@ -15,8 +15,9 @@ the earlier code's too (for example the trainer held behind the traffic:
 Reported per run: the reward curve (30 s buckets) with the share of distinct answers among each
 request's ``n`` (1: all differ; 1/n: all alike, a collapsed policy), the final reward (the last
 two buckets), the last bucket's reward, the mean of the buckets' rewards (the area under the
-curve), the first bucket at 0.8 or more, the trainer's entropy at its last step seen (this code
-reports it), requests and failures; per side, the means over seeds.
+curve), the first bucket at 0.8 or more, the trainer's entropy at its last step seen and per
+30 s bucket the mean entropy and entropy-bonus coefficient of the steps seen (this code reports
+them), requests and failures; per side, the means over seeds.
 
     git worktree add ../baseline <earlier commit> && ln -s "$PWD/.venv" ../baseline/.venv
     .venv/bin/python benchmarks/learning_vs_baseline.py --baseline ../baseline --seeds 0 1 2 \\
@@ -84,6 +85,12 @@ def run(side: str, root: Path, sets: list[str], seed: int, duration: float, user
         finally:
             _stop(proc)
     entropies = [s["entropy"] for s in rep.get("steps_seen", []) if "entropy" in s]
+    by_bucket: dict[int, list[dict]] = {}
+    for s in rep.get("steps_seen", []):
+        by_bucket.setdefault(int(s["t_s"] // 30) * 30, []).append(s)
+    entropy_curve = [{"t_s": t, **{k: round(statistics.fmean(v), 4) for k in ("entropy", "entropy_coef")
+                                   if (v := [s[k] for s in steps if s.get(k) is not None])}}
+                     for t, steps in sorted(by_bucket.items())]
     curve = rep["reward_curve"]
     tail = [c["distinct_share"] for c in curve[-2:] if c.get("distinct_share") is not None]
     rewards = [c["mean_reward"] for c in curve if c.get("mean_reward") is not None]
@@ -94,6 +101,7 @@ def run(side: str, root: Path, sets: list[str], seed: int, duration: float, user
             "start_reward": rep["reward_curve"][0]["mean_reward"], "reward_curve": rep["reward_curve"],
             "final_distinct_share": round(statistics.fmean(tail), 4) if tail else None,
             "policy_version": rep["policy_version"], "entropy_last": entropies[-1] if entropies else None,
+            "entropy_curve": entropy_curve,
             "requests_ok": rep["requests"]["ok"], "requests_failed": rep["requests"]["failed"]}
 
 

@@ -185,7 +185,7 @@ class PolicyTrainer:
         (``synchronizer.canary.on_reject=reset`` after a rolled-back candidate): full fine-tuning
         loads the version's tensors (CHECKPOINT folder, MEMORY buckets, or the initial model
         directory), adapter-only LoRA its adapter (the initial weights: a zero adapter). AdamW's
-        moments are cleared; the LR schedule and the step count go on.
+        moments are cleared; the LR schedule, the step count and the entropy control go on.
 
         Returns:
             The largest |difference| between the probe logprobs of the weights now held and the
@@ -302,7 +302,7 @@ class PolicyTrainer:
             would apply a non-finite update is skipped
             (`serve_rft.trainer.policy.finite.skip_reason`; with ``grad_norm_spike`` also a
             gradient-norm spike, `serve_rft.trainer.policy.finite.GradNormGuard`: weights, AdamW
-            state, LR schedule and running baseline unchanged): then only ``skipped`` (why), ``loss``, ``grad_norm``,
+            state, LR schedule, running baseline and entropy control unchanged): then only ``skipped`` (why), ``loss``, ``grad_norm``,
             ``batch_size`` and seconds.
         Raises:
             NonFiniteState: the update left a weight or AdamW state non-finite (the process

@@ -3,8 +3,9 @@
 ``ray.init(address="local")`` starts the GCS and a raylet, then waits a fixed 30 s for the raylet
 to register with the GCS and raises a plain ``Exception`` ("The current node timed out during
 startup ...") past it (ray/_private/node.py, ``Node.__init__``; Ray 2.60). On two cores busy
-with another stack's start it has run out (in the test suite) while the raylet was only slow. The start is tried again, a bounded number of times, after the processes the failed
-one left are ended by their pids; any other error propagates at once.
+with another stack's start it has run out (in the test suite) while the raylet was only slow.
+The start is tried again, a bounded number of times, after the processes the failed one left
+are ended by their pids; any other error propagates at once.
 """
 
 from __future__ import annotations

@@ -35,7 +35,9 @@ def micro_batch_loss(cfg: TrainerConfig, algorithm, model, ref_model, pad_id: in
         held_version: the version whose weights the trainer holds, or None (`token_stats`).
         version_lags: ``{version: sync cycles behind}`` (`token_stats`), or None.
         entropy_coef: the entropy bonus's coefficient for this step
-            (`serve_rft.trainer.policy.entropy_control.EntropyControl.coef`); None: ``cfg.entropy_coef``.
+            (`serve_rft.trainer.policy.entropy_control.EntropyControl.coef`, which `PolicyTrainer.step`
+            passes); None: ``cfg.entropy_coef``, the fixed coefficient (with ``cfg.entropy_target``
+            set, only the adaptive one's bound).
     Returns:
         (scalar loss with grad, statistics of this micro-batch, its response token count).
     """

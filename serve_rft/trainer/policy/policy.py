@@ -302,8 +302,8 @@ class PolicyTrainer:
             would apply a non-finite update is skipped
             (`serve_rft.trainer.policy.finite.skip_reason`; with ``grad_norm_spike`` also a
             gradient-norm spike, `serve_rft.trainer.policy.finite.GradNormGuard`: weights, AdamW
-            state, LR schedule, running baseline and entropy control unchanged): then only ``skipped`` (why), ``loss``, ``grad_norm``,
-            ``batch_size`` and seconds.
+            state, LR schedule, running baseline and entropy control unchanged): then only
+            ``skipped`` (why), ``loss``, ``grad_norm``, ``batch_size`` and seconds.
         Raises:
             NonFiniteState: the update left a weight or AdamW state non-finite (the process
                 must not go on from them).
@@ -364,7 +364,8 @@ class PolicyTrainer:
         self.scheduler.step()
         self.check_finite()
         self.entropy_control.update(totals.get("entropy", math.nan))
-        totals.update(grad_norm=float(grad_norm), lr=lr, entropy_coef=bonus, reward_mean=sum(all_rewards) / len(all_rewards),
+        totals.update(grad_norm=float(grad_norm), lr=lr, entropy_coef=bonus,
+                      reward_mean=sum(all_rewards) / len(all_rewards),
                       adv_abs_mean=float(adv.abs().mean()), groups=made.groups,
                       zero_variance_groups=made.zero_variance_groups, zero_variance_filtered=filtered,
                       batch_size=len(batch), tokens=all_tokens,

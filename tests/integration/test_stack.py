@@ -305,6 +305,10 @@ def test_the_responses_api_is_served_logged_token_exact_and_rewarded_by_its_id(s
     for field, value in (("previous_response_id", resp.id), ("background", True)):
         r = httpx.post(f"{u}/v1/responses", json={"model": "serve-rft", "input": "hi", field: value})
         assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+    # a schemathesis case: an earlier assistant turn with no content (vLLM's reader raised IndexError)
+    turn = {"type": "message", "id": "", "role": "assistant", "status": "completed", "content": []}
+    r = httpx.post(f"{u}/v1/responses", json={"model": "serve-rft", "input": [turn]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "input.0.content", r.text
 
 
 def test_bad_input_gets_openai_errors(stack):

@@ -253,3 +253,31 @@ def test_responses_fields_of_the_wrong_type_unknown_or_too_large_are_a_400(body,
 
 def test_neutral_values_of_refused_responses_fields_are_served():
     parse_request({**RESPONSES, "background": False, "previous_response_id": None, "top_k": -1}, "responses", max_n=16)
+
+
+OUTPUT_MESSAGE = {"type": "message", "id": "msg_1", "role": "assistant", "status": "completed"}
+
+
+@pytest.mark.parametrize("content", [
+    [],  # the schemathesis case CI found: vLLM's reader raised IndexError (a 500)
+    [{"type": "refusal", "refusal": "no"}],  # AttributeError there: a refusal has no text
+])
+def test_an_output_message_vllm_cannot_read_is_a_400_naming_it(content):
+    body = {"input": [{"role": "user", "content": "hi"}, {**OUTPUT_MESSAGE, "content": content}]}
+    with pytest.raises(ApiError) as e:
+        parse_request(body, "responses", max_n=16)
+    assert e.value.status == 400 and e.value.param == "input.1.content", (e.value.param, e.value.message)
+    assert "output_text" in e.value.message
+
+
+def test_an_input_item_vllm_does_not_serve_is_a_400_before_generation():
+    with pytest.raises(ApiError) as e:
+        parse_request({"input": [{"type": "item_reference", "id": "msg_1"}]}, "responses", max_n=16)
+    assert e.value.status == 400 and e.value.param == "input" and "item_reference" in e.value.message
+
+
+def test_an_earlier_assistant_turn_with_text_is_served():
+    text = [{"type": "output_text", "text": "hello", "annotations": []}]
+    req, _ = parse_request({"input": [{"role": "user", "content": "hi"}, {**OUTPUT_MESSAGE, "content": text},
+                                      {"role": "user", "content": "again"}]}, "responses", max_n=16)
+    assert len(req.input) == 3

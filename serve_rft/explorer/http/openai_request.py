@@ -216,7 +216,8 @@ def parse_request(body: Any, kind: str, max_n: int, limits: RequestLimits | None
     Raises:
         ApiError: 400 naming the field: not an object, a wrong type, a refused field
             (`REFUSED`, `RESPONSES_REFUSED`), a field vLLM does not know (`UNKNOWN_WHY`), ``n``
-            too large, a field over its size bound, more than one prompt, or vLLM's own validation.
+            too large, a field over its size bound, more than one prompt, vLLM's own validation,
+            or (responses) an ``input`` vLLM cannot read into messages (`check_responses_input`).
     """
     from vllm.exceptions import VLLMClientError
 
@@ -251,8 +252,43 @@ def parse_request(body: Any, kind: str, max_n: int, limits: RequestLimits | None
         raise ApiError.invalid(e) from None
     except (VLLMClientError, ValueError, TypeError) as e:  # vLLM's own validators raise these directly
         raise ApiError(400, str(e), getattr(e, "parameter", None)) from None
+    if kind == "responses":
+        check_responses_input(req)
     return req, RequestContext(store=ext.store, group_id=ext.group_id, group_size=ext.group_size,
                                conversation_id=ext.conversation_id, metadata=ext.metadata, user=req.user)
+
+
+def check_responses_input(req) -> None:
+    """Refuse a /v1/responses ``input`` that vLLM cannot read into chat messages, before anything
+    is generated. vLLM's reader (``construct_input_messages``, which its renderer calls) takes an
+    assistant output message's first content part's ``text`` unchecked: an output message with no
+    content, or one whose first part is a ``refusal``, raises ``IndexError`` / ``AttributeError``
+    there, which would be a 500. The named cases get a 400 saying what to send; the reader is then
+    run here on the request (it only reads it), so any other input it cannot read is a 400 too.
+
+    Args:
+        req: vLLM's ``ResponsesRequest``, validated.
+    Raises:
+        ApiError: 400, param ``input`` (``input.{i}.content`` for a named case).
+    """
+    from openai.types.responses import ResponseOutputMessage, ResponseOutputText
+    from vllm.entrypoints.openai.responses.utils import construct_input_messages
+    from vllm.exceptions import VLLMClientError
+
+    items = req.input if isinstance(req.input, list) else []
+    for i, item in enumerate(items):
+        if isinstance(item, ResponseOutputMessage) and (
+                not item.content or not isinstance(item.content[0], ResponseOutputText)):
+            raise ApiError(400, f"input[{i}] is an assistant output message whose first content part is "
+                           "not output_text: send its text as an output_text part first",
+                           f"input.{i}.content")
+    try:
+        construct_input_messages(request_instructions=req.instructions, request_input=req.input)
+    except VLLMClientError as e:  # what vLLM's reader refuses itself (an unsupported item type)
+        raise ApiError(400, str(e), getattr(e, "parameter", None) or "input") from None
+    except (LookupError, AttributeError, TypeError, ValueError) as e:
+        raise ApiError(400, f"input cannot be read as chat messages ({type(e).__name__}: {e})",
+                       "input") from None
 
 
 KIND_NAMES = {"chat": "chat completions", "completion": "text completions", "responses": "responses"}

@@ -1,7 +1,7 @@
 """schemathesis's bodies for the inference routes, read as the routes read them (`parse_json`,
-then `parse_request`) with no engine:
-whatever a client sends, the request is parsed or refused with an `ApiError` (a 4xx), never
-another exception (a 500). The bodies come from the committed OpenAPI document
+then `parse_request`) with no engine: whatever a client sends, the request is parsed or refused
+with an `ApiError` (a 4xx), never another exception (a 500), and a /v1/responses input that is
+parsed can be read by vLLM's renderer. The bodies come from the committed OpenAPI document
 (``docs/reference/openapi.json``, what the app serves: `test_docs`), valid and invalid ones.
 Randomized (`tests.support.fuzz`: ``SERVE_RFT_FUZZ_SEED``, printed)."""
 
